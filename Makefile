@@ -1,0 +1,44 @@
+# task-locks: `make demo` shows it working, `make test` proves it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: help install servers lint test chaos demo bench clean
+
+help:
+	@echo "make demo   - run the example project's main job on the embedded default (no server needed)"
+	@echo "make test   - install what the tests need, start their servers, run lint + the suite"
+	@echo "make chaos  - the long fault-injection suite, with its report"
+	@echo "make bench  - benchmarks against the peers (bench/results.md, bench/results.png)"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[all,test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+servers:
+	bash scripts/install-servers.sh
+
+lint: install
+	$(VENV)/bin/ruff check task_locks django_app tests bench example_project
+	$(VENV)/bin/mypy
+
+test: install servers lint
+	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+chaos: install servers
+	$(PY) -m pytest -p no:cacheprovider tests/chaos -m chaos --chaos-long $(PYTEST_ARGS)
+
+demo: install
+	$(PY) example_project/demo.py
+
+bench: install servers
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) tests/artifacts bench/.peers

@@ -1,0 +1,48 @@
+"""task-locks: named distributed locks that stay correct when holders crash or pause.
+
+Every lock has a TTL, a unique token, a fencing token, renewal tied to the holder's life
+and token-checked release. See ``README.md`` for the guarantees each backend gives.
+"""
+
+from .backends import close_all, get_backend, register_backend
+from .backends.base import Backend
+from .config import configure
+from .errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    LockError,
+    LockHeld,
+    LockLost,
+    MissingCapability,
+    NotOwned,
+    StaleFence,
+)
+from .lock import AsyncLease, AsyncLock, Lease, Lock
+from .owner import current_owner, owner_context
+from .types import Holder, Owner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncLease",
+    "AsyncLock",
+    "Backend",
+    "BackendUnavailable",
+    "Holder",
+    "InvalidArgument",
+    "Lease",
+    "Lock",
+    "LockError",
+    "LockHeld",
+    "LockLost",
+    "MissingCapability",
+    "NotOwned",
+    "Owner",
+    "StaleFence",
+    "close_all",
+    "configure",
+    "current_owner",
+    "get_backend",
+    "owner_context",
+    "register_backend",
+]

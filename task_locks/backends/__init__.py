@@ -1,0 +1,98 @@
+"""Backend registry: the URL's scheme picks the backend class.
+
+Built-in schemes are listed below; other packages add schemes through the
+``task_locks.backends`` entry-point group (``scheme = "package.module:Class"``) or by
+calling :func:`register_backend`. Classes are imported only when a URL asks for them, so
+``etcd3gw`` or Django are needed only by those who use them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from importlib.metadata import entry_points
+from urllib.parse import urlsplit
+
+from ..errors import InvalidArgument
+from .base import CAPABILITIES, Backend, redact_url
+
+_BUILTIN: dict[str, str] = {
+    "redis": "task_locks.backends.redis:RedisBackend",
+    "rediss": "task_locks.backends.redis:RedisBackend",
+    "unix": "task_locks.backends.redis:RedisBackend",
+    "redis+sentinel": "task_locks.backends.redis:RedisBackend",
+    "redis+cluster": "task_locks.backends.redis:RedisBackend",
+    "redlock": "task_locks.backends.redlock:RedlockBackend",
+    "etcd": "task_locks.backends.etcd:EtcdBackend",
+    "django": "django_app.backend:DjangoBackend",
+    "memory": "task_locks.backends.memory:MemoryBackend",
+}
+_registry: dict[str, str | type[Backend]] = dict(_BUILTIN)
+_instances: dict[str, Backend] = {}
+_lock = threading.Lock()
+
+
+def register_backend(scheme: str, target: str | type[Backend]) -> None:
+    """Serve ``scheme://`` URLs with ``target`` (a class or ``"module:Class"``)."""
+    _registry[scheme.lower()] = target
+
+
+def _load(scheme: str) -> type[Backend]:
+    target = _registry.get(scheme)
+    if target is None:
+        for ep in entry_points(group="task_locks.backends"):
+            _registry.setdefault(ep.name.lower(), ep.value)
+        target = _registry.get(scheme)
+    if target is None:
+        known = ", ".join(f"{s}://" for s in sorted(_registry))
+        raise InvalidArgument(f"unknown lock backend scheme {scheme + '://'!r}; known: {known}")
+    if isinstance(target, str):
+        module_name, _, class_name = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise InvalidArgument(
+                f"the {scheme}:// backend needs {module_name!r}, which failed to import: {exc}"
+                " (install task-locks with the matching extra, e.g. task-locks[etcd])"
+            ) from exc
+        target = getattr(module, class_name)
+        _registry[scheme] = target
+    return target
+
+
+def get_backend(url: str) -> Backend:
+    """The backend for ``url``; one shared instance per URL in each process."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidArgument(f"a backend URL must be a non-empty string, got {url!r}")
+    url = url.strip()
+    backend = _instances.get(url)
+    if backend is not None:
+        return backend
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise InvalidArgument(f"malformed backend URL {redact_url(url)!r}: {exc}") from exc
+    if not scheme or "://" not in url:
+        raise InvalidArgument(
+            f"malformed backend URL {redact_url(url)!r}: expected scheme://..., "
+            "e.g. redis://127.0.0.1:6379/0"
+        )
+    cls = _load(scheme)
+    with _lock:
+        backend = _instances.get(url)
+        if backend is None:
+            backend = cls(url)
+            _instances[url] = backend
+    return backend
+
+
+def close_all() -> None:
+    """Close and forget every cached backend (tests, shutdown)."""
+    with _lock:
+        backends = list(_instances.values())
+        _instances.clear()
+    for backend in backends:
+        backend.close()
+
+
+__all__ = ["CAPABILITIES", "Backend", "close_all", "get_backend", "register_backend"]

@@ -1,0 +1,127 @@
+"""What a lock backend must implement, said once.
+
+A backend is a thin translator between the lock protocol and one lock service. It does
+the I/O and nothing else: deadlines, retries, waking, renewal scheduling and the public
+API live in :mod:`task_locks.lock` and are shared by every backend.
+
+Each operation is atomic and token-checked on the server (one Lua script, one etcd
+transaction, one SQL statement). Sync methods are required; the ``a``-prefixed async
+methods default to running the sync one in a worker thread, and backends whose client
+speaks asyncio natively override them.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+from ..types import AcquireResult, Holder, Owner, RenewItem
+
+#: Capabilities a backend may declare; ``Lock(..., require={...})`` checks them.
+#: - ``fencing``: fences strictly increase per name, even across a server restart.
+#: - ``consensus``: mutual exclusion survives the failure of a minority of servers.
+#: - ``multiprocess``: more than one process can share the lock.
+#: - ``wakeup``: waiters are woken by the release, not only by polling.
+#: - ``holders``: the live holders can be listed and force-released.
+CAPABILITIES = frozenset({"fencing", "consensus", "multiprocess", "wakeup", "holders"})
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, fit for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+class Backend(abc.ABC):
+    """The contract between :class:`~task_locks.Lock` and a lock service."""
+
+    #: URL schemes this class serves (the registry maps them here).
+    schemes: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.server = redact_url(url)
+
+    # -- required ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        """Take ``name`` for ``token`` if free (or already ours); never wait."""
+
+    @abc.abstractmethod
+    def renew(self, name: str, token: str, ttl_ms: int) -> bool:
+        """Extend the TTL if the token is still ours; ``False`` means the lease is lost."""
+
+    @abc.abstractmethod
+    def release(self, name: str, token: str) -> bool:
+        """Delete the lock if the token is ours and wake a waiter; ``False`` if not ours."""
+
+    @abc.abstractmethod
+    def holders(self, prefix: str = "") -> list[Holder]:
+        """The live locks whose name starts with ``prefix``."""
+
+    @abc.abstractmethod
+    def force_release(self, name: str) -> bool:
+        """Operator override: delete the lock whoever holds it. ``True`` if one was held."""
+
+    # -- optional, with a correct default ------------------------------------------
+
+    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+        """Renew a batch; backends override this to use one round trip."""
+        return [self.renew(i.name, i.token, i.ttl_ms) for i in items]
+
+    def wait(self, name: str, timeout: float) -> None:
+        """Block until ``name`` is probably released, or ``timeout`` seconds pass.
+
+        A spurious early return is fine (the caller retries the acquire); sleeping past
+        a release is what costs. The default just sleeps a short, growing interval.
+        """
+        import time
+
+        time.sleep(min(timeout, 0.05))
+
+    def holder(self, name: str) -> Holder | None:
+        """The holder of exactly ``name``, if any."""
+        return next((h for h in self.holders(name) if h.name == name), None)
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to close by default
+        """Release client resources (connections, threads)."""
+
+    # -- asyncio: the shared adapter -----------------------------------------------
+
+    async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return await asyncio.to_thread(self.acquire, name, token, ttl_ms, owner)
+
+    async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
+        return await asyncio.to_thread(self.renew, name, token, ttl_ms)
+
+    async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+        return await asyncio.to_thread(self.renew_many, items)
+
+    async def arelease(self, name: str, token: str) -> bool:
+        return await asyncio.to_thread(self.release, name, token)
+
+    async def await_release(self, name: str, timeout: float) -> None:
+        await asyncio.to_thread(self.wait, name, timeout)
+
+    async def aholders(self, prefix: str = "") -> list[Holder]:
+        return await asyncio.to_thread(self.holders, prefix)
+
+    async def aforce_release(self, name: str) -> bool:
+        return await asyncio.to_thread(self.force_release, name)
+
+    # -------------------------------------------------------------------------------
+
+    def missing(self, required: Iterable[str]) -> set[str]:
+        return set(required) - set(self.capabilities)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.server}>"

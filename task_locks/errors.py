@@ -1,0 +1,98 @@
+"""The error tree.
+
+Every error the package raises derives from :class:`LockError` and names the lock it is
+about, so a log line or a Celery failure always says *which* lock went wrong. Client
+library errors (redis-py, etcd3gw, database drivers) are translated at the backend
+boundary with ``raise ... from exc``; nothing above the backends sees them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .types import Holder
+
+
+class LockError(Exception):
+    """Root of every task-locks error; ``name`` is the lock concerned (``None`` if none)."""
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class InvalidArgument(LockError, ValueError):
+    """Bad input: an empty name, a ttl <= 0, an unknown URL scheme...
+
+    Also a :class:`ValueError`, so callers that validate input generically catch it.
+    """
+
+
+class LockHeld(LockError):
+    """The lock is held by someone else and the timeout ran out (or was 0)."""
+
+    def __init__(
+        self, message: str, *, name: str | None = None, holder: Holder | None = None
+    ) -> None:
+        super().__init__(message, name=name)
+        self.holder = holder
+
+
+class LockLost(LockError):
+    """The lease expired or was taken over: the holder must stop acting on the resource."""
+
+
+class NotOwned(LockLost):
+    """A release or renew was refused because the lock's token is no longer ours.
+
+    The lock expired and may now belong to someone else; nothing was changed on the
+    server. This is the "release by anyone" mistake being prevented, loudly. It is a
+    :class:`LockLost` too: a token that is not ours means the lease is gone.
+    """
+
+
+class StaleFence(LockError):
+    """A write presented a fencing token older than one the resource already accepted."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        resource: str | None = None,
+        fence: int | None = None,
+        current: int | None = None,
+    ) -> None:
+        super().__init__(message, name=name)
+        self.resource = resource
+        self.fence = fence
+        self.current = current
+
+
+class BackendUnavailable(LockError):
+    """The lock service could not be reached or did not answer in time.
+
+    ``server`` names the backend (URL without credentials). The outcome of the operation
+    is unknown; a lock we might have taken expires by its TTL.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, server: str | None = None) -> None:
+        super().__init__(message, name=name)
+        self.server = server
+
+
+class MissingCapability(LockError):
+    """The backend lacks a capability the caller demanded with ``require=``."""
+
+
+__all__ = [
+    "BackendUnavailable",
+    "InvalidArgument",
+    "LockError",
+    "LockHeld",
+    "LockLost",
+    "MissingCapability",
+    "NotOwned",
+    "StaleFence",
+]

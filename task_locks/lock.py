@@ -1,0 +1,503 @@
+"""``Lock`` / ``AsyncLock`` and the ``Lease`` they hand out.
+
+The acquire loop (token, deadline, waiting for the holder) is written once, as a
+generator that *yields* the I/O it needs (``("acquire", ...)``, ``("wait", ...)``) and
+receives the answers. :func:`_drive` runs it against a backend's sync methods and
+:func:`_adrive` against its async ones, so sync and async share every decision and
+differ only in how they talk to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Collection, Generator
+from types import TracebackType
+from typing import Any, Final
+
+from .backends.base import Backend
+from .config import default_ttl, resolve_backend, validate_ttl
+from .errors import InvalidArgument, LockHeld, LockLost, MissingCapability, NotOwned
+from .owner import current_owner
+from .types import AcquireResult, Holder
+from .watchdog import async_renewer, thread_renewer
+
+log = logging.getLogger("task_locks.lock")
+
+MAX_NAME_LENGTH: Final = 512
+#: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
+UNKNOWN_TTL_POLL: Final = 0.5
+
+
+class _Unset:
+    pass
+
+
+_UNSET: Final = _Unset()
+Op = tuple[Any, ...]
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise InvalidArgument(f"a lock name must be a string, got {type(name).__name__}")
+    if not name.strip():
+        raise InvalidArgument("a lock name must not be empty or blank", name=name)
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(
+            f"a lock name must be at most {MAX_NAME_LENGTH} characters, got {len(name)}",
+            name=name[:40] + "...",
+        )
+    return name
+
+
+def validate_timeout(timeout: object, name: str | None = None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout != timeout:
+        raise InvalidArgument(
+            f"timeout must be seconds (a number) or None, got {timeout!r}", name=name
+        )
+    if timeout < 0:
+        raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}", name=name)
+    return float(timeout)
+
+
+def _held_message(name: str, result: AcquireResult, waited: float | None) -> LockHeld:
+    holder = None
+    if result.holder is not None:
+        expires = None if result.retry_after is None else time.time() + result.retry_after
+        holder = Holder(
+            name, result.holder_fence or 0, result.holder, result.holder_acquired_at, expires
+        )
+    who = holder.describe() if holder else "another holder"
+    after = f" after waiting {waited:.3g}s" if waited else ""
+    return LockHeld(f"lock {name!r} is held by {who}{after}", name=name, holder=holder)
+
+
+_background: set[asyncio.Future[Any]] = set()
+
+
+def _background_done() -> None:
+    for future in [f for f in _background if f.done()]:
+        _background.discard(future)
+
+
+class _LeaseBase:
+    """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
+
+    def __init__(
+        self,
+        name: str,
+        token: str,
+        fence: int,
+        ttl: float,
+        backend: Backend,
+        sent_at: float,
+        *,
+        on_lost: Callable[[Any], object] | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        self.name = name
+        self.token = token
+        self.fence = fence
+        self.ttl = ttl
+        self.backend = backend
+        #: Set when the lease is known lost (expired, taken over, renewal refused).
+        self.lost = threading.Event()
+        self.lost_reason: str | None = None
+        self.acquired_at = time.time()
+        self._acquired_mono = sent_at
+        # The server set the TTL after we sent the request, so this is never late.
+        self._expires_mono = sent_at + ttl
+        self._released = False
+        self._on_lost = on_lost
+        self._hold_deadline = None if max_hold is None else sent_at + max_hold
+        self.renewals = 0
+
+    # -- what users read --------------------------------------------------------
+
+    @property
+    def held(self) -> bool:
+        """Still ours, as far as this process knows (no round trip)."""
+        return (
+            not self._released and not self.lost.is_set() and time.monotonic() < self._expires_mono
+        )
+
+    @property
+    def expires_at(self) -> float:
+        """Epoch seconds by which the lease ends unless renewed (a safe, early estimate)."""
+        return time.time() + (self._expires_mono - time.monotonic())
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self._expires_mono - time.monotonic())
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless the lease is still ours (local knowledge).
+
+        Call it before acting on the protected resource; pass ``fence`` to the resource
+        as well, since a pause can still happen between the check and the write.
+        """
+        if self.lost.is_set():
+            raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
+        if self._released:
+            raise LockLost(f"lock {self.name!r} was already released", name=self.name)
+        if time.monotonic() >= self._expires_mono:
+            self._mark_lost("its TTL ran out before it was renewed")
+            raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
+
+    # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
+
+    def _renewed(self, sent_at: float) -> None:
+        self._expires_mono = sent_at + self.ttl
+        self.renewals += 1
+
+    def _renew_failed(self, now: float, error: BaseException) -> bool:
+        """A renewal could not reach the server: retry (``True``) while time remains."""
+        if now + min(self.ttl / 10, 1.0) >= self._expires_mono:
+            self._mark_lost(f"the backend was unreachable until the TTL ran out ({error})")
+            return False
+        log.info("renewing lock %r failed, will retry: %s", self.name, error)
+        return True
+
+    def _hold_expired(self, now: float) -> bool:
+        if self._hold_deadline is None or now < self._hold_deadline:
+            return False
+        self._mark_lost("max_hold exceeded: renewal stopped and the lock was released")
+        self._release_in_background()
+        return True
+
+    def _release_in_background(self) -> None:
+        try:
+            self.backend.release(self.name, self.token)
+        except Exception as exc:
+            log.warning("releasing lock %r after max_hold failed: %s", self.name, exc)
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.lost.is_set() or self._released:
+            return
+        self.lost_reason = reason
+        self.lost.set()
+        self._unschedule()
+        log.warning("lock %r (fence %s) lost: %s", self.name, self.fence, reason)
+        if self._on_lost is not None:
+            try:
+                outcome = self._on_lost(self)
+                if inspect.isawaitable(outcome):
+                    _background.add(asyncio.ensure_future(outcome))
+                    _background_done()
+            except Exception:
+                log.exception("on_lost callback for lock %r failed", self.name)
+
+    def _unschedule(self) -> None:
+        raise NotImplementedError
+
+    def _begin_release(self) -> bool:
+        """``False`` when there is nothing to send (already released by us)."""
+        if self._released:
+            return False
+        self._unschedule()
+        return True
+
+    def _finish_release(self, ok: bool) -> None:
+        if ok:
+            self._released = True
+            log.debug("released lock %r (fence %s)", self.name, self.fence)
+            return
+        self._mark_lost("the lock's token was gone at release")
+        self._released = True
+        raise NotOwned(
+            f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: it "
+            "expired and may be held by someone else; nothing was released",
+            name=self.name,
+        )
+
+    def _finish_renew(self, ok: bool, sent_at: float) -> None:
+        if ok:
+            self._renewed(sent_at)
+            return
+        self._mark_lost("renewal found the lock's token gone (it expired or was taken)")
+        raise NotOwned(
+            f"lock {self.name!r} could not be renewed: it is no longer ours", name=self.name
+        )
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else ("lost" if self.lost.is_set() else "released")
+        return f"<{type(self).__name__} {self.name!r} fence={self.fence} {state}>"
+
+
+class Lease(_LeaseBase):
+    """Proof of holding a lock, renewed in the background until released."""
+
+    def _unschedule(self) -> None:
+        thread_renewer().remove(self)
+
+    def renew(self) -> None:
+        """Extend the TTL now (the watchdog also does this on its own)."""
+        self.check()
+        sent_at = time.monotonic()
+        self._finish_renew(self.backend.renew(self.name, self.token, int(self.ttl * 1000)), sent_at)
+
+    def release(self) -> None:
+        """Free the lock if it is still ours; raise :class:`NotOwned` if it was lost.
+
+        Calling it again after a successful release does nothing.
+        """
+        if self._begin_release():
+            self._finish_release(self.backend.release(self.name, self.token))
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _exit_release(self, exc[0] is not None)
+
+
+class AsyncLease(_LeaseBase):
+    """The asyncio twin of :class:`Lease`; renewed by a task in its event loop."""
+
+    def _unschedule(self) -> None:
+        try:
+            async_renewer().remove(self)
+        except RuntimeError:  # no running loop (e.g. marked lost from another thread)
+            pass
+
+    async def renew(self) -> None:
+        self.check()
+        sent_at = time.monotonic()
+        ok = await self.backend.arenew(self.name, self.token, int(self.ttl * 1000))
+        self._finish_renew(ok, sent_at)
+
+    async def release(self) -> None:
+        if self._begin_release():
+            self._finish_release(await self.backend.arelease(self.name, self.token))
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.release()
+        except LockLost:
+            if exc[0] is None:
+                raise
+            log.warning("lock %r was lost before the failing block ended", self.name)
+
+
+def _exit_release(lease: Lease, failing: bool) -> None:
+    try:
+        lease.release()
+    except LockLost:
+        if not failing:
+            raise
+        log.warning("lock %r was lost before the failing block ended", lease.name)
+
+
+class _LockBase:
+    """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
+
+    def __init__(
+        self,
+        name: str,
+        ttl: float | None = None,
+        *,
+        backend: str | Backend | None = None,
+        timeout: float | None = None,
+        on_lost: Callable[[Any], object] | None = None,
+        max_hold: float | None = None,
+        renew: bool = True,
+        require: Collection[str] = (),
+    ) -> None:
+        self.name = validate_name(name)
+        self.ttl = validate_ttl(ttl, name=name) if ttl is not None else None
+        self.timeout = validate_timeout(timeout, name)
+        self.max_hold = None if max_hold is None else validate_ttl(max_hold, "max_hold", name=name)
+        self.on_lost = on_lost
+        self.renew = renew
+        self.require = frozenset(require)
+        if isinstance(backend, str):
+            backend = resolve_backend(backend)  # a bad URL fails here, not at acquire
+        self._backend = backend
+        self._leases: dict[object, list[Any]] = {}
+
+    @property
+    def backend(self) -> Backend:
+        backend = resolve_backend(self._backend)
+        missing = backend.missing(self.require)
+        if missing:
+            raise MissingCapability(
+                f"lock {self.name!r} requires {sorted(missing)}, which {backend!r} lacks",
+                name=self.name,
+            )
+        return backend
+
+    @property
+    def effective_ttl(self) -> float:
+        return self.ttl if self.ttl is not None else default_ttl()
+
+    def _timeout(self, timeout: float | _Unset | None) -> float | None:
+        return self.timeout if isinstance(timeout, _Unset) else validate_timeout(timeout, self.name)
+
+    def _plan(
+        self, backend: Backend, timeout: float | None
+    ) -> Generator[Op, Any, tuple[str, int, float]]:
+        """The acquire loop: try, and while held, wait for the release or the holder's TTL."""
+        name, ttl = self.name, self.effective_ttl
+        ttl_ms = max(1, int(ttl * 1000))
+        token = secrets.token_hex(16)
+        owner = current_owner()
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            sent_at = time.monotonic()
+            result: AcquireResult = yield ("acquire", name, token, ttl_ms, owner)
+            if result.fence is not None:
+                log.debug("acquired lock %r (fence %s)", name, result.fence)
+                return token, result.fence, sent_at
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise _held_message(name, result, now - start)
+            pause = UNKNOWN_TTL_POLL if result.retry_after is None else result.retry_after
+            if deadline is not None:
+                pause = min(pause, deadline - now)
+            if pause > 0:
+                yield ("wait", name, pause)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ttl={self.effective_ttl}>"
+
+
+def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value
+        if op[0] == "acquire":
+            answer = backend.acquire(*op[1:])
+        else:
+            backend.wait(*op[1:])
+            answer = None
+
+
+async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value
+        if op[0] == "acquire":
+            answer = await backend.aacquire(*op[1:])
+        else:
+            await backend.await_release(*op[1:])
+            answer = None
+
+
+class Lock(_LockBase):
+    """A named distributed lock. ``acquire()`` returns a :class:`Lease`.
+
+    ``ttl`` (seconds) bounds how long a dead holder keeps the lock; live holders are
+    renewed at ttl/3 by the watchdog. ``timeout`` is the default wait of ``acquire()`` and
+    of ``with``: ``None`` waits as long as it takes, ``0`` tries once.
+    """
+
+    def acquire(self, timeout: float | _Unset | None = _UNSET) -> Lease:
+        """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not."""
+        backend = self.backend
+        token, fence, sent_at = _drive(self._plan(backend, self._timeout(timeout)), backend)
+        lease = Lease(
+            self.name,
+            token,
+            fence,
+            self.effective_ttl,
+            backend,
+            sent_at,
+            on_lost=self.on_lost,
+            max_hold=self.max_hold,
+        )
+        if self.renew:
+            thread_renewer().add(lease)
+        return lease
+
+    def try_acquire(self) -> Lease | None:
+        """One attempt: a :class:`Lease`, or ``None`` if someone else holds the lock."""
+        try:
+            return self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    def holder(self) -> Holder | None:
+        """Who holds the lock now, if anyone (one round trip)."""
+        return self.backend.holder(self.name)
+
+    def __enter__(self) -> Lease:
+        lease = self.acquire()
+        self._leases.setdefault(threading.get_ident(), []).append(lease)
+        return lease
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack = self._leases[threading.get_ident()]
+        lease = stack.pop()
+        if not stack:
+            del self._leases[threading.get_ident()]
+        _exit_release(lease, exc_type is not None)
+
+
+class AsyncLock(_LockBase):
+    """The asyncio twin of :class:`Lock`: same arguments, same semantics."""
+
+    async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncLease:
+        backend = self.backend
+        token, fence, sent_at = await _adrive(self._plan(backend, self._timeout(timeout)), backend)
+        lease = AsyncLease(
+            self.name,
+            token,
+            fence,
+            self.effective_ttl,
+            backend,
+            sent_at,
+            on_lost=self.on_lost,
+            max_hold=self.max_hold,
+        )
+        if self.renew:
+            async_renewer().add(lease)
+        return lease
+
+    async def try_acquire(self) -> AsyncLease | None:
+        try:
+            return await self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    async def holder(self) -> Holder | None:
+        backend = self.backend
+        return next((h for h in await backend.aholders(self.name) if h.name == self.name), None)
+
+    async def __aenter__(self) -> AsyncLease:
+        lease = await self.acquire()
+        self._leases.setdefault(asyncio.current_task(), []).append(lease)
+        return lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        key = asyncio.current_task()
+        stack = self._leases[key]
+        lease = stack.pop()
+        if not stack:
+            del self._leases[key]
+        await lease.__aexit__(exc_type, exc, tb)

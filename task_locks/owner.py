@@ -1,0 +1,43 @@
+"""Owner metadata for the current thread or task.
+
+The Celery and Django layers say what is running with :func:`owner_context`; the core
+reads it with :func:`current_owner` when it acquires. Kept in a ``ContextVar`` so asyncio
+tasks and threads each see their own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import replace
+from typing import Any
+
+from .types import Owner
+
+_context: ContextVar[dict[str, Any] | None] = ContextVar("task_locks_owner", default=None)
+_host = socket.gethostname()
+
+
+@contextmanager
+def owner_context(**fields: Any) -> Iterator[None]:
+    """Describe the running job (``task_id=``, ``task_name=``, ``command=``, ``worker=``)."""
+    unknown = set(fields) - set(Owner.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"owner_context() got unknown fields: {sorted(unknown)}")
+    merged = {**(_context.get() or {}), **fields}
+    token = _context.set(merged)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def current_owner() -> Owner:
+    """The owner to record for an acquire made here and now."""
+    base = Owner(host=_host, pid=os.getpid(), thread=threading.current_thread().name)
+    extra = _context.get()
+    return replace(base, **extra) if extra else base

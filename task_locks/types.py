@@ -1,0 +1,108 @@
+"""Plain data shared by every layer: who holds a lock, and what a backend answered."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who took a lock: enough for an operator to find the process and the job.
+
+    Stored beside the lock on the server so ``holders()``, the admin and ``locks list``
+    can name the holder, and so a Celery worker can release the locks of a child that
+    was killed (``task_id``).
+    """
+
+    host: str = ""
+    pid: int = 0
+    thread: str = ""
+    task_id: str | None = None
+    task_name: str | None = None
+    command: str | None = None
+    worker: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, "")})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes | None) -> Owner:
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return cls(command=str(raw))
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def describe(self) -> str:
+        """One human line: ``task sync_account[abc] on web-1 pid 42``."""
+        parts: list[str] = []
+        if self.task_name or self.task_id:
+            parts.append(f"task {self.task_name or '?'}[{self.task_id or '?'}]")
+        elif self.command:
+            parts.append(f"command {self.command!r}")
+        if self.host:
+            parts.append(f"on {self.host}")
+        if self.pid:
+            parts.append(f"pid {self.pid}")
+        return " ".join(parts) or "unknown holder"
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One live lock as an operator sees it (the token is deliberately not exposed)."""
+
+    name: str
+    fence: int
+    owner: Owner
+    acquired_at: float | None  # epoch seconds, by the server's clock where it has one
+    expires_at: float | None  # epoch seconds, estimated from the remaining TTL
+    renewals: int = 0
+    kind: str = "lock"  # "lock", "election" or "semaphore"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def held_for(self) -> float | None:
+        return None if self.acquired_at is None else max(0.0, time.time() - self.acquired_at)
+
+    @property
+    def expires_in(self) -> float | None:
+        return None if self.expires_at is None else self.expires_at - time.time()
+
+    def describe(self) -> str:
+        held = f", held for {self.held_for:.1f}s" if self.held_for is not None else ""
+        return f"{self.owner.describe()} (fence {self.fence}{held})"
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResult:
+    """A backend's answer to one acquire attempt.
+
+    Either ``fence`` is set (we hold the lock), or ``retry_after`` says how long the
+    current holder's TTL still runs (seconds; ``None`` when unknown) and ``holder`` may
+    name it.
+    """
+
+    fence: int | None
+    retry_after: float | None = None
+    holder: Owner | None = None
+    holder_fence: int | None = None
+    holder_acquired_at: float | None = None
+
+    @property
+    def acquired(self) -> bool:
+        return self.fence is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RenewItem:
+    """One lease in a batched renewal round."""
+
+    name: str
+    token: str
+    ttl_ms: int

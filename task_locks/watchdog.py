@@ -1,0 +1,284 @@
+"""Renewal: one schedule, driven by one thread per process or one task per event loop.
+
+Every live lease is renewed at about a third of its TTL. All leases of a backend that
+are due together go to :meth:`Backend.renew_many` in one call (one pipelined round trip
+on Redis), so 10,000 leases cost one thread and a few round trips per round, not 10,000
+threads. A renewal that finds the token gone marks the lease lost; one that cannot reach
+the server is retried until the lease would have expired, and then the lease is lost.
+Renewal never re-acquires.
+
+The bookkeeping (:class:`Schedule`) has no I/O; :class:`ThreadRenewer` and
+:class:`AsyncRenewer` only differ in how they wait and how they call the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from .types import RenewItem
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+
+log = logging.getLogger("task_locks.watchdog")
+
+#: Leases due within this window are renewed together with the first due one.
+BATCH_WINDOW = 0.25
+#: The thread exits after this long with nothing to renew; the next lease restarts it.
+IDLE_EXIT = 5.0
+
+
+class Renewable(Protocol):
+    """What the schedule needs from a lease (implemented by ``_LeaseBase``)."""
+
+    name: str
+    token: str
+    ttl: float
+    backend: Backend
+
+    def _renewed(self, sent_at: float) -> None: ...
+    def _renew_failed(self, now: float, error: BaseException) -> bool: ...
+    def _mark_lost(self, reason: str) -> None: ...
+    def _hold_expired(self, now: float) -> bool: ...
+
+
+@dataclass(order=True, slots=True)
+class _Entry:
+    due: float
+    seq: int
+    lease: Renewable = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+
+class Schedule:
+    """A heap of leases by next renewal time. Thread-safe; no I/O."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._entries: dict[int, _Entry] = {}
+        self._seq = itertools.count()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, lease: Renewable, due: float) -> bool:
+        """Schedule ``lease``; ``True`` if it is now the earliest (the driver must wake)."""
+        with self.lock:
+            old = self._entries.pop(id(lease), None)
+            if old is not None:
+                old.cancelled = True
+            entry = _Entry(due, next(self._seq), lease)
+            self._entries[id(lease)] = entry
+            heapq.heappush(self._heap, entry)
+            return self._heap[0] is entry
+
+    def remove(self, lease: Renewable) -> None:
+        with self.lock:
+            entry = self._entries.pop(id(lease), None)
+            if entry is not None:
+                entry.cancelled = True
+
+    def next_due(self) -> float | None:
+        with self.lock:
+            while self._heap and self._heap[0].cancelled:
+                heapq.heappop(self._heap)
+            return self._heap[0].due if self._heap else None
+
+    def take_due(self, now: float) -> dict[Backend, list[Renewable]]:
+        """Pop every lease due now (or within the batch window), grouped by backend."""
+        batches: dict[Backend, list[Renewable]] = {}
+        with self.lock:
+            while self._heap:
+                top = self._heap[0]
+                if top.cancelled:
+                    heapq.heappop(self._heap)
+                    continue
+                if top.due - min(BATCH_WINDOW, top.lease.ttl / 10) > now:
+                    break
+                heapq.heappop(self._heap)
+                del self._entries[id(top.lease)]
+                batches.setdefault(top.lease.backend, []).append(top.lease)
+        return batches
+
+    def clear(self) -> None:
+        with self.lock:
+            self._heap.clear()
+            self._entries.clear()
+
+
+def split_batch(leases: list[Renewable], now: float) -> tuple[list[Renewable], list[RenewItem]]:
+    """Drop leases past their ``max_hold`` (marked lost); the rest become renew items."""
+    keep = [lease for lease in leases if not lease._hold_expired(now)]
+    return keep, [RenewItem(x.name, x.token, max(1, int(x.ttl * 1000))) for x in keep]
+
+
+def apply_results(
+    schedule: Schedule,
+    leases: list[Renewable],
+    results: list[bool] | BaseException,
+    sent_at: float,
+) -> None:
+    """Record one batch's answers: reschedule the renewed, mark the lost, retry the rest."""
+    now = time.monotonic()
+    for index, lease in enumerate(leases):
+        outcome = results if isinstance(results, BaseException) else results[index]
+        if outcome is True:
+            lease._renewed(sent_at)
+            schedule.add(lease, sent_at + lease.ttl / 3)
+        elif outcome is False:
+            lease._mark_lost("renewal found the lock's token gone (it expired or was taken)")
+        elif lease._renew_failed(now, outcome):
+            schedule.add(lease, now + min(lease.ttl / 10, 1.0))
+
+
+class ThreadRenewer:
+    """The per-process renewal thread (daemon); started on demand, exits when idle."""
+
+    def __init__(self) -> None:
+        self.schedule = Schedule()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Renewable) -> None:
+        earliest = self.schedule.add(lease, time.monotonic() + lease.ttl / 3)
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="task-locks-renewer", daemon=True
+                )
+                self._thread.start()
+            elif earliest:
+                self._cond.notify()
+
+    def remove(self, lease: Renewable) -> None:
+        self.schedule.remove(lease)
+
+    def _run(self) -> None:
+        idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            due = self.schedule.next_due()
+            if due is None:
+                idle_since = idle_since or now
+                if now - idle_since >= IDLE_EXIT:
+                    with self._cond:
+                        if self.schedule.next_due() is None:
+                            self._thread = None
+                            return
+                with self._cond:
+                    self._cond.wait(IDLE_EXIT)
+                continue
+            idle_since = None
+            if due - BATCH_WINDOW / 5 > now:
+                with self._cond:
+                    self._cond.wait(due - now)
+                continue
+            for backend, leases in self.schedule.take_due(now).items():
+                self._renew(backend, leases)
+
+    def _renew(self, backend: Backend, leases: list[Renewable]) -> None:
+        sent_at = time.monotonic()
+        leases, items = split_batch(leases, sent_at)
+        if not items:
+            return
+        results: list[bool] | BaseException
+        try:
+            results = backend.renew_many(items)
+        except Exception as exc:  # a batch that failed as a whole is retried per lease
+            results = exc
+        apply_results(self.schedule, leases, results, sent_at)
+
+
+class AsyncRenewer:
+    """One renewal task per event loop, for :class:`~task_locks.AsyncLock` leases."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.schedule = Schedule()
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, lease: Renewable) -> None:
+        earliest = self.schedule.add(lease, time.monotonic() + lease.ttl / 3)
+        if self._task is None or self._task.done():
+            self._task = self._loop.create_task(self._run(), name="task-locks-renewer")
+        elif earliest:
+            self._wake.set()
+
+    def remove(self, lease: Renewable) -> None:
+        self.schedule.remove(lease)
+
+    async def _run(self) -> None:
+        while True:
+            due = self.schedule.next_due()
+            if due is None:
+                return
+            now = time.monotonic()
+            if due - BATCH_WINDOW / 5 > now:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), due - now)
+                except TimeoutError:
+                    pass
+                continue
+            for backend, leases in self.schedule.take_due(now).items():
+                sent_at = time.monotonic()
+                leases, items = split_batch(leases, sent_at)
+                if not items:
+                    continue
+                results: list[bool] | BaseException
+                try:
+                    results = await backend.arenew_many(items)
+                except Exception as exc:
+                    results = exc
+                apply_results(self.schedule, leases, results, sent_at)
+
+
+_thread_renewer: ThreadRenewer | None = None
+_async_renewers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRenewer] = (
+    weakref.WeakKeyDictionary()
+)
+_guard = threading.Lock()
+
+
+def thread_renewer() -> ThreadRenewer:
+    global _thread_renewer
+    renewer = _thread_renewer
+    if renewer is None:
+        with _guard:
+            if _thread_renewer is None:
+                _thread_renewer = ThreadRenewer()
+            renewer = _thread_renewer
+    return renewer
+
+
+def async_renewer() -> AsyncRenewer:
+    loop = asyncio.get_running_loop()
+    renewer = _async_renewers.get(loop)
+    if renewer is None:
+        renewer = _async_renewers[loop] = AsyncRenewer(loop)
+    return renewer
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's leases: forget them, never renew them."""
+    global _thread_renewer, _guard
+    _thread_renewer = None
+    _async_renewers.clear()
+    _guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+OnLost = Callable[..., object]
