@@ -65,6 +65,9 @@ class Holder:
     renewals: int = 0
     kind: str = "lock"  # "lock", "election" or "semaphore"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The holder's token, for token-checked clean-up by the same system (a Celery
+    #: worker releasing a killed child's lock); never shown to operators.
+    token: str = field(default="", repr=False)
 
     @property
     def held_for(self) -> float | None:

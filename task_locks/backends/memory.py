@@ -106,6 +106,7 @@ class MemoryBackend(Backend):
                     acquired_at=e.acquired_at,
                     expires_at=wall + (e.deadline - now),
                     renewals=e.renewals,
+                    token=e.token,
                 )
                 for name, e in sorted(self._locks.items())
                 if name.startswith(prefix) and e.deadline > now

@@ -297,6 +297,7 @@ class RedisBackend(Backend):
             acquired_at=int(acquired) / 1000 if acquired else None,
             expires_at=time.time() + pttl / 1000 if pttl >= 0 else None,
             renewals=int(data.get("renewals", 0)),
+            token=data.get("token", ""),
         )
 
     def _match(self, prefix: str) -> str:
