@@ -7,6 +7,7 @@ and token-checked release. See ``README.md`` for the guarantees each backend giv
 from .backends import close_all, get_backend, register_backend
 from .backends.base import Backend
 from .config import configure
+from .election import AsyncElection, Election
 from .errors import (
     BackendUnavailable,
     InvalidArgument,
@@ -19,15 +20,19 @@ from .errors import (
 )
 from .lock import AsyncLease, AsyncLock, Lease, Lock
 from .owner import current_owner, owner_context
+from .semaphore import AsyncSemaphore, Semaphore
 from .types import Holder, Owner
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncElection",
     "AsyncLease",
     "AsyncLock",
+    "AsyncSemaphore",
     "Backend",
     "BackendUnavailable",
+    "Election",
     "Holder",
     "InvalidArgument",
     "Lease",
@@ -38,6 +43,7 @@ __all__ = [
     "MissingCapability",
     "NotOwned",
     "Owner",
+    "Semaphore",
     "StaleFence",
     "close_all",
     "configure",

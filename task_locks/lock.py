@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import secrets
 import threading
 import time
@@ -31,6 +32,8 @@ log = logging.getLogger("task_locks.lock")
 MAX_NAME_LENGTH: Final = 512
 #: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
 UNKNOWN_TTL_POLL: Final = 0.5
+#: Shortest wait between attempts: a TTL reported as "0 ms left" must not spin.
+MIN_PAUSE: Final = 0.001
 
 
 class _Unset:
@@ -81,9 +84,11 @@ def _held_message(name: str, result: AcquireResult, waited: float | None) -> Loc
 _background: set[asyncio.Future[Any]] = set()
 
 
-def _background_done() -> None:
-    for future in [f for f in _background if f.done()]:
-        _background.discard(future)
+def _spawn(awaitable: Any) -> None:
+    """Run ``awaitable`` on the running loop, keeping a reference until it is done."""
+    future = asyncio.ensure_future(awaitable)
+    _background.add(future)
+    future.add_done_callback(_background.discard)
 
 
 class _LeaseBase:
@@ -117,6 +122,8 @@ class _LeaseBase:
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
         self.renewals = 0
+        # A forked child inherits this object but not the lock: see _foreign().
+        self._pid = os.getpid()
 
     # -- what users read --------------------------------------------------------
 
@@ -124,8 +131,15 @@ class _LeaseBase:
     def held(self) -> bool:
         """Still ours, as far as this process knows (no round trip)."""
         return (
-            not self._released and not self.lost.is_set() and time.monotonic() < self._expires_mono
+            not self._released
+            and not self.lost.is_set()
+            and not self._foreign()
+            and time.monotonic() < self._expires_mono
         )
+
+    def _foreign(self) -> bool:
+        """True in a forked child: the parent holds the lock, the child must not act on it."""
+        return os.getpid() != self._pid
 
     @property
     def expires_at(self) -> float:
@@ -146,6 +160,12 @@ class _LeaseBase:
             raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
         if self._released:
             raise LockLost(f"lock {self.name!r} was already released", name=self.name)
+        if self._foreign():
+            raise LockLost(
+                f"lock {self.name!r} is held by process {self._pid}; this forked child "
+                "does not hold it",
+                name=self.name,
+            )
         if time.monotonic() >= self._expires_mono:
             self._mark_lost("its TTL ran out before it was renewed")
             raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
@@ -188,8 +208,7 @@ class _LeaseBase:
             try:
                 outcome = self._on_lost(self)
                 if inspect.isawaitable(outcome):
-                    _background.add(asyncio.ensure_future(outcome))
-                    _background_done()
+                    _spawn(outcome)
             except Exception:
                 log.exception("on_lost callback for lock %r failed", self.name)
 
@@ -197,8 +216,16 @@ class _LeaseBase:
         raise NotImplementedError
 
     def _begin_release(self) -> bool:
-        """``False`` when there is nothing to send (already released by us)."""
+        """``False`` when there is nothing to send (already released, or not ours to send).
+
+        A forked child that unwinds a ``with`` block must not free its parent's lock, so
+        there the release only forgets the lease locally.
+        """
         if self._released:
+            return False
+        if self._foreign():
+            self._released = True
+            log.debug("lock %r belongs to parent process %s; not released", self.name, self._pid)
             return False
         self._unschedule()
         return True
@@ -271,6 +298,16 @@ class AsyncLease(_LeaseBase):
         sent_at = time.monotonic()
         ok = await self.backend.arenew(self.name, self.token, int(self.ttl * 1000))
         self._finish_renew(ok, sent_at)
+
+    def _release_in_background(self) -> None:
+        # Called from the loop's renewal task: release without blocking the loop.
+        async def release() -> None:
+            try:
+                await self.backend.arelease(self.name, self.token)
+            except Exception as exc:
+                log.warning("releasing lock %r after max_hold failed: %s", self.name, exc)
+
+        _spawn(release())
 
     async def release(self) -> None:
         if self._begin_release():
@@ -362,6 +399,7 @@ class _LockBase:
             if deadline is not None and now >= deadline:
                 raise _held_message(name, result, now - start)
             pause = UNKNOWN_TTL_POLL if result.retry_after is None else result.retry_after
+            pause = max(pause, MIN_PAUSE)
             if deadline is not None:
                 pause = min(pause, deadline - now)
             if pause > 0:
@@ -481,8 +519,7 @@ class AsyncLock(_LockBase):
             return None
 
     async def holder(self) -> Holder | None:
-        backend = self.backend
-        return next((h for h in await backend.aholders(self.name) if h.name == self.name), None)
+        return await self.backend.aholder(self.name)
 
     async def __aenter__(self) -> AsyncLease:
         lease = await self.acquire()

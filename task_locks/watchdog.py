@@ -45,6 +45,7 @@ class Renewable(Protocol):
     token: str
     ttl: float
     backend: Backend
+    _hold_deadline: float | None
 
     def _renewed(self, sent_at: float) -> None: ...
     def _renew_failed(self, now: float, error: BaseException) -> bool: ...
@@ -90,6 +91,11 @@ class Schedule:
                 entry.cancelled = True
 
     def next_due(self) -> float | None:
+        """When the earliest lease is due (``None``: nothing scheduled).
+
+        From then on :meth:`take_due` returns at least that lease, so a driver that
+        waits until this time never loops without work.
+        """
         with self.lock:
             while self._heap and self._heap[0].cancelled:
                 heapq.heappop(self._heap)
@@ -104,7 +110,7 @@ class Schedule:
                 if top.cancelled:
                     heapq.heappop(self._heap)
                     continue
-                if top.due - min(BATCH_WINDOW, top.lease.ttl / 10) > now:
+                if _ready_at(top) > now:
                     break
                 heapq.heappop(self._heap)
                 del self._entries[id(top.lease)]
@@ -115,6 +121,22 @@ class Schedule:
         with self.lock:
             self._heap.clear()
             self._entries.clear()
+
+
+def _ready_at(entry: _Entry) -> float:
+    # Leases due a little later ride along with an earlier batch (renewed a bit early);
+    # a max_hold deadline is kept to the letter (taken early, it would be renewed again).
+    hold = entry.lease._hold_deadline
+    if hold is not None and entry.due >= hold:
+        return entry.due
+    return entry.due - min(BATCH_WINDOW, entry.lease.ttl / 10)
+
+
+def next_renewal(lease: Renewable, base: float) -> float:
+    """When to look at ``lease`` next: a third of its TTL on, or its ``max_hold`` if sooner."""
+    due = base + lease.ttl / 3
+    hold = lease._hold_deadline
+    return due if hold is None else min(due, hold)
 
 
 def split_batch(leases: list[Renewable], now: float) -> tuple[list[Renewable], list[RenewItem]]:
@@ -135,7 +157,7 @@ def apply_results(
         outcome = results if isinstance(results, BaseException) else results[index]
         if outcome is True:
             lease._renewed(sent_at)
-            schedule.add(lease, sent_at + lease.ttl / 3)
+            schedule.add(lease, next_renewal(lease, sent_at))
         elif outcome is False:
             lease._mark_lost("renewal found the lock's token gone (it expired or was taken)")
         elif lease._renew_failed(now, outcome):
@@ -151,7 +173,7 @@ class ThreadRenewer:
         self._thread: threading.Thread | None = None
 
     def add(self, lease: Renewable) -> None:
-        earliest = self.schedule.add(lease, time.monotonic() + lease.ttl / 3)
+        earliest = self.schedule.add(lease, next_renewal(lease, time.monotonic()))
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -180,7 +202,7 @@ class ThreadRenewer:
                     self._cond.wait(IDLE_EXIT)
                 continue
             idle_since = None
-            if due - BATCH_WINDOW / 5 > now:
+            if due > now:
                 with self._cond:
                     self._cond.wait(due - now)
                 continue
@@ -208,9 +230,10 @@ class AsyncRenewer:
         self._loop = loop
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._pid = os.getpid()
 
     def add(self, lease: Renewable) -> None:
-        earliest = self.schedule.add(lease, time.monotonic() + lease.ttl / 3)
+        earliest = self.schedule.add(lease, next_renewal(lease, time.monotonic()))
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(self._run(), name="task-locks-renewer")
         elif earliest:
@@ -222,10 +245,10 @@ class AsyncRenewer:
     async def _run(self) -> None:
         while True:
             due = self.schedule.next_due()
-            if due is None:
+            if due is None or os.getpid() != self._pid:  # idle, or a forked child's copy
                 return
             now = time.monotonic()
-            if due - BATCH_WINDOW / 5 > now:
+            if due > now:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), due - now)
@@ -272,9 +295,16 @@ def async_renewer() -> AsyncRenewer:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child holds none of its parent's leases: forget them, never renew them."""
+    """A forked child holds none of its parent's leases: forget them, never renew them.
+
+    The parent's renewal thread does not exist in the child. A renewal task does (when
+    the fork happened inside a running event loop), so its schedule is emptied and the
+    task stops at its next wake-up (it also checks the pid).
+    """
     global _thread_renewer, _guard
     _thread_renewer = None
+    for renewer in list(_async_renewers.values()):
+        renewer.schedule = Schedule()  # a fresh one: the old lock may be held by a dead thread
     _async_renewers.clear()
     _guard = threading.Lock()
 

@@ -161,3 +161,276 @@ class RedisServer(ServerProcess):
     def url(self, db: int = 0, **options: object) -> str:
         query = "&".join(f"{k}={v}" for k, v in options.items())
         return f"redis://127.0.0.1:{self.port}/{db}" + (f"?{query}" if query else "")
+
+
+class RedisMasters:
+    """N independent Redis masters (no replication between them), for ``redlock://``."""
+
+    def __init__(self, count: int = 3) -> None:
+        self.servers = [RedisServer() for _ in range(count)]
+
+    def start(self) -> RedisMasters:
+        for server in self.servers:
+            server.start()
+        return self
+
+    def __getitem__(self, index: int) -> RedisServer:
+        return self.servers[index]
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def url(self, **options: object) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"redlock://{hosts}" + (f"?{query}" if query else "")
+
+    def flushall(self) -> None:
+        import redis
+
+        for server in self.servers:
+            if server.proc is not None and server.proc.poll() is None and not server.paused:
+                redis.Redis(port=server.port).flushall()
+
+    def cleanup(self) -> None:
+        for server in self.servers:
+            server.cleanup()
+
+
+class EtcdServer(ServerProcess):
+    """One etcd member (Debian ``etcd-server``, v3.4). Alone, or one of an :class:`EtcdCluster`.
+
+    Heartbeat 50 ms / election 500 ms: fast elections on loopback, and a minimum lease
+    TTL of 1 s (etcd's floor is 1.5 election timeouts, rounded up to whole seconds).
+    """
+
+    name = "etcd"
+    binary = shutil.which("etcd") or "etcd"
+
+    def __init__(self, member: str = "n0", port: int | None = None, peer_port: int | None = None):
+        super().__init__(port)
+        self.member = member
+        self.peer_port = peer_port or free_port()
+        self.initial_cluster = f"{member}=http://127.0.0.1:{self.peer_port}"
+        self.initial_state = "new"
+        self.cluster_token = f"task-locks-{self.dir.name}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "--name",
+            self.member,
+            "--data-dir",
+            str(self.dir / "data"),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--initial-cluster-state",
+            self.initial_state,
+            "--initial-cluster-token",
+            self.cluster_token,
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--log-level",
+            "warn",
+        ]
+
+    def healthy(self) -> bool:
+        """The member answers and sees a leader (``/health`` needs one)."""
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.client_url + "/health", timeout=0.5) as answer:
+                return json.loads(answer.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def status(self) -> dict[str, object] | None:
+        """``/v3/maintenance/status``: member id, leader id, raft term; ``None`` if down."""
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(
+            self.client_url + "/v3/maintenance/status",
+            data=b"{}",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=0.5) as answer:
+                return json.loads(answer.read())
+        except (OSError, ValueError):
+            return None
+
+    def ready(self) -> bool:
+        return self.healthy() if self.initial_cluster.count("=") == 1 else port_open(self.port)
+
+    def url(self, **options: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"etcd://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+
+
+class EtcdCluster:
+    """Three (or N) etcd members on loopback ports forming one Raft cluster."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.members = [EtcdServer(f"n{i}") for i in range(size)]
+        initial = ",".join(f"{m.member}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+            member.cluster_token = self.members[0].cluster_token
+
+    def start(self, timeout: float = 20.0) -> EtcdCluster:
+        for member in self.members:
+            member.start(timeout)
+        wait_until(
+            lambda: all(m.healthy() for m in self.members), timeout, "the etcd cluster to elect"
+        )
+        return self
+
+    def __getitem__(self, index: int) -> EtcdServer:
+        return self.members[index]
+
+    def __iter__(self):
+        return iter(self.members)
+
+    def url(self, **options: object) -> str:
+        hosts = ",".join(f"127.0.0.1:{m.port}" for m in self.members)
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"etcd://{hosts}" + (f"?{query}" if query else "")
+
+    def leader(self, timeout: float = 10.0) -> EtcdServer:
+        """The member that is the Raft leader now (as the live members agree)."""
+
+        def find() -> EtcdServer | None:
+            for member in self.members:
+                if member.proc is None or member.proc.poll() is not None:
+                    continue
+                status = member.status()
+                if status and status.get("leader") == status.get("header", {}).get("member_id"):  # type: ignore[union-attr]
+                    return member
+            return None
+
+        return wait_until(find, timeout, "an etcd leader")
+
+    def cleanup(self) -> None:
+        for member in self.members:
+            member.cleanup()
+
+
+class RedisClusterNodes:
+    """N ``redis-server`` nodes in cluster mode, all primaries, slots split by redis-cli.
+
+    Each node gets an explicit cluster bus port (``--cluster-port``), so any free port
+    works (the default bus port, port + 10000, needs ports <= 55535).
+    """
+
+    def __init__(self, size: int = 3) -> None:
+        self.nodes = [
+            RedisServer(
+                extra=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",
+                    str(free_port()),
+                    "--cluster-node-timeout",
+                    "2000",
+                ]
+            )
+            for _ in range(size)
+        ]
+
+    def start(self, timeout: float = 30.0) -> RedisClusterNodes:
+        import redis
+
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        cli = shutil.which("redis-cli") or "redis-cli"
+        done = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout}{done.stderr}")
+
+        def agreed() -> bool:
+            return all(
+                redis.Redis(port=n.port).cluster("info").get("cluster_state") == "ok"
+                for n in self.nodes
+            )
+
+        wait_until(agreed, timeout, "the Redis cluster to report cluster_state:ok")
+        return self
+
+    def url(self, **options: object) -> str:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"redis+cluster://{hosts}" + (f"?{query}" if query else "")
+
+    def flushall(self) -> None:
+        import redis
+
+        for node in self.nodes:
+            redis.Redis(port=node.port).flushall()
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+
+class RedisSentinel(ServerProcess):
+    """One Sentinel watching ``master`` under ``service`` (quorum 1)."""
+
+    name = "sentinel"
+    binary = shutil.which("redis-sentinel") or "redis-sentinel"
+
+    def __init__(self, master: RedisServer, service: str = "mymaster", port: int | None = None):
+        super().__init__(port)
+        self.master = master
+        self.service = service
+
+    def command(self) -> list[str]:
+        config = self.dir / "sentinel.conf"  # Sentinel rewrites its config: a private copy
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+        )
+        return [self.binary, str(config)]
+
+    def ready(self) -> bool:
+        import redis
+
+        try:
+            client = redis.Redis(port=self.port, socket_timeout=0.5)
+            with client:
+                return client.sentinel_get_master_addr_by_name(self.service) is not None
+        except (OSError, redis.RedisError):
+            return False
+
+    def url(self, **options: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}" + (
+            f"?{query}" if query else ""
+        )

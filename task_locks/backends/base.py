@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import re
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -27,11 +28,16 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 #: - ``wakeup``: waiters are woken by the release, not only by polling.
 #: - ``holders``: the live holders can be listed and force-released.
 CAPABILITIES = frozenset({"fencing", "consensus", "multiprocess", "wakeup", "holders"})
+#: Longest sleep of the default :meth:`Backend.wait_any` before it looks again.
+WAIT_ANY_SLICE = 0.1
 
 
 def redact_url(url: str) -> str:
     """The URL without its password, fit for logs and error messages."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # malformed: still never show what looks like a password
+        return re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", url)
     if parts.password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
@@ -88,6 +94,16 @@ class Backend(abc.ABC):
 
         time.sleep(min(timeout, 0.05))
 
+    def wait_any(self, names: Sequence[str], timeout: float) -> None:
+        """Block until any of ``names`` is probably released, or ``timeout`` seconds pass.
+
+        Semaphore waiters want whichever slot frees first. This default waits on the
+        first name only, in slices of :data:`WAIT_ANY_SLICE`, so the release of another
+        name is noticed within a slice; backends that can watch several names at once
+        override it (Redis: one BLPOP on every signal list).
+        """
+        self.wait(names[0], timeout if len(names) == 1 else min(timeout, WAIT_ANY_SLICE))
+
     def holder(self, name: str) -> Holder | None:
         """The holder of exactly ``name``, if any."""
         return next((h for h in self.holders(name) if h.name == name), None)
@@ -112,11 +128,20 @@ class Backend(abc.ABC):
     async def await_release(self, name: str, timeout: float) -> None:
         await asyncio.to_thread(self.wait, name, timeout)
 
+    async def await_any(self, names: Sequence[str], timeout: float) -> None:
+        await asyncio.to_thread(self.wait_any, names, timeout)
+
     async def aholders(self, prefix: str = "") -> list[Holder]:
         return await asyncio.to_thread(self.holders, prefix)
 
     async def aforce_release(self, name: str) -> bool:
         return await asyncio.to_thread(self.force_release, name)
+
+    async def aholder(self, name: str) -> Holder | None:
+        return await asyncio.to_thread(self.holder, name)
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release what the running event loop's client holds (before the loop ends)."""
 
     # -------------------------------------------------------------------------------
 

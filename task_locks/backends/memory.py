@@ -7,6 +7,7 @@ namespaces in one process.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
+
+log = logging.getLogger("task_locks.backends.memory")
 
 
 @dataclass(slots=True)
@@ -87,7 +90,8 @@ class MemoryBackend(Backend):
                 return False
             del self._locks[name]
             self._cond.notify_all()
-            return True
+        log.warning("lock %r was force-released at %s (operator override)", name, self.server)
+        return True
 
     def wait(self, name: str, timeout: float) -> None:
         with self._cond:

@@ -6,9 +6,12 @@ One lock is three keys sharing a cluster hash slot (the name is the hash tag):
 - ``<prefix>{name}:fence``  the last fence handed out for this name
 - ``<prefix>{name}:signal`` a list a release pushes to; waiters BLPOP it
 
-Acquire, renew and release are one script call (one round trip) each. Waiters block on
-the signal list, so a release hands the lock to the longest waiter in about one round
-trip, without polling; they also wake when the holder's TTL runs out.
+Acquire, renew and release are one script call (one round trip) each; the watchdog's
+batches renew hundreds of leases per script call, all calls in one pipeline. Waiters
+block on the signal list, so a release hands the lock to the longest waiter in about one
+round trip, without polling; they also wake when the holder's TTL runs out (on time:
+see :data:`BLOCK_TICK`). Other query options (``db``, ``ssl_*``, ``max_connections``...)
+go to redis-py; one it does not know is refused when the backend is made.
 
 URL options (query string, removed before the URL reaches redis-py): ``prefix``
 (default ``task_locks:``), ``socket_timeout`` (seconds, default 5), ``connect_timeout``
@@ -23,18 +26,25 @@ Cluster: ``redis+cluster://host:port[,host:port]``.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import os
 import re
+import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
+import redis.asyncio.retry
 import redis.asyncio.sentinel
 import redis.cluster
+import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -42,12 +52,12 @@ from redis.exceptions import (
     ClusterDownError,
     NoScriptError,
     ReadOnlyError,
+    RedisClusterException,
     RedisError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
@@ -55,6 +65,8 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
 
 T = TypeVar("T")
+
+log = logging.getLogger("task_locks.backends.redis")
 
 # KEYS[1] lock hash, KEYS[2] fence counter
 # ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms
@@ -92,6 +104,27 @@ end
 return 0
 """
 
+# KEYS[i] lock hashes; ARGV[2i-1] the token and ARGV[2i] the ttl ms for KEYS[i]
+# Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours.
+# The watchdog's batches: one command for many leases is far cheaper than one each.
+RENEW_MANY = """
+local renewed = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('hget', key, 'token') == ARGV[2 * i - 1] then
+    redis.call('pexpire', key, ARGV[2 * i])
+    redis.call('hincrby', key, 'renewals', 1)
+    renewed[i] = 1
+  else
+    renewed[i] = 0
+  end
+end
+return renewed
+"""
+#: Redis's timer tick at the default ``hz 10``: how late a BLPOP timeout may fire.
+BLOCK_TICK = 0.1
+#: Leases per RENEW_MANY call (a few ms of server time at most); a batch is pipelined.
+RENEW_CHUNK = 500
+
 # KEYS[1] lock hash, KEYS[2] signal list; ARGV[1] token, or '' to release whoever holds it
 # Returns 1 if the lock was deleted (and one waiter signalled), 0 if not held / not ours.
 RELEASE = """
@@ -112,8 +145,11 @@ _UNAVAILABLE = (
     ClusterDownError,
     MasterNotFoundError,
     TryAgainError,
+    RedisClusterException,  # no reachable node / slot not covered
     OSError,
 )
+#: What redis-py raises; translated to our errors at this boundary, never let through.
+_CLIENT_ERRORS = (RedisError, RedisClusterException)
 _OUR_OPTIONS = {
     "prefix",
     "socket_timeout",
@@ -135,11 +171,32 @@ class _Scripts:
     def __init__(self) -> None:
         import hashlib
 
-        self.source = {"acquire": ACQUIRE, "renew": RENEW, "release": RELEASE}
+        self.source = {
+            "acquire": ACQUIRE,
+            "renew": RENEW,
+            "renew_many": RENEW_MANY,
+            "release": RELEASE,
+        }
         self.sha = {k: hashlib.sha1(v.encode()).hexdigest() for k, v in self.source.items()}
 
 
 SCRIPTS = _Scripts()
+
+
+@dataclass(frozen=True)
+class _Flavour:
+    """The redis-py modules for one I/O style: the sync and asyncio clients mirror each other."""
+
+    plain: Any
+    sentinel: Any
+    cluster: Any
+    retry: Any
+
+
+_SYNC = _Flavour(redis, redis.sentinel, redis.cluster, redis.retry.Retry)
+_ASYNC = _Flavour(
+    redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster, redis.asyncio.retry.Retry
+)
 
 
 class RedisBackend(Backend):
@@ -152,23 +209,38 @@ class RedisBackend(Backend):
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options = {k: query.pop(k) for k in list(query) if k in _OUR_OPTIONS}
         self.prefix = options.get("prefix", "task_locks:")
-        self.socket_timeout = self._number(options, "socket_timeout", 5.0)
-        self.connect_timeout = self._number(options, "connect_timeout", 2.0)
+        self.socket_timeout = self._number(options, "socket_timeout", 5.0, positive=True)
+        self.connect_timeout = self._number(options, "connect_timeout", 2.0, positive=True)
         self.wait_replicas = int(self._number(options, "wait_replicas", 0))
         self.wait_timeout_ms = int(self._number(options, "wait_timeout", 100))
-        self.fence_ttl_ms = int(self._number(options, "fence_ttl", 7 * 86400) * 1000)
+        self.fence_ttl_ms = int(self._number(options, "fence_ttl", 7 * 86400, positive=True) * 1000)
         self.scheme = parts.scheme.lower()
-        self._client_url = urlunsplit(parts._replace(query=urlencode(query)))
-        self._parts = parts
         self.cluster = self.scheme == "redis+cluster"
-        self.client = self._make_client(redis, redis.sentinel, redis.cluster)
+        # (not urlunsplit: it would turn unix:///path into unix:/path)
+        base = url.split("?", 1)[0].split("#", 1)[0]
+        self._client_url = base + (f"?{urlencode(query)}" if query else "")
+        self._parts = parts
+        if query and self.scheme in ("redis+sentinel", "redis+cluster"):
+            raise InvalidArgument(
+                f"{self.server}: unknown option(s) {sorted(query)}; "
+                f"{self.scheme}:// URLs accept {sorted(_OUR_OPTIONS)}"
+            )
+        self._client_guard = threading.Lock()
+        self._sync_client: Any = None
+        if self.cluster:
+            self._hosts()  # a bad host list fails now; the client connects on first use
+        else:
+            self._sync_client = self._make_client(_SYNC)  # no I/O yet: checks the URL now
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
+        self._async_pid = os.getpid()
 
     # -- construction -----------------------------------------------------------------
 
-    def _number(self, options: dict[str, str], key: str, default: float) -> float:
+    def _number(
+        self, options: dict[str, str], key: str, default: float, *, positive: bool = False
+    ) -> float:
         if key not in options:
             return default
         try:
@@ -177,60 +249,99 @@ class RedisBackend(Backend):
             raise InvalidArgument(
                 f"{self.server}: option {key}={options[key]!r} is not a number"
             ) from None
-        if value < 0:
-            raise InvalidArgument(f"{self.server}: option {key} must be >= 0, got {value}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise InvalidArgument(f"{self.server}: option {key} must be {bound}, got {value}")
         return value
 
     def _hosts(self) -> list[tuple[str, int]]:
+        default_port = 26379 if self.scheme == "redis+sentinel" else 6379
         netloc = self._parts.netloc.rsplit("@", 1)[-1]
         hosts = []
-        for item in filter(None, netloc.split(",")):
-            host, _, port = item.rpartition(":")
+        for item in filter(None, (part.strip() for part in netloc.split(","))):
+            host, port = item, str(default_port)
+            if item.startswith("["):  # [IPv6]:port
+                host, _, rest = item[1:].partition("]")
+                port = rest[1:] if rest.startswith(":") else port
+            elif ":" in item:
+                host, _, port = item.rpartition(":")
             try:
-                hosts.append((host or item, int(port) if host else 26379))
+                number = int(port)
             except ValueError:
-                raise InvalidArgument(f"malformed host:port {item!r} in {self.server}") from None
+                number = -1
+            if not host or not 0 < number < 65536:
+                raise InvalidArgument(f"malformed host:port {item!r} in {self.server}")
+            hosts.append((host, number))
         if not hosts:
             raise InvalidArgument(f"no host:port in {self.server}")
         return hosts
 
-    def _make_client(self, plain: Any, sentinel: Any, cluster: Any) -> Any:
+    def _make_client(self, flavour: _Flavour) -> Any:
         common: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.connect_timeout,
         }
         # One quick retry on a dropped connection (a restarted server, a stale pooled
         # socket); never on a timeout, so a paused server fails within socket_timeout.
-        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        retry = flavour.retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         if self.scheme == "redis+sentinel":
             path = [p for p in self._parts.path.split("/") if p]
-            if not path:
-                raise InvalidArgument(f"{self.server}: sentinel URL needs /service_name")
+            if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+                raise InvalidArgument(
+                    f"malformed sentinel URL {self.server}: expected "
+                    "redis+sentinel://host:port[,host:port]/service_name[/db]"
+                )
             kwargs = dict(common, password=self._parts.password, retry=retry)
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
-            return sentinel.Sentinel(self._hosts(), **common).master_for(path[0], **kwargs)
+            sentinel = flavour.sentinel.Sentinel(self._hosts(), **common)
+            master = sentinel.master_for(path[0], **kwargs)
+            master.task_locks_sentinels = sentinel.sentinels  # closed with the client
+            return master
         if self.cluster:
-            first = self._hosts()[0]
-            nodes = [cluster.ClusterNode(h, p) for h, p in self._hosts()]
-            return cluster.RedisCluster(
-                host=first[0],
-                port=first[1],
-                startup_nodes=nodes,
-                password=self._parts.password,
-                **common,
+            nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self._hosts()]
+            return flavour.cluster.RedisCluster(
+                startup_nodes=nodes, password=self._parts.password, **common
+            )
+        database = self._parts.path.strip("/")
+        if self.scheme != "unix" and database and not database.isdigit():
+            # redis-py would silently use db 0 here
+            raise InvalidArgument(
+                f"malformed Redis URL {self.server}: the path must be a database number, "
+                f"got {database!r}"
             )
         try:
-            return plain.Redis.from_url(self._client_url, retry=retry, **common)
+            client = flavour.plain.Redis.from_url(self._client_url, retry=retry, **common)
         except ValueError as exc:
             raise InvalidArgument(f"malformed Redis URL {self.server}: {exc}") from exc
+        pool = client.connection_pool
+        try:  # an unknown query option would otherwise fail at the first command
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise InvalidArgument(f"unsupported option in Redis URL {self.server}: {exc}") from exc
+        return client
+
+    @property
+    def client(self) -> Any:
+        """The sync client (a cluster client connects when it is built, so: on first use)."""
+        client = self._sync_client
+        if client is None:
+            with self._client_guard:
+                if self._sync_client is None:
+                    self._sync_client = self._make_client(_SYNC)
+                client = self._sync_client
+        return client
 
     def _async_client(self) -> Any:
+        if self._async_pid != os.getpid():
+            # A forked child must not share the parent's sockets (redis-py's asyncio pool,
+            # unlike the sync one, does not check): start afresh, leave the parent's alone.
+            self._async = weakref.WeakKeyDictionary()
+            self._async_pid = os.getpid()
         loop = asyncio.get_running_loop()
         client = self._async.get(loop)
         if client is None:
-            client = self._make_client(redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster)
-            self._async[loop] = client
+            client = self._async[loop] = self._make_client(_ASYNC)
         return client
 
     # -- keys ---------------------------------------------------------------------------
@@ -259,6 +370,10 @@ class RedisBackend(Backend):
         key = self._key(name)
         return [2, key, key + ":fence", token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
 
+    def _release_args(self, name: str, token: str) -> list[Any]:
+        key = self._key(name)
+        return [2, key, key + ":signal", token]
+
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
             return AcquireResult(int(reply))
@@ -280,10 +395,54 @@ class RedisBackend(Backend):
                 server=self.server,
             )
 
-    def _block_for(self, timeout: float) -> float:
-        # BLPOP 0 would block forever, and a block longer than the socket timeout would
-        # read as a timeout: keep it in between.
-        return max(0.001, min(timeout, self.socket_timeout * 0.8 or timeout))
+    def _renew_chunks(self, items: Sequence[RenewItem]) -> list[Sequence[RenewItem]]:
+        # A cluster spreads the keys over slots, and one script call must stay in one.
+        size = 1 if self.cluster else RENEW_CHUNK
+        return [items[start : start + size] for start in range(0, len(items), size)]
+
+    def _renew_commands(
+        self, chunks: Sequence[Sequence[RenewItem]], by_sha: bool
+    ) -> list[tuple[Any, ...]]:
+        # execute_command, not pipe.evalsha(): redis-py refuses the latter in cluster mode,
+        # although every key of one script call shares a slot here.
+        script = ("EVALSHA", SCRIPTS.sha["renew_many"]) if by_sha else ("EVAL", RENEW_MANY)
+        commands = []
+        for chunk in chunks:
+            arguments: list[Any] = []
+            for item in chunk:
+                arguments += (item.token, item.ttl_ms)
+            commands.append((*script, len(chunk), *(self._key(i.name) for i in chunk), *arguments))
+        return commands
+
+    @staticmethod
+    def _missing_scripts(replies: list[Any]) -> list[int]:
+        return [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+
+    def _renew_results(
+        self, chunks: Sequence[Sequence[RenewItem]], replies: list[Any]
+    ) -> list[bool]:
+        results: list[bool] = []
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._fail(chunk[0].name, reply)
+            results.extend(bool(renewed) for renewed in reply)
+        return results
+
+    def _block_for(self, timeout: float) -> float | None:
+        """Seconds to block in BLPOP, or ``None``: sleep ``_nap(timeout)`` locally instead.
+
+        Redis looks at blocked clients' timeouts only on its timer tick, so a BLPOP can
+        return up to :data:`BLOCK_TICK` late. The block therefore ends a tick early (the
+        caller retries, and sleeps the last stretch locally, waking on time when the
+        holder's TTL ends), and a tick before the socket timeout, which would otherwise
+        read a late reply as an outage. BLPOP 0 would block forever: never sent.
+        """
+        block = min(timeout - BLOCK_TICK, self.socket_timeout - 2 * BLOCK_TICK)
+        return block if block >= 0.01 else None
+
+    @staticmethod
+    def _nap(timeout: float) -> float:
+        return max(0.0, min(timeout, BLOCK_TICK))
 
     def _holder(self, key: Any, fields: dict[Any, Any], pttl: int) -> Holder | None:
         if not fields or pttl == -2:
@@ -300,86 +459,114 @@ class RedisBackend(Backend):
             token=data.get("token", ""),
         )
 
+    def _holders(self, keys: list[Any], replies: list[Any]) -> list[Holder]:
+        found = (self._holder(k, replies[2 * i], replies[2 * i + 1]) for i, k in enumerate(keys))
+        return sorted((h for h in found if h is not None), key=lambda h: h.name)
+
     def _match(self, prefix: str) -> str:
         return _GLOB.sub(r"\\\1", f"{self.prefix}{{{prefix}") + "*"
+
+    def _forced(self, name: str, released: bool) -> bool:
+        if released:
+            log.warning("lock %r was force-released at %s (operator override)", name, self.server)
+        return released
 
     # -- sync I/O -----------------------------------------------------------------------
 
     def _eval(self, client: Any, script: str, args: list[Any]) -> Any:
         try:
             return client.evalsha(SCRIPTS.sha[script], *args)
-        except NoScriptError:
+        except NoScriptError:  # a fresh or flushed server: EVAL also caches the script
             return client.eval(SCRIPTS.source[script], *args)
+
+    @staticmethod
+    def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         args = self._acquire_args(name, token, ttl_ms, owner)
         try:
-            result = self._acquire_result(self._eval(self.client, "acquire", args))
+            client = self.client
+            result = self._acquire_result(self._eval(client, "acquire", args))
             if result.acquired and self.wait_replicas:
-                acked = self.client.execute_command(
-                    "WAIT", self.wait_replicas, self.wait_timeout_ms
-                )
+                acked = client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
                 self._check_replicas(name, acked)
             return result
-        except RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         try:
             return bool(self._eval(self.client, "renew", [1, self._key(name), token, ttl_ms]))
-        except RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+        """All ``items`` in one pipelined round trip (a second one only after NOSCRIPT)."""
         if not items:
             return []
+        chunks = self._renew_chunks(items)
         try:
-            for attempt in range(2):
-                pipe = self.client.pipeline(transaction=False)
-                for item in items:
-                    pipe.evalsha(
-                        SCRIPTS.sha["renew"], 1, self._key(item.name), item.token, item.ttl_ms
-                    )
-                replies = pipe.execute(raise_on_error=False)
-                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                    self.client.script_load(RENEW)
-                    continue
-                break
-        except RedisError as exc:
+            client = self.client
+            replies = self._pipeline(client, self._renew_commands(chunks, by_sha=True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                retried = self._renew_commands([chunks[i] for i in missing], by_sha=False)
+                for index, reply in zip(missing, self._pipeline(client, retried), strict=True):
+                    replies[index] = reply
+        except _CLIENT_ERRORS as exc:
             self._fail(items[0].name, exc)
-        for item, reply in zip(items, replies, strict=True):
-            if isinstance(reply, Exception):
-                self._fail(item.name, reply)
-        return [bool(r) for r in replies]
+        return self._renew_results(chunks, replies)
 
     def release(self, name: str, token: str) -> bool:
-        key = self._key(name)
         try:
-            return bool(self._eval(self.client, "release", [2, key, key + ":signal", token]))
-        except RedisError as exc:
+            return bool(self._eval(self.client, "release", self._release_args(name, token)))
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def force_release(self, name: str) -> bool:
-        return self.release(name, "")
+        return self._forced(name, self.release(name, ""))
 
     def wait(self, name: str, timeout: float) -> None:
+        block = self._block_for(timeout)
+        if block is None:
+            time.sleep(self._nap(timeout))
+            return
         try:
-            self.client.blpop([self._key(name) + ":signal"], self._block_for(timeout))
-        except RedisError as exc:
+            self.client.blpop([self._key(name) + ":signal"], block)
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def holders(self, prefix: str = "") -> list[Holder]:
+    def wait_any(self, names: Sequence[str], timeout: float) -> None:
+        if self.cluster:  # the signal lists live in different hash slots
+            return super().wait_any(names, timeout)
+        keys = [self._key(name) + ":signal" for name in names]
+        block = self._block_for(timeout)
+        if block is None:
+            time.sleep(self._nap(timeout))
+            return None
         try:
-            keys = list(self.client.scan_iter(match=self._match(prefix), count=1000, _type="HASH"))
-            pipe = self.client.pipeline(transaction=False)
+            self.client.blpop(keys, block)
+        except _CLIENT_ERRORS as exc:
+            self._fail(names[0], exc)
+        return None
+
+    def holders(self, prefix: str = "") -> list[Holder]:
+        """Live locks by SCAN (never KEYS); in a cluster, SCAN visits every primary."""
+        try:
+            client = self.client
+            keys = list(client.scan_iter(match=self._match(prefix), count=1000, _type="HASH"))
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(key)
                 pipe.pttl(key)
             replies = pipe.execute() if keys else []
-        except RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             self._fail(prefix or None, exc)
-        found = (self._holder(k, replies[2 * i], replies[2 * i + 1]) for i, k in enumerate(keys))
-        return sorted((h for h in found if h is not None), key=lambda h: h.name)
+        return self._holders(keys, replies)
 
     def holder(self, name: str) -> Holder | None:
         key = self._key(name)
@@ -388,12 +575,18 @@ class RedisBackend(Backend):
             pipe.hgetall(key)
             pipe.pttl(key)
             fields, pttl = pipe.execute()
-        except RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
         return self._holder(key, fields, pttl)
 
     def close(self) -> None:
-        self.client.close()
+        """Close the sync client; a later call reconnects. Async clients: :meth:`aclose`."""
+        with self._client_guard:
+            client, self._sync_client = self._sync_client, None
+        if client is not None:
+            for sentinel in getattr(client, "task_locks_sentinels", ()):
+                sentinel.close()
+            client.close()
 
     # -- async I/O: the same requests, awaited --------------------------------------------
 
@@ -403,10 +596,17 @@ class RedisBackend(Backend):
         except NoScriptError:
             return await client.eval(SCRIPTS.source[script], *args)
 
-    async def _acall(self, name: str | None, call: Callable[[], Any]) -> Any:
+    @staticmethod
+    async def _apipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _acall(self, name: str | None, call: Callable[[], Awaitable[T]]) -> T:
         try:
             return await call()
-        except RedisError as exc:
+        except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
@@ -432,37 +632,82 @@ class RedisBackend(Backend):
         if not items:
             return []
         client = self._async_client()
+        chunks = self._renew_chunks(items)
 
         async def run() -> list[Any]:
-            for attempt in range(2):
-                pipe = client.pipeline(transaction=False)
-                for item in items:
-                    pipe.evalsha(
-                        SCRIPTS.sha["renew"], 1, self._key(item.name), item.token, item.ttl_ms
-                    )
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
-                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                    await client.script_load(RENEW)
-                    continue
-                break
+            replies = await self._apipeline(client, self._renew_commands(chunks, by_sha=True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                retried = self._renew_commands([chunks[i] for i in missing], by_sha=False)
+                again = await self._apipeline(client, retried)
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
             return replies
 
-        replies = await self._acall(items[0].name, run)
-        for item, reply in zip(items, replies, strict=True):
-            if isinstance(reply, Exception):
-                self._fail(item.name, reply)
-        return [bool(r) for r in replies]
+        return self._renew_results(chunks, await self._acall(items[0].name, run))
 
     async def arelease(self, name: str, token: str) -> bool:
         client = self._async_client()
-        key = self._key(name)
-        args = [2, key, key + ":signal", token]
+        args = self._release_args(name, token)
         return bool(await self._acall(name, lambda: self._aeval(client, "release", args)))
 
     async def aforce_release(self, name: str) -> bool:
-        return await self.arelease(name, "")
+        return self._forced(name, await self.arelease(name, ""))
 
     async def await_release(self, name: str, timeout: float) -> None:
-        client = self._async_client()
         block = self._block_for(timeout)
+        if block is None:
+            await asyncio.sleep(self._nap(timeout))
+            return
+        client = self._async_client()
         await self._acall(name, lambda: client.blpop([self._key(name) + ":signal"], block))
+
+    async def await_any(self, names: Sequence[str], timeout: float) -> None:
+        if self.cluster:
+            return await super().await_any(names, timeout)
+        block = self._block_for(timeout)
+        if block is None:
+            await asyncio.sleep(self._nap(timeout))
+            return None
+        client = self._async_client()
+        keys = [self._key(name) + ":signal" for name in names]
+        await self._acall(names[0], lambda: client.blpop(keys, block))
+        return None
+
+    async def aholders(self, prefix: str = "") -> list[Holder]:
+        client = self._async_client()
+
+        async def run() -> tuple[list[Any], list[Any]]:
+            match = self._match(prefix)
+            keys = [k async for k in client.scan_iter(match=match, count=1000, _type="HASH")]
+            if not keys:
+                return keys, []
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+            return keys, list(await pipe.execute())
+
+        keys, replies = await self._acall(prefix or None, run)
+        return self._holders(keys, replies)
+
+    async def aholder(self, name: str) -> Holder | None:
+        client = self._async_client()
+        key = self._key(name)
+
+        async def run() -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(key)
+            pipe.pttl(key)
+            return list(await pipe.execute())
+
+        fields, pttl = await self._acall(name, run)
+        return self._holder(key, fields, pttl)
+
+    async def aclose(self) -> None:
+        """Close this event loop's client (call it before the loop ends)."""
+        client = self._async.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            for sentinel in getattr(client, "task_locks_sentinels", ()):
+                await sentinel.aclose()
+            await client.aclose()

@@ -1,0 +1,337 @@
+"""Every backend side by side, and pottery's Redlock beside ours on the same masters.
+
+Per backend: the median (and p90) of one uncontended acquire+release cycle, and the
+contended hand-off rate (4 threads taking the same lock in turn, nothing done inside,
+so each hand-off costs one release plus one wake-up plus one acquire). pottery runs
+from its own venv ``bench/.peers`` (created here if missing), against the very same
+three Redis masters as ``redlock://``.
+
+    .venv/bin/python bench/backends_bench.py           # about a minute
+    .venv/bin/python bench/backends_bench.py --quick   # a few seconds per backend
+
+``bench/run.py`` calls :func:`run` and folds the result into ``bench/results.md``.
+Servers are started here (tests/servers.py) on free loopback ports; a backend whose
+server or module is missing is reported as "not measured" with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+PEER_VENV = BENCH / ".peers"
+TTL = 30.0
+CONTENDERS = 4
+
+# Runs in bench/.peers: the same two measurements, with pottery's Redlock.
+POTTERY_WORKER = r"""
+import json, statistics, sys, threading, time, uuid
+import redis
+from pottery import Redlock
+
+ports, cycles, seconds, contenders, ttl = json.loads(sys.argv[1])
+masters = {redis.Redis(port=p) for p in ports}
+
+def lock(name):
+    return Redlock(key=name, masters=masters, auto_release_time=ttl)
+
+one = lock("pottery-unc-" + uuid.uuid4().hex)
+for _ in range(min(50, cycles)):
+    one.acquire(); one.release()
+samples = []
+for _ in range(cycles):
+    t = time.perf_counter(); one.acquire(); one.release(); samples.append(time.perf_counter() - t)
+
+name = "pottery-con-" + uuid.uuid4().hex
+done = [0] * contenders
+stop = time.monotonic() + seconds
+def contend(i):
+    mine = lock(name)
+    while time.monotonic() < stop:
+        if mine.acquire(blocking=True, timeout=5):
+            done[i] += 1
+            mine.release()
+threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
+started = time.perf_counter()
+for t in threads: t.start()
+for t in threads: t.join()
+elapsed = time.perf_counter() - started
+print(json.dumps({"samples": samples, "handoffs": sum(done), "seconds": elapsed}))
+"""
+
+
+def log(message: str) -> None:
+    print(f"[backends_bench] {message}", file=sys.stderr, flush=True)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- our backends -------------------------------------------------------------------------
+
+
+def measure_ours(url: str, cycles: int, seconds: float) -> dict[str, Any]:
+    """Uncontended cycle latency and contended hand-off rate for one backend URL."""
+    from task_locks import Lock
+
+    lock = Lock(f"bench-unc-{uuid.uuid4().hex}", ttl=TTL, backend=url, renew=False)
+    for _ in range(min(50, cycles)):  # warm up connections and scripts
+        lock.acquire(timeout=5).release()
+    samples = []
+    for _ in range(cycles):
+        started = time.perf_counter()
+        lock.acquire(timeout=5).release()
+        samples.append(time.perf_counter() - started)
+
+    name = f"bench-con-{uuid.uuid4().hex}"
+    done = [0] * CONTENDERS
+    errors: list[str] = []
+    stop = time.monotonic() + seconds
+
+    def contend(index: int) -> None:
+        mine = Lock(name, ttl=TTL, backend=url, renew=False, timeout=10)
+        try:
+            while time.monotonic() < stop:
+                mine.acquire().release()
+                done[index] += 1
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(CONTENDERS)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    return summarise(samples, sum(done), elapsed, errors)
+
+
+def summarise(
+    samples: list[float], handoffs: int, elapsed: float, errors: list[str]
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "median_us": statistics.median(samples) * 1e6,
+        "p90_us": quantile(samples, 0.9) * 1e6,
+        "cycles": len(samples),
+        "handoffs_per_s": handoffs / elapsed if elapsed else 0.0,
+        "handoffs": handoffs,
+    }
+    if errors:
+        result["errors"] = errors[:3]
+    return result
+
+
+# -- pottery, from its own venv ---------------------------------------------------------------
+
+
+def peers_python() -> tuple[str | None, str]:
+    """The peers' interpreter with pottery importable, creating the venv if needed."""
+    python = PEER_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import importlib.metadata as m; print(m.version('pottery'))"]
+    if python.exists():
+        done = subprocess.run(probe, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            return str(python), done.stdout.strip()
+    log("installing pottery into bench/.peers")
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "pottery", "redis[hiredis]"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        return None, f"pottery could not be installed into bench/.peers: {detail[-300:]}"
+    done = subprocess.run(probe, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return None, f"pottery does not import in bench/.peers: {done.stderr[-300:]}"
+    return str(python), done.stdout.strip()
+
+
+def measure_pottery(python: str, ports: list[int], cycles: int, seconds: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(POTTERY_WORKER)
+    try:
+        args = json.dumps([ports, cycles, seconds, CONTENDERS, TTL])
+        done = subprocess.run(
+            [python, script.name, args], capture_output=True, text=True, timeout=300, check=False
+        )
+    finally:
+        os.unlink(script.name)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
+    reply = json.loads(done.stdout)
+    return summarise(reply["samples"], reply["handoffs"], reply["seconds"], [])
+
+
+# -- deployments ------------------------------------------------------------------------------
+
+
+@contextmanager
+def started(server: Any) -> Iterator[Any]:
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+
+
+def deployments(stack: ExitStack) -> Iterator[tuple[str, Callable[[], str], Any]]:
+    """(label, URL factory, the servers) for every backend, started lazily."""
+    import shutil
+
+    import servers
+
+    yield "memory", lambda: f"memory://{uuid.uuid4().hex}", None
+    redis_server = stack.enter_context(started(servers.RedisServer()))
+    yield "redis (1 server)", redis_server.url, redis_server
+    masters = stack.enter_context(started(servers.RedisMasters(3)))
+    yield "redlock (3 masters)", masters.url, masters
+    if shutil.which("etcd"):
+        node = stack.enter_context(started(servers.EtcdServer()))
+        yield "etcd (1 member)", node.url, node
+        cluster = stack.enter_context(started(servers.EtcdCluster(3)))
+        yield "etcd (3 members)", cluster.url, cluster
+    else:
+        yield "etcd", lambda: "", "no etcd binary (scripts/install-servers.sh installs it)"
+
+
+def django_note() -> str:
+    try:
+        import django_app.backend  # noqa: F401
+    except Exception as exc:
+        return f"not measured here: django_app.backend does not import ({exc})"
+    return "not measured here: django:// needs a configured Django project (see bench/run.py)"
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Measure every backend; returns ``{"rows": [...], "markdown": "..."}``."""
+    cycles, seconds = (200, 1.5) if quick else (1000, 4.0)
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        for label, make_url, server in deployments(stack):
+            if isinstance(server, str):
+                rows.append({"backend": label, "library": "task-locks", "status": server})
+                continue
+            url = make_url()
+            log(f"{label}: {url}")
+            try:
+                rows.append(
+                    {
+                        "backend": label,
+                        "library": "task-locks",
+                        **measure_ours(url, cycles, seconds),
+                    }
+                )
+            except Exception as exc:
+                rows.append({"backend": label, "library": "task-locks", "status": f"failed: {exc}"})
+            if label.startswith("redlock"):
+                python, version = peers_python()
+                peer = f"pottery {version} Redlock" if python else "pottery Redlock"
+                if python is None:
+                    rows.append({"backend": label, "library": peer, "status": version})
+                    continue
+                ports = [s.port for s in server.servers]
+                try:
+                    rows.append(
+                        {
+                            "backend": label,
+                            "library": peer,
+                            **measure_pottery(python, ports, cycles, seconds),
+                        }
+                    )
+                except Exception as exc:
+                    rows.append({"backend": label, "library": peer, "status": f"failed: {exc}"})
+        rows.append({"backend": "django", "library": "task-locks", "status": django_note()})
+    from task_locks import close_all
+
+    close_all()
+    result: dict[str, Any] = {
+        "rows": rows,
+        "contenders": CONTENDERS,
+        "cycles": cycles,
+        "seconds": seconds,
+    }
+    result["markdown"] = markdown(result)
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"Uncontended acquire+release ({result['cycles']} cycles) and contended hand-offs "
+        f"({result['contenders']} threads, {result['seconds']} s, empty critical section).",
+        "",
+        "| backend | library | median cycle | p90 cycle | hand-offs/s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        if "median_us" in row:
+            lines.append(
+                f"| {row['backend']} | {row['library']} | {row['median_us']:.0f} µs "
+                f"| {row['p90_us']:.0f} µs | {row['handoffs_per_s']:.0f} |"
+            )
+        else:
+            lines.append(f"| {row['backend']} | {row['library']} | {row.get('status', '?')} | | |")
+    ours = next(
+        (
+            r
+            for r in result["rows"]
+            if r["backend"].startswith("redlock") and r["library"] == "task-locks"
+        ),
+        {},
+    )
+    peer = next(
+        (
+            r
+            for r in result["rows"]
+            if r["backend"].startswith("redlock") and r["library"] != "task-locks"
+        ),
+        {},
+    )
+    if "median_us" in ours and "median_us" in peer:
+        lines += [
+            "",
+            f"redlock:// vs pottery on the same masters: cycle {ours['median_us'] / peer['median_us']:.2f}x "
+            f"pottery's time, hand-offs {ours['handoffs_per_s'] / max(peer['handoffs_per_s'], 1e-9):.1f}x "
+            "pottery's rate.",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    print(result["markdown"])
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

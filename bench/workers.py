@@ -1,0 +1,400 @@
+"""Measurement worker: one process per subject, driven by ``bench/run.py`` over stdin.
+
+It runs under the project's ``.venv`` (task-locks, redis-py's ``Lock``) or under the
+peers' venv ``bench/.peers`` (python-redis-lock, pottery, sherlock), so it imports only
+the standard library and redis-py at the top; each library is imported by its adapter.
+
+Protocol: one JSON object per line in, one per line out (``{"error": ...}`` on failure).
+stdout carries nothing else; libraries log to stderr.
+
+Every timestamp is ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so the
+runner can merge the records of several processes on one time line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+now = time.monotonic
+ns = time.perf_counter_ns
+
+
+# -- adapters: one per library, the same two calls ------------------------------------
+
+
+class Adapter:
+    """``acquire()`` blocks until the lock is ours; ``release()`` frees it."""
+
+    library = "?"
+    client: Any = None  # a raw redis-py client on the same server, for the floor
+
+    def acquire(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def versions(self) -> dict[str, str]:
+        return {}
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
+def _redis_versions() -> dict[str, str]:
+    return {"redis-py": _version("redis"), "hiredis": _version("hiredis")}
+
+
+class TaskLocks(Adapter):
+    """Ours, with its defaults (the lease joins the renewal watchdog)."""
+
+    library = "task-locks"
+
+    def __init__(self, url: str, name: str, ttl: float, renew: bool = True) -> None:
+        from task_locks import Lock, get_backend
+
+        self.backend = get_backend(url)
+        self.client = getattr(self.backend, "client", None)
+        self.lock = Lock(name, ttl=ttl, backend=self.backend, renew=renew)
+        self.lease: Any = None
+
+    def acquire(self) -> None:
+        self.lease = self.lock.acquire()
+
+    def release(self) -> None:
+        self.lease.release()
+
+    def versions(self) -> dict[str, str]:
+        return {"task-locks": _version("task-locks"), **_redis_versions()}
+
+
+class RedisPyLock(Adapter):
+    """redis-py's own ``Lock`` with its default settings (blocking, sleep=0.1)."""
+
+    library = "redis-py Lock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.lock = self.client.lock(name, timeout=ttl)
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def versions(self) -> dict[str, str]:
+        return _redis_versions()
+
+
+class PythonRedisLock(Adapter):
+    """python-redis-lock: BLPOP on a signal key hands the lock to a waiter."""
+
+    library = "python-redis-lock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        import redis
+        import redis_lock
+
+        self.client = redis.Redis.from_url(url)
+        self.lock = redis_lock.Lock(self.client, name, expire=int(max(1, ttl)))
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def versions(self) -> dict[str, str]:
+        return {"python-redis-lock": _version("python-redis-lock"), **_redis_versions()}
+
+
+class Pottery(Adapter):
+    """pottery's ``Redlock`` on one master (its defaults otherwise)."""
+
+    library = "pottery Redlock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        import redis
+        from pottery import Redlock
+
+        self.client = redis.Redis.from_url(url)
+        self.lock = Redlock(key=name, masters={self.client}, auto_release_time=ttl)
+
+    def acquire(self) -> None:
+        if not self.lock.acquire():
+            raise RuntimeError("pottery: blocking acquire returned False")
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def versions(self) -> dict[str, str]:
+        return {"pottery": _version("pottery"), **_redis_versions()}
+
+
+class Sherlock(Adapter):
+    """sherlock's ``RedisLock`` (its defaults: retry every 0.1 s)."""
+
+    library = "sherlock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        import redis
+        import sherlock
+
+        self.client = redis.Redis.from_url(url)
+        self.lock = sherlock.RedisLock(
+            name, client=self.client, expire=int(max(1, ttl)), timeout=60
+        )
+
+    def acquire(self) -> None:
+        if not self.lock.acquire():
+            raise RuntimeError("sherlock: blocking acquire returned False")
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def versions(self) -> dict[str, str]:
+        return {"sherlock": _version("sherlock"), **_redis_versions()}
+
+
+ADAPTERS: dict[str, Callable[..., Adapter]] = {
+    "task-locks": TaskLocks,
+    "task-locks-norenew": lambda url, name, ttl: TaskLocks(url, name, ttl, renew=False),
+    "redis-py": RedisPyLock,
+    "python-redis-lock": PythonRedisLock,
+    "pottery": Pottery,
+    "sherlock": Sherlock,
+}
+
+
+# -- measurements ------------------------------------------------------------------------
+
+
+def cycles(adapter: Adapter, n: int, max_seconds: float | None = None) -> dict[str, Any]:
+    """Up to ``n`` uncontended acquire+release cycles (fewer if ``max_seconds`` runs out).
+
+    Nanoseconds per cycle and per half, and this process's CPU time over all of them
+    (user + system: the client's share of the cost, including its socket calls).
+    """
+    acq: list[int] = []
+    rel: list[int] = []
+    stop = None if max_seconds is None else now() + max_seconds
+    gc.disable()  # a collection inside one sample is the runtime's noise, not the lock's
+    cpu = time.process_time_ns()
+    try:
+        for _ in range(n):
+            t0 = ns()
+            adapter.acquire()
+            t1 = ns()
+            adapter.release()
+            t2 = ns()
+            acq.append(t1 - t0)
+            rel.append(t2 - t1)
+            if stop is not None and now() > stop:
+                break
+    finally:
+        cpu = time.process_time_ns() - cpu
+        gc.enable()
+    return {
+        "cycle": [a + r for a, r in zip(acq, rel, strict=True)],
+        "acq": acq,
+        "rel": rel,
+        "cpu": [cpu, len(acq)],
+    }
+
+
+def floor(adapter: Adapter, n: int) -> dict[str, list[int]]:
+    """Raw round trips on the adapter's own client: the physical limit of one call."""
+    client = adapter.client
+    if client is None:
+        return {}
+    ping: list[int] = []
+    set_: list[int] = []
+    gc.disable()
+    try:
+        for i in range(n):
+            t0 = ns()
+            client.ping()
+            t1 = ns()
+            client.set("bench:floor", i)
+            t2 = ns()
+            ping.append(t1 - t0)
+            set_.append(t2 - t1)
+    finally:
+        gc.enable()
+    return {"ping": ping, "set": set_}
+
+
+def contend(
+    adapter: Adapter, start: float, end: float, hold: float, out: float
+) -> list[list[float]]:
+    """Loop acquire / hold / release / work-outside between ``start`` and ``end``.
+
+    Each record is ``[asked, acquired, releasing]`` on the shared monotonic clock;
+    ``releasing`` is taken just before ``release()`` (the end of the useful hold).
+    """
+    records: list[list[float]] = []
+    pause = start - now()
+    if pause > 0:
+        time.sleep(pause)
+    while True:
+        asked = now()
+        if asked >= end:
+            break
+        adapter.acquire()
+        got = now()
+        if hold:
+            time.sleep(hold)
+        releasing = now()
+        adapter.release()
+        records.append([asked, got, releasing])
+        if out:
+            time.sleep(out)
+    return records
+
+
+def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]:
+    """``leases`` live leases in this process, renewed by the real watchdog thread.
+
+    Reports the watchdog thread's CPU per renewal round (a round = every lease renewed
+    once), the ``renew_many`` calls (round trips) per round, what Redis ran per round,
+    and the traced memory each held lease costs. Memory is measured first, on leases
+    with a long TTL (so no renewal runs meanwhile; they stay held and are never due in
+    the window); the renewal figures come from ``leases`` more with ``ttl``.
+    """
+    import tracemalloc
+
+    import redis
+
+    from task_locks import Lock, get_backend
+    from task_locks.watchdog import thread_renewer
+
+    backend: Any = get_backend(url)
+    calls: list[tuple[int, float]] = []
+    original = backend.renew_many
+
+    def counted(items: Any) -> Any:  # instance attribute: counts without changing behaviour
+        t0 = time.perf_counter()
+        try:
+            return original(items)
+        finally:
+            calls.append((len(items), time.perf_counter() - t0))
+
+    backend.renew_many = counted
+    raw = redis.Redis.from_url(url)
+
+    parked = [Lock(f"bench:mem:{leases}:{i}", ttl=3600, backend=backend) for i in range(leases)]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    kept = [lock.acquire() for lock in parked]
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+
+    locks = [Lock(f"bench:renew:{leases}:{i}", ttl=ttl, backend=backend) for i in range(leases)]
+    setup_start = now()
+    held = [lock.acquire() for lock in locks]
+    setup = now() - setup_start
+    time.sleep(ttl / 3)  # at least one full round before the window opens
+    thread = thread_renewer()._thread
+    if thread is None or thread.ident is None:
+        raise RuntimeError("the renewal thread is not running")
+    clock = time.pthread_getcpuclockid(thread.ident)
+
+    def snapshot() -> tuple[int, float, int, int, float, float]:
+        stats = raw.info("commandstats")
+        cpu = raw.info("cpu")
+        return (
+            sum(lease.renewals for lease in held),
+            time.clock_gettime(clock),
+            len(calls),
+            sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info"),
+            float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            time.process_time(),
+        )
+
+    before = snapshot()
+    time.sleep(periods * ttl / 3)
+    after = snapshot()
+    renewed = after[0] - before[0]
+    rounds = renewed / leases
+    window = calls[before[2] : after[2]]
+    lost = sum(1 for lease in held + kept if lease.lost.is_set())
+    if rounds <= 0:
+        raise RuntimeError(f"no renewal round completed in the window ({renewed} renewals)")
+    return {
+        "leases": leases,
+        "ttl": ttl,
+        "setup_s": setup,
+        "rounds": rounds,
+        "cpu_per_round_s": (after[1] - before[1]) / rounds,
+        "process_cpu_per_round_s": (after[5] - before[5]) / rounds,
+        "calls_per_round": (after[2] - before[2]) / rounds,
+        "server_commands_per_round": (after[3] - before[3]) / rounds,
+        "server_cpu_per_round_s": (after[4] - before[4]) / rounds,
+        "batch_sizes": [size for size, _ in window],
+        "batch_seconds": [seconds for _, seconds in window],
+        "memory_per_lease": (current - base) / leases,
+        "peak_memory_per_lease": (peak - base) / leases,
+        "lost": lost,
+    }
+
+
+# -- the command loop --------------------------------------------------------------------
+
+
+def serve() -> None:
+    adapter: Adapter | None = None
+    out = sys.stdout
+    sys.stdout = sys.stderr  # a library's stray print must not corrupt the protocol
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        try:
+            if op == "quit":
+                break
+            if op == "setup":
+                adapter = ADAPTERS[request["adapter"]](
+                    request["url"], request["name"], request["ttl"]
+                )
+                reply: Any = {
+                    "pid": os.getpid(),
+                    "python": sys.version.split()[0],
+                    "versions": adapter.versions(),
+                }
+            elif op == "renewal":
+                reply = renewal(**request)
+            else:
+                assert adapter is not None, "setup first"
+                if op == "cycles":
+                    reply = cycles(adapter, **request)
+                elif op == "floor":
+                    reply = floor(adapter, request["n"])
+                elif op == "contend":
+                    reply = {"records": contend(adapter, **request)}
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    # Leases still registered with the watchdog die with the process: nothing to clean.
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,202 @@
+"""The admin's "Task locks" section: **Lock holders** (live) and **Lock events** (history).
+
+Lock holders is not a table: the page reads ``backend.holders()`` on every request, so it
+shows what the lock service holds right now, whichever backend ``TASK_LOCKS`` names.
+It hangs off the unmanaged :class:`~django_app.models.LockHolder` model so it sits in the
+admin index like any model, and viewing it needs ``task_locks.view_lockholder``.
+Force release needs ``task_locks.force_release_lock``, asks for confirmation, refuses if
+the lock changed hands meanwhile, and writes a ``forced`` :class:`LockEvent`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+
+from task_locks import LockError
+from task_locks.ops import format_duration
+from task_locks.types import Holder, Owner
+
+from . import audit, conf
+from .models import LockEvent, LockHolder
+
+FORCE_RELEASE_PERMISSION = "task_locks.force_release_lock"
+
+
+def _row(holder: Holder) -> dict[str, Any]:
+    owner = holder.owner
+    if owner.task_name or owner.task_id:
+        job = f"task {owner.task_name or '?'} [{owner.task_id or '?'}]"
+    elif owner.command:
+        job = owner.command
+    else:
+        job = ""
+    acquired = (
+        None
+        if holder.acquired_at is None
+        else dt.datetime.fromtimestamp(holder.acquired_at, tz=dt.UTC)
+    )
+    return {
+        "name": holder.name,
+        "kind": holder.kind,
+        "job": job,
+        "worker": owner.worker or "",
+        "host": owner.host,
+        "pid": owner.pid or "",
+        "fence": holder.fence,
+        "acquired": acquired,
+        "held_for": format_duration(holder.held_for),
+        "expires_in": format_duration(holder.expires_in),
+        "renewals": holder.renewals,
+        "description": owner.describe(),
+    }
+
+
+@admin.register(LockHolder)
+class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The live holders page (a custom changelist) and its force-release view."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm(FORCE_RELEASE_PERMISSION))
+
+    def get_urls(self) -> list[URLPattern]:
+        info = self.opts.app_label, self.opts.model_name
+        view = self.admin_site.admin_view
+        return [
+            path("", view(self.changelist_view), name="{}_{}_changelist".format(*info)),
+            path(
+                "force-release/",
+                view(self.force_release_view),
+                name="{}_{}_force_release".format(*info),
+            ),
+        ]
+
+    def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
+        return {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "app_label": self.opts.app_label,
+            "title": title,
+            "backend": conf.backend().server,
+        }
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        prefix = request.GET.get("q", "").strip()
+        error = None
+        try:
+            holders = conf.backend().holders(prefix)
+        except LockError as exc:
+            holders, error = [], str(exc)
+        context = {
+            **self._context(request, "Lock holders"),
+            "prefix": prefix,
+            "rows": [_row(h) for h in holders],
+            "error": error,
+            "can_force_release": self.has_force_release_permission(request),
+            "now": timezone.now(),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/task_locks/holders.html", context)
+
+    def force_release_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        data = request.POST if request.method == "POST" else request.GET
+        name = data.get("name", "")
+        changelist = reverse("admin:task_locks_lockholder_changelist")
+        try:
+            holder = conf.backend().holder(name) if name else None
+        except LockError as exc:
+            self.message_user(request, f"Could not read lock {name!r}: {exc}", messages.ERROR)
+            return HttpResponseRedirect(changelist)
+        if holder is None:
+            self.message_user(request, f"Lock “{name}” is not held.", messages.WARNING)
+            return HttpResponseRedirect(changelist)
+        if request.method == "POST":
+            if str(holder.fence) != data.get("fence"):
+                self.message_user(
+                    request,
+                    f"Lock “{name}” changed hands since you looked (now fence {holder.fence}); "
+                    "check the new holder before releasing it.",
+                    messages.WARNING,
+                )
+                return HttpResponseRedirect(f"{request.path}?{urlencode({'name': name})}")
+            return self._force_release(request, holder, changelist)
+        context = {
+            **self._context(request, "Are you sure?"),
+            "row": _row(holder),
+        }
+        return TemplateResponse(request, "admin/task_locks/force_release_confirm.html", context)
+
+    def _force_release(self, request: HttpRequest, holder: Holder, changelist: str) -> HttpResponse:
+        try:
+            released = conf.backend().force_release(holder.name)
+        except LockError as exc:
+            self.message_user(request, f"Could not release “{holder.name}”: {exc}", messages.ERROR)
+            return HttpResponseRedirect(changelist)
+        if released:
+            user = request.user.get_username()  # type: ignore[union-attr]
+            audit.record(
+                "forced",
+                holder.name,
+                fence=holder.fence,
+                owner=holder.owner,
+                actor=f"{user} (admin)",
+                detail=f"force-released in the admin; was held by {holder.owner.describe()}",
+                sync=True,
+            )
+            self.message_user(
+                request,
+                f"Released lock “{holder.name}” (was held by {holder.owner.describe()}).",
+                messages.SUCCESS,
+            )
+        else:
+            self.message_user(request, f"Lock “{holder.name}” was already free.", messages.INFO)
+        return HttpResponseRedirect(changelist)
+
+
+@admin.register(LockEvent)
+class LockEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Read-only history: nobody edits the audit trail from the admin."""
+
+    list_display = ("created_at", "kind", "name", "fence", "holder", "actor")
+    list_filter = ("kind", "created_at")
+    search_fields = ("name", "actor", "detail")
+    date_hierarchy = "created_at"
+    ordering = ("-created_at", "-id")
+    readonly_fields = ("created_at", "kind", "name", "fence", "holder", "actor", "detail")
+    fields = readonly_fields
+
+    @admin.display(description="holder")
+    def holder(self, event: LockEvent) -> str:
+        return Owner.from_json(event.owner).describe() if event.owner_data else "-"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

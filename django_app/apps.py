@@ -1,0 +1,23 @@
+"""The app's configuration: the label is ``task_locks`` whatever the package is called."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.apps import AppConfig
+
+
+class TaskLocksConfig(AppConfig):
+    name = "django_app"
+    label = "task_locks"
+    verbose_name = "Task locks"
+    default_auto_field = "django.db.models.BigAutoField"
+    # Said explicitly: an editable install made before this package existed can make
+    # ``django_app`` look like a namespace package with several locations.
+    path = str(Path(__file__).resolve().parent)
+
+    def ready(self) -> None:
+        # Importing registers the system checks and the setting_changed receiver.
+        from . import checks, conf  # noqa: F401
+
+        conf.apply()

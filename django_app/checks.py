@@ -1,0 +1,135 @@
+"""System checks for ``TASK_LOCKS`` (``manage.py check``), with stable ids.
+
+=================  =====================================================================
+``task_locks.E001``  ``BACKEND`` is not a usable backend URL (bad scheme, bad options,
+                     unknown database alias...)
+``task_locks.E002``  ``DEFAULT_TTL`` is not a number of seconds > 0
+``task_locks.E003``  ``TASK_LOCKS`` has keys this version does not know (typos)
+``task_locks.E004``  ``TASK_LOCKS`` is not a dict, or ``AUDIT`` / ``KEY_PREFIX`` /
+                     ``EVENT_RETENTION_DAYS`` has a bad value
+``task_locks.W001``  the backend did not answer (it may be down or unreachable)
+``task_locks.W002``  ``KEY_PREFIX`` is set but the backend does not use it
+=================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from task_locks import Backend, LockError, get_backend
+
+from . import conf
+
+#: How long W001 waits for the backend to answer.
+PROBE_TIMEOUT = 3.0
+_PROBE_NAME = "task-locks:system-check"
+
+
+def _error(id_: str, msg: str, hint: str | None = None) -> checks.CheckMessage:
+    return checks.Error(msg, hint=hint, id=f"task_locks.{id_}", obj=conf.SETTING)
+
+
+def _warning(id_: str, msg: str, hint: str | None = None) -> checks.CheckMessage:
+    return checks.Warning(msg, hint=hint, id=f"task_locks.{id_}", obj=conf.SETTING)
+
+
+def _probe(backend: Backend) -> str | None:
+    """``None`` if the backend answered within ``PROBE_TIMEOUT``, else what went wrong."""
+    outcome: list[str | None] = []
+
+    def run() -> None:
+        try:
+            backend.holder(_PROBE_NAME)
+            outcome.append(None)
+        except LockError as exc:
+            outcome.append(str(exc))
+        except Exception as exc:  # a check must report, never crash
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run, name="task-locks-check", daemon=True)
+    thread.start()
+    thread.join(PROBE_TIMEOUT)
+    if not outcome:
+        return f"no answer within {PROBE_TIMEOUT:g}s"
+    return outcome[0]
+
+
+@checks.register("task_locks")
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    try:
+        raw = conf.raw()
+    except ImproperlyConfigured as exc:
+        return [_error("E004", str(exc))]
+    merged = {**conf.DEFAULTS, **raw}
+    messages: list[checks.CheckMessage] = []
+
+    unknown = conf.unknown_keys()
+    if unknown:
+        messages.append(
+            _error(
+                "E003",
+                f"{conf.SETTING} has unknown keys: {', '.join(unknown)}",
+                hint=f"Known keys: {', '.join(sorted(conf.DEFAULTS))}.",
+            )
+        )
+    try:
+        conf.parse_ttl(merged["DEFAULT_TTL"])
+    except ImproperlyConfigured as exc:
+        messages.append(_error("E002", str(exc), hint="Use a number of seconds, e.g. 30."))
+    prefix = ""
+    for key, parse in [
+        ("KEY_PREFIX", conf.parse_prefix),
+        ("AUDIT", conf.parse_audit),
+        ("EVENT_RETENTION_DAYS", conf.parse_retention),
+    ]:
+        try:
+            value = parse(merged[key])
+        except ImproperlyConfigured as exc:
+            messages.append(_error("E004", str(exc)))
+        else:
+            if key == "KEY_PREFIX":
+                prefix = str(value)
+
+    try:
+        url = conf.parse_backend_url(merged["BACKEND"], prefix)
+        backend = get_backend(url)
+    except (ImproperlyConfigured, LockError) as exc:
+        messages.append(
+            _error(
+                "E001",
+                f"{conf.SETTING}['BACKEND'] is not usable: {exc}",
+                hint="e.g. redis://127.0.0.1:6379/0, etcd://127.0.0.1:2379 or django://default",
+            )
+        )
+        return messages
+
+    scheme = urlsplit(url).scheme.lower()
+    if prefix and scheme not in conf.PREFIX_SCHEMES:
+        messages.append(
+            _warning(
+                "W002",
+                f"{conf.SETTING}['KEY_PREFIX'] is ignored by the {scheme}:// backend",
+                hint="Remove KEY_PREFIX, or use a Redis backend URL.",
+            )
+        )
+    # The database backend's health is Django's own database checks' business (and its
+    # table does not exist before the first migrate, when this check also runs).
+    if scheme != "django":
+        problem = _probe(backend)
+        if problem is not None:
+            messages.append(
+                _warning(
+                    "W001",
+                    f"the lock backend {backend.server} did not answer: {problem}",
+                    hint="Locks will fail with BackendUnavailable until it is reachable.",
+                )
+            )
+    return messages
+
+
+__all__ = ["check_settings"]

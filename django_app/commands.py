@@ -1,0 +1,322 @@
+"""Management commands that run under a distributed lock.
+
+::
+
+    class Command(LockedCommand):              # manage.py nightly_report
+        lock_name = "nightly-report"           # or a template over the options: "report:{account}"
+        lock_ttl = 60                          # renewed while handle() runs
+
+        def handle(self, *args, **options): ...
+
+or, on any ``BaseCommand``::
+
+    class Command(BaseCommand):
+        @locked_command("report:{account}", ttl=60)
+        def handle(self, *args, **options): ...
+
+Every such command gets ``--lock-wait SECONDS`` (default 0: do not wait), ``--lock-ttl
+SECONDS`` and ``--no-lock`` (runs unprotected, with a warning). When another process
+holds the lock the command prints one line on stderr naming the lock, the holder (host,
+pid, command or task) and how long it has held it, and exits with status 75
+(``EX_TEMPFAIL``), so cron wrappers can tell "busy" from "failed". SIGTERM and Ctrl-C
+release the lock before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import signal
+import string
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
+
+from task_locks import InvalidArgument, Lock, LockHeld, LockLost, owner_context
+from task_locks.config import validate_ttl
+from task_locks.ops import EX_TEMPFAIL, conflict_holder, conflict_message
+
+from . import audit, conf
+
+_LOCK_OPTIONS = ("lock_wait", "lock_ttl", "no_lock")
+
+
+class CommandLockHeld(LockHeld):
+    """Raised out of ``call_command`` when the lock is held; the CLI exits 75 instead."""
+
+    exit_status = EX_TEMPFAIL
+
+
+def _validate_template(template: object, where: str) -> str:
+    if not isinstance(template, str) or not template.strip():
+        raise ImproperlyConfigured(f"{where}: lock name must be a non-empty string")
+    try:
+        list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{where}: bad lock name template {template!r}: {exc}") from exc
+    return template
+
+
+def _validate_ttl(ttl: object, where: str) -> float | None:
+    if ttl is None:
+        return None
+    try:
+        return validate_ttl(ttl, "lock_ttl")
+    except InvalidArgument as exc:
+        raise ImproperlyConfigured(f"{where}: {exc}") from exc
+
+
+def render_lock_name(template: str, options: Mapping[str, Any], command: str) -> str:
+    """``template`` filled from the command's options (``{account}``) and ``{command}``."""
+    try:
+        return template.format(**{"command": command, **options})
+    except (KeyError, IndexError) as exc:
+        raise CommandError(
+            f"lock name {template!r} uses {exc}, which is not an option of {command!r} "
+            f"(options: {', '.join(sorted(options))})"
+        ) from None
+
+
+def add_lock_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("distributed lock")
+    group.add_argument(
+        "--lock-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for the lock if another run holds it (default: 0)",
+    )
+    group.add_argument(
+        "--lock-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="lock TTL (renewed while the command runs; a crashed run frees it after this)",
+    )
+    group.add_argument(
+        "--no-lock",
+        action="store_true",
+        help="run WITHOUT the lock (a warning is printed; concurrent runs are possible)",
+    )
+
+
+class _Terminated(BaseException):
+    """SIGTERM turned into an exception, so ``finally`` blocks (the release) run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_locked(
+    command: BaseCommand,
+    handle: Callable[..., Any],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    *,
+    template: str,
+    ttl: float | None,
+) -> Any:
+    """Run ``handle`` under the lock the options and the class describe."""
+    command_name = getattr(command, "_called_as", None) or command.__module__.rsplit(".", 1)[-1]
+    wait = options.pop("lock_wait", 0.0) or 0.0
+    ttl_option = options.pop("lock_ttl", None)
+    no_lock = options.pop("no_lock", False)
+    if no_lock:
+        command.stderr.write(
+            f"task-locks: WARNING: {command_name} runs without its lock (--no-lock): another "
+            "run may be doing the same work at the same time"
+        )
+        return handle(*args, **options)
+    if wait < 0:
+        raise CommandError(f"--lock-wait must be >= 0 seconds, got {wait}")
+    name = render_lock_name(template, options, command_name)
+    try:
+        ttl = validate_ttl(ttl_option, "--lock-ttl") if ttl_option is not None else ttl
+    except InvalidArgument as exc:
+        raise CommandError(str(exc)) from None
+    backend = conf.backend()
+    lock = Lock(
+        name,
+        ttl or conf.default_ttl(),
+        backend=backend,
+        timeout=wait,
+        on_lost=lambda lease: audit.record(
+            "lost", lease.name, fence=lease.fence, detail=lease.lost_reason or ""
+        ),
+    )
+    described = " ".join(["manage.py", command_name, *map(str, args)])
+    try:
+        with owner_context(command=described), _sigterm_unwinds():
+            try:
+                lease = lock.acquire()
+            except LockHeld as exc:
+                holder = conflict_holder(backend, exc)
+                audit.record(
+                    "conflict",
+                    name,
+                    fence=holder.fence if holder else None,
+                    owner=holder.owner if holder else None,
+                    detail=f"{described} found it held",
+                )
+                raise CommandLockHeld(
+                    conflict_message(name, holder), name=name, holder=holder
+                ) from None
+            audit.record("acquired", name, fence=lease.fence, detail=described)
+            command.lease = lease  # type: ignore[attr-defined]  # handle() may pass lease.fence
+            try:
+                result = handle(*args, **options)
+            except BaseException:
+                _release(lease, failing=True)
+                raise
+            _release(lease, failing=False)
+            return result
+    except _Terminated as stop:
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        audit.flush(timeout=5.0)
+
+
+def _release(lease: Any, *, failing: bool) -> None:
+    try:
+        lease.release()
+    except LockLost as exc:
+        if not failing:
+            raise CommandError(
+                f"{exc} (the command's work may have overlapped another run)"
+            ) from exc
+    else:
+        audit.record("released", lease.name, fence=lease.fence)
+
+
+def _exit_quietly(run_from_argv: Callable[[list[str]], None], argv: list[str]) -> None:
+    """From the command line: one line and status 75 on conflict, 130 on Ctrl-C."""
+    try:
+        run_from_argv(argv)
+    except CommandLockHeld as exc:
+        sys.stderr.write(f"{exc}\n")
+        sys.stderr.flush()
+        sys.exit(EX_TEMPFAIL)
+    except KeyboardInterrupt:
+        sys.stderr.write("task-locks: interrupted\n")
+        sys.exit(128 + signal.SIGINT)
+
+
+class LockedCommand(BaseCommand):
+    """A ``BaseCommand`` whose ``handle()`` runs while holding ``lock_name``."""
+
+    #: The lock: a name, or a template over the options, e.g. ``"report:{account}"``.
+    lock_name: str | None = None
+    #: Seconds; ``None`` uses ``TASK_LOCKS["DEFAULT_TTL"]``.
+    lock_ttl: float | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if cls.lock_name is not None:
+            _validate_template(cls.lock_name, where)
+        _validate_ttl(cls.lock_ttl, where)
+
+    def get_lock_name(self, *args: Any, **options: Any) -> str:
+        """The template to fill; override to compute it (the default: ``lock_name``)."""
+        if self.lock_name is None:
+            return "command:{command}"
+        return self.lock_name
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> Any:
+        self._called_as = subcommand
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        add_lock_arguments(parser)
+        return parser
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        handle = self.handle
+        template = _validate_template(self.get_lock_name(*args, **options), type(self).__name__)
+
+        def locked_handle(*a: Any, **o: Any) -> Any:
+            return run_locked(self, handle, a, o, template=template, ttl=self.lock_ttl)
+
+        self.handle = locked_handle  # type: ignore[method-assign]
+        try:
+            return super().execute(*args, **options)
+        finally:
+            del self.handle
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        _exit_quietly(super().run_from_argv, argv)
+
+
+class locked_command:
+    """Decorate a command's ``handle`` to run it under a lock (options added too)."""
+
+    def __init__(self, name: str, *, ttl: float | None = None) -> None:
+        self.template = _validate_template(name, "locked_command")
+        self.ttl = _validate_ttl(ttl, "locked_command")
+        self.handle: Callable[..., Any] | None = None
+
+    def __call__(self, handle: Callable[..., Any]) -> locked_command:
+        self.handle = handle
+        return self
+
+    def __set_name__(self, owner: type[BaseCommand], attr: str) -> None:
+        assert self.handle is not None, "use @locked_command(...) on handle"
+        handle, template, ttl = self.handle, self.template, self.ttl
+        original_add_arguments = owner.add_arguments
+        original_create_parser = owner.create_parser
+
+        @functools.wraps(original_add_arguments)
+        def add_arguments(cmd: BaseCommand, parser: argparse.ArgumentParser) -> None:
+            original_add_arguments(cmd, parser)
+            add_lock_arguments(parser)
+
+        @functools.wraps(original_create_parser)
+        def create_parser(cmd: BaseCommand, prog_name: str, subcommand: str, **kw: Any) -> Any:
+            cmd._called_as = subcommand  # type: ignore[attr-defined]
+            return original_create_parser(cmd, prog_name, subcommand, **kw)
+
+        @functools.wraps(handle)
+        def locked_handle(cmd: BaseCommand, *args: Any, **options: Any) -> Any:
+            return run_locked(
+                cmd,
+                functools.partial(handle, cmd),
+                args,
+                options,
+                template=template,
+                ttl=ttl,
+            )
+
+        original_run_from_argv = owner.run_from_argv
+
+        @functools.wraps(original_run_from_argv)
+        def run_from_argv(cmd: BaseCommand, argv: list[str]) -> None:
+            _exit_quietly(functools.partial(original_run_from_argv, cmd), argv)
+
+        owner.run_from_argv = run_from_argv  # type: ignore[method-assign]
+        owner.add_arguments = add_arguments  # type: ignore[method-assign]
+        owner.create_parser = create_parser  # type: ignore[method-assign]
+        setattr(owner, attr, locked_handle)
+
+
+__all__ = ["CommandLockHeld", "LockedCommand", "add_lock_arguments", "locked_command"]

@@ -1,0 +1,111 @@
+"""``manage.py locks``: list, show, release, run (the same verbs as ``task-locks``) and prune.
+
+::
+
+    manage.py locks list [PREFIX] [--json]
+    manage.py locks show NAME
+    manage.py locks release NAME --force [--yes]     # writes a "forced" LockEvent
+    manage.py locks run NAME [--ttl S] [--wait S] -- CMD ARGS...
+    manage.py locks prune [--days N]                  # delete events older than the retention
+
+The backend is ``TASK_LOCKS["BACKEND"]``. Exit statuses: see :mod:`task_locks.ops`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
+
+from task_locks import ops
+from task_locks.types import Owner
+
+from ... import audit, conf
+from ...models import LockEvent
+
+
+def _audit(
+    kind: str, name: str, *, fence: int | None = None, owner: Owner | None = None, detail: str = ""
+) -> None:
+    actor = f"{getpass.getuser()}@{socket.gethostname()} (manage.py locks, pid {os.getpid()})"
+    # An operator's force-release is recorded before we report it done.
+    audit.record(
+        kind, name, fence=fence, owner=owner, actor=actor, detail=detail, sync=kind == "forced"
+    )
+
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """Everything after the first ``--`` is ``run``'s program (argparse mishandles
+    ``--`` under subcommands)."""
+    if "--" not in args:
+        return args, []
+    cut = args.index("--")
+    return args[:cut], args[cut + 1 :]
+
+
+class Command(BaseCommand):
+    help = "See and steer distributed locks: list, show, release, run; prune lock events."
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        verbs = ops.add_verbs(parser)
+        prune = verbs.add_parser("prune", help="delete lock events older than the retention")
+        prune.add_argument(
+            "--days",
+            type=float,
+            default=None,
+            help="keep this many days (default: TASK_LOCKS['EVENT_RETENTION_DAYS'])",
+        )
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parse = parser.parse_args
+
+        def parse_args(args: Any = None, namespace: Any = None) -> Any:
+            head, program = _split(list(args) if args is not None else [])
+            options = parse(head, namespace)
+            if program:
+                if getattr(options, "verb", None) != "run":
+                    parser.error("only `run` takes a program after --")
+                options.command = [*options.command, *program]
+            return options
+
+        parser.parse_args = parse_args  # type: ignore[assignment,method-assign]
+        return parser
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        verb = options["verb"]
+        if verb == "prune":
+            self._prune(options.get("days"))
+            return
+        try:
+            status = ops.run_verb(
+                options,
+                conf.backend(),
+                out=self.stdout,
+                err=self.stderr,
+                audit=_audit,
+                default_ttl=conf.default_ttl(),
+                actor=f"{getpass.getuser()} via manage.py locks",
+            )
+        finally:
+            audit.flush(timeout=5.0)
+        if status:
+            self.stdout.flush()
+            self.stderr.flush()
+            # A status, not an error: `locks run` passes its program's status through.
+            raise SystemExit(status)
+
+    def _prune(self, days: float | None) -> None:
+        if days is None:
+            days = conf.lock_settings().event_retention_days
+        if days < 0:
+            raise CommandError(f"--days must be >= 0, got {days}")
+        cutoff = timezone.now() - timedelta(days=days)
+        deleted, _ = LockEvent.objects.filter(created_at__lt=cutoff).delete()
+        self.stdout.write(f"deleted {deleted} lock event(s) older than {days:g} day(s)")

@@ -1,0 +1,32 @@
+"""A cron job that must never run twice at once: ``manage.py nightly_report``.
+
+A second run while one is going exits with status 75 and names the holder; with
+``--lock-wait 60`` it waits for the first to finish instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from django_app.commands import LockedCommand
+from shop.models import JobRun
+
+
+class Command(LockedCommand):
+    help = "Build the nightly report (never two at once, cluster-wide)."
+    lock_name = "nightly-report"
+    lock_ttl = 30
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument("--seconds", type=float, default=2.0, help="how long the work takes")
+
+    def handle(self, *args, **options):
+        run = JobRun.objects.create(
+            job="nightly_report", key="nightly-report", started=time.time(), pid=os.getpid()
+        )
+        time.sleep(options["seconds"])  # the work itself
+        run.ended = time.time()
+        run.save(update_fields=["ended"])
+        self.stdout.write("nightly report done")

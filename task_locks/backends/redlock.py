@@ -1,0 +1,866 @@
+"""Redlock: ``redlock://[:password@]h1:p1,h2:p2,h3:p3[/db][?options]``.
+
+N independent Redis masters (no replication between them); a lock is held when a
+majority of them hold it for the same token. Each master is one
+:class:`~task_locks.backends.redis.RedisBackend` (same Lua scripts, same key layout),
+and this module only fans requests out to them and counts the answers:
+
+- **acquire**: sent to every master at once, each with a short timeout (``node_timeout``).
+  The answer is decided as soon as a majority has granted it (or can no longer grant
+  it); a straggler is not waited for. The lock is ours when a majority granted it and
+  the validity ``ttl - elapsed - drift`` is still positive (``elapsed`` measured on a
+  monotonic clock after the majority answered, ``drift = ttl * drift_factor + 2 ms``).
+  Otherwise the partial grants are released everywhere and the caller retries after
+  the holder's TTL or, when the vote was split between contenders, a random delay.
+- **fence** = the largest fence among the granting masters. Each master's fence is
+  ``max(counter + 1, server time in microseconds)``; after a successful acquire the
+  fence counter on every master is raised to that maximum (``fence_sync=1``, one more
+  parallel round trip), so the next majority, which overlaps ours, hands out a larger
+  one even when the masters' clocks disagree.
+- **renew / release**: a majority must confirm the token; answers from fewer masters
+  than a majority raise :class:`~task_locks.errors.BackendUnavailable` (the watchdog
+  retries a renewal until the lease would have run out).
+- **restarted masters**: every new connection to a master reads its ``run_id`` and
+  uptime. A master whose ``run_id`` changed since we last saw it, or first seen with an
+  uptime below the longest TTL this process has used (or ``restart_delay``), may have
+  lost locks it held, so its answers do not count until that much time has passed.
+- **wake-ups**: a waiter blocks on the release signal list of one master (chosen by
+  the name, skipping masters that just failed), with a deadline of its own, so a
+  paused master cannot stretch a wait.
+- **holders**: a holder is listed when a majority of masters agree on its token.
+
+Limits (also in the README's safety table):
+
+- Safety assumes the masters' clocks run at about the same rate: a master whose clock
+  jumps forward expires a lock early. ``drift_factor`` covers only bounded drift.
+- A master that restarts *without persistence* forgets its locks. The restart check
+  above only works when this process talks to that master and ``restart_delay``
+  (default: the longest TTL this process used) covers the longest TTL of *every*
+  process; run masters with ``appendfsync always`` or delay their restarts by the
+  longest TTL for full safety.
+- Fences stay increasing as long as, between two acquires, a majority of masters keep
+  their fence counters (no restart without persistence); past that they fall back on
+  the masters' clocks, like a single Redis restarted without persistence.
+- A paused or partitioned client can still act after its lease ran out: pass the fence
+  to the resource.
+- A local lease's expiry is estimated as ``ttl`` after the request was sent; the
+  Redlock validity is shorter by ``drift`` (1 % + 2 ms), which the renewal at ttl/3
+  covers in practice.
+
+URL options: ``prefix`` (default ``task_locks:``), ``node_timeout`` (seconds per master
+and request, default 0.25), ``retry_delay`` (upper bound of the random delay after a
+split vote, default 0.2), ``drift_factor`` (default 0.01), ``restart_delay`` (seconds a
+restarted master gets no vote, at least the longest TTL used; default 0), ``fence_sync``
+(``1``/``0``, default 1), ``fence_ttl`` (seconds, as for ``redis://``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+from urllib.parse import parse_qsl, quote, urlsplit
+
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..errors import BackendUnavailable, InvalidArgument, LockError
+from ..types import AcquireResult, Holder, Owner, RenewItem
+from .base import Backend
+from .redis import SCRIPTS, RedisBackend
+
+T = TypeVar("T")
+
+# KEYS[1] lock hash, KEYS[2] fence counter; ARGV[1] token, ARGV[2] fence, ARGV[3] counter
+# ttl ms. Raise the counter to the fence a majority just agreed on (counters only grow),
+# and record that fence in our lock hash so every master reports the same one.
+BUMP_FENCE = """
+local last = tonumber(redis.call('get', KEYS[2]) or '0')
+if last < tonumber(ARGV[2]) then redis.call('set', KEYS[2], ARGV[2], 'px', ARGV[3]) end
+if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
+  redis.call('hset', KEYS[1], 'fence', ARGV[2])
+end
+return 1
+"""
+_BUMP_SHA: Final = hashlib.sha1(BUMP_FENCE.encode()).hexdigest()
+
+_OPTIONS: Final = {
+    "prefix",
+    "node_timeout",
+    "retry_delay",
+    "drift_factor",
+    "restart_delay",
+    "fence_sync",
+    "fence_ttl",
+}
+#: After a master failed, waiters prefer other masters for this long.
+_DOWN_FOR: Final = 1.0
+
+
+class _Silence:
+    """A master without a usable answer: none yet (or in time), or no vote after a restart."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __repr__(self) -> str:
+        return self.why
+
+
+PENDING: Final = _Silence("not awaited: the outcome was already decided")
+TIMED_OUT: Final = _Silence("no answer within node_timeout")
+NO_VOTE: Final = _Silence("restarted recently, no vote")
+
+
+def _parse_info(raw: Any) -> dict[str, str]:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    fields = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in fields}
+
+
+class _MasterBackend(RedisBackend):
+    """One master: a :class:`RedisBackend` that reports each new connection's server.
+
+    Every (re)connection, sync or async, first reads ``INFO server``, so a restart is
+    noticed before the restarted master's answer is counted.
+    """
+
+    def __init__(self, url: str, master: _Master) -> None:
+        self.master = master
+        super().__init__(url)
+        self.client.connection_pool.connection_kwargs["redis_connect_func"] = self._sync_hook
+
+    def _async_client(self) -> Any:
+        client = super()._async_client()
+        client.connection_pool.connection_kwargs.setdefault("redis_connect_func", self._async_hook)
+        return client
+
+    def _sync_hook(self, conn: Any) -> None:
+        conn.on_connect()
+        conn.send_command("INFO", "server")
+        self.master.observe(_parse_info(conn.read_response()))
+
+    async def _async_hook(self, conn: Any) -> None:
+        await conn.on_connect()
+        await conn.send_command("INFO", "server")
+        self.master.observe(_parse_info(await conn.read_response()))
+
+    # -- requests shaped once, sent by the sync or the async client --------------------
+
+    def _grant_commands(
+        self, name: str, token: str, ttl_ms: int, owner: Owner
+    ) -> Callable[[bool], list[tuple[Any, ...]]]:
+        # ACQUIRE then RENEW in one round trip: a grant that was already ours (left by a
+        # straggler of an earlier attempt) gets its TTL restarted, so every vote lasts
+        # ttl from now.
+        acquire = self._acquire_args(name, token, ttl_ms, owner)
+        renew = [1, self._key(name), token, ttl_ms]
+
+        def commands(by_sha: bool) -> list[tuple[Any, ...]]:
+            return [_script("acquire", by_sha, acquire), _script("renew", by_sha, renew)]
+
+        return commands
+
+    def _grant_result(self, name: str, replies: list[Any]) -> AcquireResult:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._fail(name, reply)
+        result = self._acquire_result(replies[0])
+        if result.acquired and not replies[1]:
+            return AcquireResult(None, retry_after=0.0)  # taken away between the two scripts
+        return result
+
+    def _bump_commands(
+        self, name: str, token: str, fence: int
+    ) -> Callable[[bool], list[tuple[Any, ...]]]:
+        key = self._key(name)
+        args = [2, key, key + ":fence", token, fence, self.fence_ttl_ms]
+        return lambda by_sha: [_script("bump", by_sha, args)]
+
+    # -- sync ----------------------------------------------------------------------------
+
+    def _scripts(self, name: str, commands: Callable[[bool], list[tuple[Any, ...]]]) -> list[Any]:
+        """Run script calls pipelined by SHA; resend the ones the server did not know."""
+        try:
+            client = self.client
+            replies = self._pipeline(client, commands(True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                source = commands(False)
+                again = self._pipeline(client, [source[i] for i in missing])
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
+            return replies
+        except RedisError as exc:
+            self._fail(name, exc)
+
+    def grant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        replies = self._scripts(name, self._grant_commands(name, token, ttl_ms, owner))
+        return self._grant_result(name, replies)
+
+    def bump_fence(self, name: str, token: str, fence: int) -> bool:
+        return bool(self._scripts(name, self._bump_commands(name, token, fence))[0])
+
+    def block_on_signal(self, name: str, timeout: float) -> None:
+        """BLPOP with a client-side deadline: a paused master cannot stretch the wait."""
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except RedisError as exc:
+            self._fail(name, exc)
+        try:
+            conn.send_command("BLPOP", self._key(name) + ":signal", max(0.001, timeout))
+            if conn.can_read(timeout=timeout + self.socket_timeout):
+                conn.read_response()
+            else:
+                conn.disconnect()  # the server is stuck; drop the half-done BLPOP
+        except RedisError as exc:
+            conn.disconnect()
+            self._fail(name, exc)
+        finally:
+            pool.release(conn)
+
+    # -- async ---------------------------------------------------------------------------
+
+    async def _ascripts(
+        self, name: str, commands: Callable[[bool], list[tuple[Any, ...]]]
+    ) -> list[Any]:
+        client = self._async_client()
+
+        async def run() -> list[Any]:
+            replies = await self._apipeline(client, commands(True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                source = commands(False)
+                again = await self._apipeline(client, [source[i] for i in missing])
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
+            return replies
+
+        return await self._acall(name, run)
+
+    async def agrant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        replies = await self._ascripts(name, self._grant_commands(name, token, ttl_ms, owner))
+        return self._grant_result(name, replies)
+
+    async def abump_fence(self, name: str, token: str, fence: int) -> bool:
+        return bool((await self._ascripts(name, self._bump_commands(name, token, fence)))[0])
+
+    async def ablock_on_signal(self, name: str, timeout: float) -> None:
+        pool = self._async_client().connection_pool
+        try:
+            conn = await pool.get_connection()
+        except RedisError as exc:
+            self._fail(name, exc)
+        try:
+            await conn.send_command("BLPOP", self._key(name) + ":signal", max(0.001, timeout))
+            await conn.read_response(timeout=timeout + self.socket_timeout)
+        except RedisTimeoutError:
+            await conn.disconnect()  # the server is stuck; drop the half-done BLPOP
+        except RedisError as exc:
+            await conn.disconnect()
+            self._fail(name, exc)
+        finally:
+            await pool.release(conn)
+
+
+def _script(which: str, by_sha: bool, args: list[Any]) -> tuple[Any, ...]:
+    if which == "bump":
+        return ("EVALSHA", _BUMP_SHA, *args) if by_sha else ("EVAL", BUMP_FENCE, *args)
+    return (
+        ("EVALSHA", SCRIPTS.sha[which], *args) if by_sha else ("EVAL", SCRIPTS.source[which], *args)
+    )
+
+
+class _Master:
+    """What this process knows about one master's lifetime, and whether it may vote."""
+
+    def __init__(self, redlock: RedlockBackend, address: str, url: str) -> None:
+        self.redlock = redlock
+        self.address = address
+        self.run_id: str | None = None
+        self.vote_after = 0.0  # time.monotonic()
+        self.down_until = 0.0
+        self.backend = _MasterBackend(url, self)
+
+    def observe(self, info: dict[str, str]) -> None:
+        """A new connection told us the server's ``run_id`` and uptime."""
+        run_id = info.get("run_id", "")
+        try:
+            uptime = float(info.get("uptime_in_seconds", "0"))
+        except ValueError:
+            uptime = 0.0
+        if self.run_id is None:  # first sight: only an explicit restart_delay applies
+            delay = self.redlock.restart_delay
+        elif run_id != self.run_id:  # restarted since we last saw it: it may have forgotten
+            delay = self.redlock.restart_quarantine()
+        else:
+            delay = 0.0
+        if uptime < delay:
+            self.vote_after = max(self.vote_after, time.monotonic() + delay - uptime)
+        self.run_id = run_id
+
+    def votes(self, now: float) -> bool:
+        return now >= self.vote_after
+
+    def describe(self, answer: object, now: float) -> str:
+        if not self.votes(now):
+            return f"{self.address}: restarted, no vote for {self.vote_after - now:.1f}s more"
+        if isinstance(answer, BaseException):
+            return f"{self.address}: {answer.__cause__ or answer}"
+        return f"{self.address}: {answer!r}"
+
+
+# One fan-out request: the same method called on every master.
+@dataclass(frozen=True, slots=True)
+class _Call:
+    method: str  # sync name on _MasterBackend; the async one is "a" + method
+    args: tuple[Any, ...]
+    #: True once the answers so far decide the outcome (stragglers are not awaited).
+    enough: Callable[[list[Any]], bool]
+    #: (name, token) whose calls must reach each master in order: a release must not
+    #: overtake a straggling grant, or the grant would land after it and linger.
+    chain: tuple[str, str] | None = None
+
+
+_Plan = Generator[_Call, list[Any], T]
+
+
+class RedlockBackend(Backend):
+    schemes = ("redlock",)
+    capabilities = frozenset({"fencing", "holders", "multiprocess", "wakeup"})
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = set(query) - _OPTIONS
+        if unknown:
+            raise InvalidArgument(
+                f"{self.server}: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}"
+            )
+        self.prefix = query.get("prefix", "task_locks:")
+        self.node_timeout = self._number(query, "node_timeout", 0.25, minimum=0.001)
+        self.retry_delay = self._number(query, "retry_delay", 0.2)
+        self.drift_factor = self._number(query, "drift_factor", 0.01)
+        self.restart_delay = self._number(query, "restart_delay", 0.0)
+        self.fence_sync = query.get("fence_sync", "1") not in ("0", "false", "no")
+        fence_ttl = self._number(query, "fence_ttl", 7 * 86400)
+        self._longest_ttl = 0.0
+        self.masters = self._masters(parts, fence_ttl)
+        self.quorum = len(self.masters) // 2 + 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
+        self._background: set[asyncio.Future[Any]] = set()
+        self._chains: dict[tuple[Any, ...], Future[Any]] = {}
+        self._chain_lock = threading.Lock()
+        self._achains: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+
+    # -- construction -------------------------------------------------------------------
+
+    def _number(
+        self, query: dict[str, str], key: str, default: float, minimum: float = 0.0
+    ) -> float:
+        if key not in query:
+            return default
+        try:
+            value = float(query[key])
+        except ValueError:
+            raise InvalidArgument(
+                f"{self.server}: option {key}={query[key]!r} is not a number"
+            ) from None
+        if not value >= minimum:
+            raise InvalidArgument(f"{self.server}: option {key} must be >= {minimum}, got {value}")
+        return value
+
+    def _masters(self, parts: Any, fence_ttl: float) -> list[_Master]:
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        auth = f"{userinfo}@" if userinfo else ""
+        path = parts.path.strip("/")
+        if path and not path.isdigit():
+            raise InvalidArgument(
+                f"{self.server}: the path must be a database number, got {path!r}"
+            )
+        db = path or "0"
+        masters: list[_Master] = []
+        seen: set[str] = set()
+        for item in hosts.split(","):
+            host, _, port = item.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InvalidArgument(
+                    f"{self.server}: expected host:port[,host:port...], got {item.strip()!r}"
+                )
+            address = f"{host}:{int(port)}"
+            if address in seen:
+                raise InvalidArgument(f"{self.server}: master {address} is listed twice")
+            seen.add(address)
+            options = (
+                f"prefix={quote(self.prefix, safe='')}&socket_timeout={self.node_timeout}"
+                f"&connect_timeout={self.node_timeout}&fence_ttl={fence_ttl}"
+            )
+            masters.append(_Master(self, address, f"redis://{auth}{address}/{db}?{options}"))
+        return masters
+
+    def restart_quarantine(self) -> float:
+        """How long a restarted master may have held a lock it forgot: no vote for that long."""
+        return max(self._longest_ttl, self.restart_delay)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # A forked child inherits the parent's executor without its threads: make a new one.
+        pid = os.getpid()
+        with self._pool_lock:
+            if self._pool is None or self._pool_pid != pid:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=min(64, 8 * len(self.masters)),
+                    thread_name_prefix="task-locks-redlock",
+                )
+                self._pool_pid = pid
+            return self._pool
+
+    # -- counting answers (no I/O) ---------------------------------------------------------
+
+    def _voters(self, answers: list[Any]) -> list[Any]:
+        """Answers that count: a master in its post-restart quarantine has ``NO_VOTE``."""
+        now = time.monotonic()
+        return [a if m.votes(now) else NO_VOTE for m, a in zip(self.masters, answers, strict=True)]
+
+    def _unavailable(self, name: str | None, what: str, answers: list[Any]) -> BackendUnavailable:
+        now = time.monotonic()
+        failed = [
+            m.describe(a, now)
+            for m, a in zip(self.masters, answers, strict=True)
+            if not m.votes(now) or (a is not PENDING and isinstance(a, _Silence | BaseException))
+        ]
+        subject = f"lock {name!r}" if name else "listing locks"
+        return BackendUnavailable(
+            f"{subject}: {what}: a majority of the Redis masters ({self.quorum} of "
+            f"{len(self.masters)}) must answer, but {len(failed)} did not: " + "; ".join(failed),
+            name=name,
+            server=self.server,
+        )
+
+    def _tally(self, answers: list[Any], index: int | None = None) -> tuple[int, int]:
+        """(yes, no) among voting masters, for a bool answer or item ``index`` of a list."""
+        yes = no = 0
+        for answer in self._voters(answers):
+            if isinstance(answer, _Silence | BaseException):
+                continue
+            value = answer if index is None else answer[index]
+            if value:
+                yes += 1
+            else:
+                no += 1
+        return yes, no
+
+    def _decided(self, yes: int, no: int) -> bool:
+        return yes >= self.quorum or no > len(self.masters) - self.quorum
+
+    def _all_answered(self, answers: list[Any]) -> bool:
+        return all(a is not PENDING for a in answers)
+
+    def _majority_answered(self, answers: list[Any]) -> bool:
+        return sum(a is not PENDING for a in answers) >= self.quorum
+
+    # -- the algorithms, written once as plans of fan-outs ---------------------------------
+
+    def _acquire_plan(
+        self, name: str, token: str, ttl_ms: int, owner: Owner
+    ) -> _Plan[AcquireResult]:
+        ttl = ttl_ms / 1000
+        self._longest_ttl = max(self._longest_ttl, ttl)
+        started = time.monotonic()
+
+        def granted(answers: list[Any]) -> list[AcquireResult]:
+            return [a for a in answers if isinstance(a, AcquireResult) and a.acquired]
+
+        def enough(answers: list[Any]) -> bool:
+            voters = self._voters(answers)
+            won = len(granted(voters))
+            answered = sum(1 for a in voters if isinstance(a, AcquireResult))
+            undecided = sum(1 for a in voters if a is PENDING)
+            if won >= self.quorum:
+                return True
+            # Lost; stop once we can also tell "held" from "unavailable".
+            return won + undecided < self.quorum and (
+                answered >= self.quorum or answered + undecided < self.quorum
+            )
+
+        answers = yield _Call("grant", (name, token, ttl_ms, owner), enough, (name, token))
+        elapsed = time.monotonic() - started
+        validity = ttl - elapsed - (ttl * self.drift_factor + 0.002)
+        voters = self._voters(answers)
+        won = granted(voters)
+        if len(won) >= self.quorum and validity > 0:
+            fence = max(a.fence or 0 for a in granted(answers))
+            if self.fence_sync:
+                yield _Call(
+                    "bump_fence", (name, token, fence), self._majority_answered, (name, token)
+                )
+            return AcquireResult(fence)
+        # Not ours: undo the partial grants everywhere. Wait for the masters that answered
+        # (so our next attempt cannot overtake the undo); a stuck one is not waited for.
+        responsive = [not isinstance(a, _Silence) for a in answers]
+
+        def undone(cleanup: list[Any]) -> bool:
+            return all(a is not PENDING for a, r in zip(cleanup, responsive, strict=True) if r)
+
+        yield _Call("release", (name, token), undone, (name, token))
+        refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
+        if len(won) + len(refused) < self.quorum:
+            raise self._unavailable(name, "cannot acquire", answers)
+        return self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
+
+    def _refusal(self, refused: list[AcquireResult], complete: bool) -> AcquireResult:
+        """What a loser learns: who holds the lock, and when to try again."""
+        if not refused:  # a majority granted, but too late (validity ran out): go again
+            return AcquireResult(None, retry_after=random.uniform(0, self.retry_delay))
+        groups: dict[int | None, list[AcquireResult]] = defaultdict(list)
+        for answer in refused:
+            groups[answer.holder_fence].append(answer)
+        best = max(groups.values(), key=len)
+        ttls = [a.retry_after for a in best if a.retry_after is not None]
+        if len(best) < self.quorum and complete:
+            # Split vote between contenders: desynchronise with a random delay.
+            retry_after: float | None = random.uniform(self.retry_delay / 2, self.retry_delay)
+        elif ttls:
+            retry_after = min(ttls) + random.uniform(0, self.retry_delay / 4)
+        else:
+            retry_after = None
+        return AcquireResult(
+            None,
+            retry_after=retry_after,
+            holder=best[0].holder,
+            holder_fence=best[0].holder_fence,
+            holder_acquired_at=best[0].holder_acquired_at,
+        )
+
+    def _renew_plan(self, items: Sequence[RenewItem]) -> _Plan[list[bool]]:
+        started = time.monotonic()
+
+        def enough(answers: list[Any]) -> bool:
+            return all(self._decided(*self._tally(answers, i)) for i in range(len(items)))
+
+        answers = yield _Call("renew_many", (list(items),), enough)
+        elapsed = time.monotonic() - started
+        results: list[bool] = []
+        for index, item in enumerate(items):
+            yes, no = self._tally(answers, index)
+            validity = item.ttl_ms / 1000 * (1 - self.drift_factor) - 0.002 - elapsed
+            if yes >= self.quorum and validity > 0:
+                results.append(True)
+            elif no > len(self.masters) - self.quorum:
+                results.append(False)
+            else:
+                raise self._unavailable(item.name, "cannot renew", answers)
+        return results
+
+    def _release_plan(self, name: str, token: str) -> _Plan[bool]:
+        # Every master is awaited (up to node_timeout), not just a majority: once release()
+        # returns, the lock is free wherever a master answers.
+        answers = yield _Call("release", (name, token), self._all_answered, (name, token))
+        yes, no = self._tally(answers)
+        if yes >= self.quorum:
+            return True
+        if no > len(self.masters) - self.quorum:
+            return False
+        raise self._unavailable(name, "cannot release", answers)
+
+    def _force_release_plan(self, name: str) -> _Plan[bool]:
+        answers = yield _Call("force_release", (name,), self._all_answered)
+        yes, no = self._tally(answers)
+        if yes + no < self.quorum:
+            raise self._unavailable(name, "cannot force-release", answers)
+        return yes > 0
+
+    def _holders_plan(self, prefix: str, exact: bool) -> _Plan[list[Holder]]:
+        if exact:
+            answers = yield _Call("holder", (prefix,), self._all_answered)
+            lists = [[a] if isinstance(a, Holder) else [] if a is None else a for a in answers]
+        else:
+            lists = yield _Call("holders", (prefix,), self._all_answered)
+        voters = self._voters(lists)
+        if sum(1 for a in voters if isinstance(a, list)) < self.quorum:
+            raise self._unavailable(prefix or None, "cannot list holders", lists)
+        seen: dict[tuple[str, str], list[Holder]] = defaultdict(list)
+        for answer in voters:
+            if isinstance(answer, list):
+                for holder in answer:
+                    seen[(holder.name, holder.token)].append(holder)
+        found = [self._agreed(copies) for copies in seen.values() if len(copies) >= self.quorum]
+        return sorted(found, key=lambda h: h.name)
+
+    def _agreed(self, copies: list[Holder]) -> Holder:
+        """One holder from a majority's copies: the lock lasts while a majority keeps it."""
+        expiries = sorted((h.expires_at for h in copies if h.expires_at is not None), reverse=True)
+        acquired = [h.acquired_at for h in copies if h.acquired_at is not None]
+        fences = Counter(h.fence for h in copies)
+        # The fence the acquire returned: the one a majority agreed on (fence_sync), or
+        # else the largest.
+        fence, votes = max(fences.items(), key=lambda item: (item[1], item[0]))
+        first = copies[0]
+        return Holder(
+            name=first.name,
+            fence=fence if votes >= self.quorum else max(fences),
+            owner=first.owner,
+            acquired_at=min(acquired) if acquired else None,
+            expires_at=expiries[self.quorum - 1] if len(expiries) >= self.quorum else None,
+            # Each grant restarts its TTL with RENEW, which counts one renewal.
+            renewals=max(0, max(h.renewals for h in copies) - 1),
+            token=first.token,
+        )
+
+    # -- sync I/O: a thread pool fans each call out -------------------------------------------
+
+    def _call_master(self, master: _Master, call: _Call) -> Any:
+        try:
+            return getattr(master.backend, call.method)(*call.args)
+        except Exception as exc:  # an answer like any other; counted, never raised here
+            return exc
+
+    def _submit(self, index: int, call: _Call) -> Future[Any]:
+        """Run ``call`` on master ``index`` in the pool, after its chained predecessor."""
+        executor = self._executor()
+        if call.chain is None:
+            return executor.submit(self._call_master, self.masters[index], call)
+        key = (index, *call.chain)
+        result: Future[Any] = Future()
+
+        def run() -> None:
+            result.set_result(self._call_master(self.masters[index], call))
+
+        def start(_: object = None) -> None:
+            try:
+                executor.submit(run)
+            except RuntimeError as exc:  # the backend was closed meanwhile
+                result.set_result(exc)
+
+        def forget(done: Future[Any]) -> None:
+            with self._chain_lock:
+                if self._chains.get(key) is done:
+                    del self._chains[key]
+
+        with self._chain_lock:
+            previous = self._chains.get(key)
+            self._chains[key] = result
+        result.add_done_callback(forget)
+        if previous is None:
+            start()
+        else:
+            previous.add_done_callback(start)
+        return result
+
+    def _fan_out(self, call: _Call) -> list[Any]:
+        deadline = time.monotonic() + self.node_timeout
+        futures: dict[Future[Any], int] = {
+            self._submit(index, call): index for index in range(len(self.masters))
+        }
+        answers: list[Any] = [PENDING] * len(self.masters)
+        pending = set(futures)
+        while pending:
+            done, pending = wait_futures(
+                pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
+            )
+            for future in done:
+                answers[futures[future]] = future.result()
+            if not done or call.enough(answers):
+                break
+        return self._note_failures(answers, timed_out=time.monotonic() >= deadline)
+
+    def _drive(self, plan: _Plan[T]) -> T:
+        answers: Any = None
+        while True:
+            try:
+                call = plan.send(answers)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            answers = self._fan_out(call)
+
+    def _note_failures(self, answers: list[Any], timed_out: bool) -> list[Any]:
+        """Mark the silent as timed out; waiters avoid failing masters for a while."""
+        now = time.monotonic()
+        if timed_out:
+            answers = [TIMED_OUT if a is PENDING else a for a in answers]
+        for master, answer in zip(self.masters, answers, strict=True):
+            if answer is TIMED_OUT or isinstance(answer, BackendUnavailable):
+                master.down_until = now + _DOWN_FOR
+        return answers
+
+    def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return self._drive(self._acquire_plan(name, token, ttl_ms, owner))
+
+    def renew(self, name: str, token: str, ttl_ms: int) -> bool:
+        return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
+
+    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+        return self._drive(self._renew_plan(items)) if items else []
+
+    def release(self, name: str, token: str) -> bool:
+        return self._drive(self._release_plan(name, token))
+
+    def force_release(self, name: str) -> bool:
+        return self._drive(self._force_release_plan(name))
+
+    def holders(self, prefix: str = "") -> list[Holder]:
+        return self._drive(self._holders_plan(prefix, exact=False))
+
+    def holder(self, name: str) -> Holder | None:
+        return next(iter(self._drive(self._holders_plan(name, exact=True))), None)
+
+    def _signal_masters(self, name: str) -> list[_Master]:
+        """Masters to wait on, in a stable order per name; recently failed ones last."""
+        start = zlib.crc32(name.encode()) % len(self.masters)
+        order = self.masters[start:] + self.masters[:start]
+        now = time.monotonic()
+        return sorted(order, key=lambda m: m.down_until > now or not m.votes(now))
+
+    def wait(self, name: str, timeout: float) -> None:
+        if timeout <= self.retry_delay:
+            time.sleep(max(0.0, timeout))  # a (random) back-off, not a wait for a holder
+            return
+        deadline = time.monotonic() + timeout
+        errors: list[str] = []
+        for master in self._signal_masters(name):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                master.backend.block_on_signal(name, remaining)
+                return
+            except LockError as exc:
+                master.down_until = time.monotonic() + _DOWN_FOR
+                errors.append(f"{master.address}: {exc.__cause__ or exc}")
+        raise BackendUnavailable(
+            f"lock {name!r}: cannot wait for its release, no Redis master answered: "
+            + "; ".join(errors),
+            name=name,
+            server=self.server,
+        )
+
+    def close(self) -> None:
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+        for master in self.masters:
+            master.backend.close()
+
+    async def aclose(self) -> None:
+        for master in self.masters:
+            await master.backend.aclose()
+
+    # -- async I/O: the same plans, fanned out as tasks on the running loop --------------------
+
+    async def _acall_master(self, master: _Master, call: _Call) -> Any:
+        method: Callable[..., Awaitable[Any]] = getattr(master.backend, "a" + call.method)
+        try:
+            return await method(*call.args)
+        except Exception as exc:
+            return exc
+
+    def _astart(self, index: int, call: _Call) -> asyncio.Future[Any]:
+        """The async twin of :meth:`_submit`: chained calls wait for their predecessor."""
+        if call.chain is None:
+            return asyncio.ensure_future(self._acall_master(self.masters[index], call))
+        key = (id(asyncio.get_running_loop()), index, *call.chain)
+        previous = self._achains.get(key)
+
+        async def run() -> Any:
+            if previous is not None:
+                await asyncio.wait([previous])
+            return await self._acall_master(self.masters[index], call)
+
+        task = asyncio.ensure_future(run())
+        self._achains[key] = task
+
+        def forget(done: asyncio.Future[Any]) -> None:
+            if self._achains.get(key) is done:
+                del self._achains[key]
+
+        task.add_done_callback(forget)
+        return task
+
+    async def _afan_out(self, call: _Call) -> list[Any]:
+        deadline = time.monotonic() + self.node_timeout
+        tasks: dict[asyncio.Future[Any], int] = {
+            self._astart(index, call): index for index in range(len(self.masters))
+        }
+        answers: list[Any] = [PENDING] * len(self.masters)
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
+            )
+            for task in done:
+                answers[tasks[task]] = task.result()
+            if not done or call.enough(answers):
+                break
+        for task in pending:  # stragglers finish on their own (bounded by the socket timeout)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return self._note_failures(answers, timed_out=time.monotonic() >= deadline)
+
+    async def _adrive(self, plan: _Plan[T]) -> T:
+        answers: Any = None
+        while True:
+            try:
+                call = plan.send(answers)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            answers = await self._afan_out(call)
+
+    async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return await self._adrive(self._acquire_plan(name, token, ttl_ms, owner))
+
+    async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
+        return (await self.arenew_many([RenewItem(name, token, ttl_ms)]))[0]
+
+    async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+        return await self._adrive(self._renew_plan(items)) if items else []
+
+    async def arelease(self, name: str, token: str) -> bool:
+        return await self._adrive(self._release_plan(name, token))
+
+    async def aforce_release(self, name: str) -> bool:
+        return await self._adrive(self._force_release_plan(name))
+
+    async def aholders(self, prefix: str = "") -> list[Holder]:
+        return await self._adrive(self._holders_plan(prefix, exact=False))
+
+    async def aholder(self, name: str) -> Holder | None:
+        return next(iter(await self._adrive(self._holders_plan(name, exact=True))), None)
+
+    async def await_release(self, name: str, timeout: float) -> None:
+        if timeout <= self.retry_delay:
+            await asyncio.sleep(max(0.0, timeout))
+            return
+        deadline = time.monotonic() + timeout
+        errors: list[str] = []
+        for master in self._signal_masters(name):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await master.backend.ablock_on_signal(name, remaining)
+                return
+            except LockError as exc:
+                master.down_until = time.monotonic() + _DOWN_FOR
+                errors.append(f"{master.address}: {exc.__cause__ or exc}")
+        raise BackendUnavailable(
+            f"lock {name!r}: cannot wait for its release, no Redis master answered: "
+            + "; ".join(errors),
+            name=name,
+            server=self.server,
+        )
+
+
+__all__ = ["BUMP_FENCE", "RedlockBackend"]

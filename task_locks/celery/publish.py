@@ -1,0 +1,170 @@
+"""Enqueue-time de-duplication for ``lock_on="enqueue"`` / ``"both"``.
+
+Every Celery publish ends in ``app.amqp.send_task_message(producer, name, message, ...)``:
+``delay``, ``apply_async``, ``app.send_task`` by name, canvas (chains, groups, chords)
+and beat alike. Celery's ``before_task_publish`` signal fires in there too, but a signal
+cannot stop a publish (Celery logs and swallows a receiver's exception), so the guard
+wraps that one function on the app's ``amqp`` object instead:
+
+- it takes the key's lock (no renewal, TTL ``enqueue_ttl``, owner = the new task id) and
+  puts the lock's token in the message headers; the worker that runs the message frees
+  that lock token-checked when the task starts (``"enqueue"``) or hands it over to the
+  run lock (``"both"``). A message that is never consumed frees it after its TTL; a
+  revoked or expired one frees it at once (``task_revoked``).
+- if the key is taken, the message is not published: ``DuplicateTask`` (a ``LockHeld``)
+  is raised, carrying the holder's ``AsyncResult``; ``delay``/``apply_async`` return that
+  handle instead unless ``on_conflict="raise"``. ``on_conflict="wait"`` waits up to
+  ``wait_timeout`` for the key before publishing.
+- retries (``self.retry()``, ``retry_on_worker_lost``) are not de-duplicated: they
+  re-run a message that already passed. With ``"both"``, a task retrying itself hands
+  its running lease to the retry message (kept, unrenewed, for the countdown plus
+  ``enqueue_ttl``), so no duplicate can be queued during the countdown; other retries
+  meet the run-time lock when they run.
+
+Only tasks registered in the publishing process can be guarded (the key comes from the
+task's code); ``send_task`` of a name this process does not know is published as is.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import LockError, LockHeld
+from ..lock import Lock
+from ..owner import owner_context
+from .task import (
+    TOKEN_HEADER,
+    DuplicateTask,
+    SingletonTask,
+    _message_arguments,
+    hand_over_to_retry,
+    park_for_retry,
+)
+
+log = logging.getLogger("task_locks.celery")
+
+Sender = Callable[..., Any]
+
+
+class _GuardedSender:
+    """Stands in for ``app.amqp.send_task_message``; resolves Celery's sender lazily.
+
+    Celery builds its sender from the configuration at the first publish; so does this
+    guard (installed when a task is bound, possibly before the app is configured).
+    """
+
+    def __init__(self, app: Any, send: Sender | None) -> None:
+        self.app = app
+        self._send = send
+        self._guard = threading.Lock()
+
+    def _sender(self) -> Sender:
+        send = self._send
+        if send is None:
+            with self._guard:
+                if self._send is None:
+                    amqp = self.app.amqp
+                    del amqp.send_task_message  # drop this guard from the cache...
+                    self._send = amqp.send_task_message  # ...so Celery builds its own,
+                    amqp.send_task_message = self  # then stand in front of it again
+                send = self._send
+        assert send is not None
+        return send
+
+    def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        send = self._sender()
+        task = self.app._tasks.get(name)  # as send_task does: never finalizes the app
+        if not isinstance(task, SingletonTask) or task.lock_on == "run":
+            return send(producer, name, message, **options)
+        return guarded_publish(task, send, producer, name, message, options)
+
+
+def install_publish_guard(app: Any) -> None:
+    """Route ``app``'s publishes through the guard (idempotent)."""
+    amqp = app.amqp
+    current = amqp.__dict__.get("send_task_message")
+    if isinstance(current, _GuardedSender):
+        return
+    amqp.send_task_message = _GuardedSender(app, current)
+
+
+def guarded_publish(
+    task: SingletonTask,
+    send: Sender,
+    producer: Any,
+    name: str,
+    message: Any,
+    options: dict[str, Any],
+) -> Any:
+    headers, _properties, body, _event = message
+    args, kwargs = _message_arguments(body)
+    task_id = headers.get("id") if "id" in headers else body.get("id")
+    retries = headers.get("retries") or (body.get("retries") if isinstance(body, dict) else 0)
+    if retries:
+        return _publish_retry(task, send, producer, name, message, options, task_id, args, kwargs)
+    key = task._lock_name(args, kwargs)
+    lock = Lock(key, ttl=task.enqueue_ttl or task.lock_ttl, backend=task.lock_backend, renew=False)
+    timeout = task.wait_timeout if task.on_conflict == "wait" else 0
+    with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
+        try:
+            lease = lock.acquire(timeout=timeout)
+        except LockHeld as held:
+            holder_id = held.holder.owner.task_id if held.holder is not None else None
+            existing = task.AsyncResult(holder_id) if holder_id else None
+            log.info("not queueing %s[%s]: %s", task.name, task_id, held)
+            raise DuplicateTask(
+                f"not queued: {held}", name=key, holder=held.holder, existing=existing
+            ) from None
+    # Celery merges options["headers"] over the message headers: set the token in both.
+    headers[TOKEN_HEADER] = lease.token
+    options["headers"] = {**(options.get("headers") or {}), TOKEN_HEADER: lease.token}
+    try:
+        return send(producer, name, message, **options)
+    except BaseException:
+        try:
+            lease.release()
+        except LockError as exc:
+            log.warning("releasing lock %r after a failed publish: %s", key, exc)
+        raise
+
+
+def _publish_retry(
+    task: SingletonTask,
+    send: Sender,
+    producer: Any,
+    name: str,
+    message: Any,
+    options: dict[str, Any],
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """A retry is never de-duplicated; with ``"both"`` it inherits the running lease."""
+    lease = hand_over_to_retry(task, task_id, args, kwargs)
+    if lease is None:
+        return send(producer, name, message, **options)
+    headers = message[0]
+    headers[TOKEN_HEADER] = lease.token
+    options["headers"] = {**(options.get("headers") or {}), TOKEN_HEADER: lease.token}
+    result = send(producer, name, message, **options)
+    park_for_retry(lease, _countdown(headers.get("eta")), task.enqueue_ttl or lease.ttl)
+    return result
+
+
+def _countdown(eta: Any) -> float:
+    """Seconds until a message's ``eta`` header (ISO 8601), 0 if none."""
+    if not eta:
+        return 0.0
+    try:
+        when = dt.datetime.fromisoformat(str(eta))
+    except ValueError:
+        return 0.0
+    now = dt.datetime.now(when.tzinfo) if when.tzinfo else dt.datetime.now()
+    return (when - now).total_seconds()
+
+
+__all__ = ["guarded_publish", "install_publish_guard"]

@@ -1,0 +1,72 @@
+"""Celery signal receivers: the idempotent second release of every singleton lock.
+
+Connected once, when :mod:`task_locks.celery` is imported (strong references, so they
+live as long as the process). Each release is token-checked, so running after the
+task's own ``finally`` costs nothing and can never free someone else's lock.
+
+- ``task_postrun`` / ``task_failure`` (the process that ran the task): leftovers of the run.
+- ``task_revoked`` (the worker's main process): a message revoked or expired before it
+  ran frees the lock taken when it was published (token from its headers).
+- ``worker_process_shutdown`` (prefork child) / ``worker_shutdown`` (solo, threads):
+  whatever this process still holds.
+
+A killed prefork child is handled by :class:`~task_locks.celery.request.SingletonRequest`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals
+
+from .registry import live_leases, recover_task_locks, release_leftovers
+from .task import TOKEN_HEADER, SingletonTask
+
+
+def _after_task(task_id: str | None = None, **_: Any) -> None:
+    leftovers = live_leases.pop(task_id)
+    if leftovers:
+        release_leftovers(leftovers, f"end of task {task_id}")
+
+
+def _on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    if request is None:
+        return
+    if terminated or not isinstance(sender, SingletonTask):
+        return  # a terminated run is recovered by SingletonRequest.terminate (knows the pid)
+    token = getattr(request, TOKEN_HEADER, None)
+    if token:
+        recover_task_locks(
+            sender,
+            request.id,
+            request.args,
+            request.kwargs,
+            token=token,
+            pid=None,
+            why="expired" if expired else "revoked before it ran",
+        )
+
+
+def _on_shutdown(**_: Any) -> None:
+    leftovers = live_leases.pop_all()
+    if leftovers:
+        release_leftovers(leftovers, "worker shutdown")
+
+
+def connect() -> None:
+    signals.task_postrun.connect(_after_task, weak=False, dispatch_uid="task_locks.postrun")
+    signals.task_failure.connect(_after_task, weak=False, dispatch_uid="task_locks.failure")
+    signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="task_locks.revoked")
+    signals.worker_process_shutdown.connect(
+        _on_shutdown, weak=False, dispatch_uid="task_locks.process_shutdown"
+    )
+    signals.worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="task_locks.shutdown")
+
+
+__all__ = ["connect"]

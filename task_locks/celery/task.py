@@ -1,0 +1,540 @@
+"""``SingletonTask`` and ``@singleton_task``: a Celery task whose runs hold a named lock.
+
+Run-time locking happens in ``__call__``, the one hook Celery's tracer calls around the
+task body in every pool (prefork, threads, solo) and also for direct calls: the lock is
+taken before the body, renewed by the process's watchdog thread while it runs (no thread
+per task) and released in ``finally``. What a ``finally`` cannot cover (a child killed by
+SIGKILL, the OOM killer, a hard time limit or ``revoke(terminate=True)``) is covered by
+the worker's main process (:mod:`task_locks.celery.request`), which releases the dead
+child's lock, token-checked, as soon as the child is gone.
+
+Enqueue-time de-duplication (``lock_on="enqueue"`` or ``"both"``) happens where every
+publish passes: :mod:`task_locks.celery.publish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import weakref
+from collections.abc import Callable, Coroutine, Mapping
+from contextvars import ContextVar
+from typing import Any, Final
+
+from celery import Task, shared_task
+from celery.exceptions import Ignore
+
+from ..backends.base import Backend
+from ..config import resolve_backend, validate_ttl
+from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
+from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
+from ..owner import owner_context
+from .keys import KeySpec, TaskKey
+from .registry import live_leases
+
+log = logging.getLogger("task_locks.celery")
+
+#: The state a skipped run finishes in (``AsyncResult(id).state``); not a success.
+SKIPPED: Final = "SKIPPED"
+ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
+LOCK_ON: Final = ("run", "enqueue", "both")
+#: Message header carrying the token of the lock taken at publish time.
+TOKEN_HEADER: Final = "task_locks_token"
+
+AnyLease = Lease | AsyncLease
+_current: ContextVar[AnyLease | None] = ContextVar("task_locks_current_lease", default=None)
+#: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
+_parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
+
+
+def current_lease() -> AnyLease | None:
+    """The lease of the singleton task running in this thread / asyncio task, if any.
+
+    Pass ``lease.fence`` to the resources the task writes; check ``lease.lost`` (or call
+    ``lease.check()``) before acting when the work is long.
+    """
+    return _current.get()
+
+
+class DuplicateTask(LockHeld):
+    """A publish was dropped because the same key is already queued (or running).
+
+    ``existing`` is the :class:`~celery.result.AsyncResult` of the task that holds the
+    key, when its id is known. ``apply_async``/``delay`` return it instead of raising
+    unless ``on_conflict="raise"``; ``app.send_task`` raises this error.
+    """
+
+    def __init__(
+        self, message: str, *, name: str | None = None, holder: Any = None, existing: Any = None
+    ) -> None:
+        super().__init__(message, name=name, holder=holder)
+        self.existing = existing
+
+
+def check_options(
+    task_name: str,
+    function: Callable[..., Any],
+    *,
+    bound: bool,
+    key: KeySpec,
+    ttl: object,
+    on_conflict: object,
+    lock_on: object,
+    max_hold: object,
+    wait_timeout: object,
+    retry_countdown: object,
+    enqueue_ttl: object,
+) -> TaskKey:
+    """Validate a singleton task's lock options; the compiled key, or InvalidArgument."""
+    if on_conflict not in ON_CONFLICT:
+        raise InvalidArgument(
+            f"task {task_name}: on_conflict must be one of {', '.join(map(repr, ON_CONFLICT))},"
+            f" got {on_conflict!r}"
+        )
+    if lock_on not in LOCK_ON:
+        raise InvalidArgument(
+            f"task {task_name}: lock_on must be one of {', '.join(map(repr, LOCK_ON))}, "
+            f"got {lock_on!r}"
+        )
+    for what, value in (("ttl", ttl), ("max_hold", max_hold), ("enqueue_ttl", enqueue_ttl)):
+        if value is not None:
+            validate_ttl(value, f"task {task_name}: {what}")
+    validate_ttl(retry_countdown, f"task {task_name}: retry_countdown")
+    try:
+        validate_timeout(wait_timeout)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"task {task_name}: wait_timeout: {exc}") from None
+    return TaskKey(key, function, task_name, bound=bound)
+
+
+def _task_function(cls: type) -> tuple[Callable[..., Any], bool] | None:
+    """The function a task class runs and whether it takes ``self`` (``None``: abstract)."""
+    run = cls.__dict__.get("run")
+    if run is None:
+        return None
+    if isinstance(run, staticmethod):
+        return run.__func__, False
+    return run, True
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task base whose runs hold the lock named by ``lock_key``.
+
+    Use through :func:`singleton_task`, or ``@app.task(base=SingletonTask, lock_key=...)``.
+    Options are class attributes, so every Celery way of setting task options works.
+    """
+
+    #: Lock name: a format string over the task's arguments, a callable, or ``None``
+    #: (task name + a hash of all arguments).
+    lock_key: KeySpec = None
+    #: Seconds a dead holder keeps the lock (``None``: the configured default).
+    lock_ttl: float | None = None
+    on_conflict: str = "skip"
+    lock_on: str = "run"
+    #: Seconds after which renewal stops and the lease is marked lost (hung tasks).
+    max_hold: float | None = None
+    #: ``on_conflict="wait"``: seconds to wait for the holder (``None``: as long as it takes).
+    wait_timeout: float | None = None
+    #: Backend URL or instance (``None``: the configured default).
+    lock_backend: str | Backend | None = None
+    #: ``on_conflict="retry"``: base countdown in seconds, jittered by +-50%.
+    retry_countdown: float = 1.0
+    #: Seconds a lock taken at publish outlives an unconsumed message (``None``: ``lock_ttl``).
+    enqueue_ttl: float | None = None
+
+    #: The worker's main process recovers locks of killed children through this class.
+    Request = "task_locks.celery.request:SingletonRequest"
+
+    _task_key: TaskKey | None = None
+    _is_async: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        found = _task_function(cls)
+        if found is None:
+            return
+        function, bound = found
+        name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
+        cls._task_key = check_options(
+            name,
+            function,
+            bound=bound,
+            key=cls.lock_key,
+            ttl=cls.lock_ttl,
+            on_conflict=cls.on_conflict,
+            lock_on=cls.lock_on,
+            max_hold=cls.max_hold,
+            wait_timeout=cls.wait_timeout,
+            retry_countdown=cls.retry_countdown,
+            enqueue_ttl=cls.enqueue_ttl,
+        )
+        cls._is_async = inspect.iscoroutinefunction(function)
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        super().on_bound(app)
+        if cls.lock_on != "run":
+            from .publish import install_publish_guard
+
+            install_publish_guard(app)
+
+    # -- what users call -------------------------------------------------------------
+
+    @property
+    def lease(self) -> AnyLease | None:
+        """The lease of the current run (bound tasks: ``self.lease.fence``)."""
+        return current_lease()
+
+    def lock_name(self, *args: Any, **kwargs: Any) -> str:
+        """The lock a call with these arguments takes: ``sync_account.lock_name(42)``."""
+        return self._lock_name(args, kwargs)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: Any = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Publish; a duplicate dropped at enqueue returns the queued task's result handle."""
+        try:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        except DuplicateTask as duplicate:
+            if self.on_conflict == "raise" or duplicate.existing is None:
+                raise
+            return duplicate.existing
+
+    # -- internals shared by the run, the publish guard and the recovery -----------------
+
+    def _lock_name(self, args: Any, kwargs: Any) -> str:
+        key = type(self)._task_key
+        if key is None:  # a class-based task registered without a run() of its own
+            raise InvalidArgument(f"task {self.name} has no run() to key its lock on")
+        return key(tuple(args or ()), kwargs or {})
+
+    def _lock_backend(self) -> Backend:
+        return resolve_backend(self.lock_backend)
+
+    def _lock_options(self) -> dict[str, Any]:
+        return {"ttl": self.lock_ttl, "backend": self.lock_backend, "max_hold": self.max_hold}
+
+    def _attempts(self) -> tuple[float | None, ...]:
+        """Acquire timeouts to try in turn: once, then (``wait``) for up to wait_timeout."""
+        return (0.0, self.wait_timeout) if self.on_conflict == "wait" else (0.0,)
+
+    def _owner(self, request: Any) -> dict[str, Any]:
+        return {
+            "task_id": request.id,
+            "task_name": self.name,
+            "worker": getattr(request, "hostname", None),
+            "command": None,
+        }
+
+    # -- the run -----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # In a worker the tracer has pushed the request; a direct call has none, and
+        # Task.__call__ pushes one for it.
+        direct = self.request_stack.top is None
+        body: Callable[..., Any] = super().__call__ if direct else self.run
+        request = self.request
+        name = self._lock_name(args, kwargs)
+        handed = None if direct else getattr(request, TOKEN_HEADER, None)
+        with owner_context(**self._owner(request)):
+            if self._is_async:
+                return asyncio.run(self._arun(body, name, handed, args, kwargs))
+            if handed:
+                self._drop_queued_lock(name, handed)
+            if self.lock_on == "enqueue":
+                return body(*args, **kwargs)
+            lock = Lock(name, **self._lock_options())
+            attempts = self._attempts()
+            for number, timeout in enumerate(attempts, 1):
+                try:
+                    lease = lock.acquire(timeout=timeout)
+                    break
+                except LockHeld as held:
+                    if self._conflict(name, held, final=number == len(attempts)):
+                        return None
+            return self._hold(lease, body, args, kwargs)
+
+    def _hold(self, lease: Lease, body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        reset = _current.set(lease)
+        task_id = self.request.id
+        live_leases.add(task_id, lease)
+        try:
+            result = body(*args, **kwargs)
+        except BaseException:
+            self._release(lease, failing=True)
+            raise
+        finally:
+            _current.reset(reset)
+        self._release(lease, failing=False)
+        return result
+
+    def _release(self, lease: Lease, *, failing: bool) -> None:
+        keep = _parked_for_retry.pop(lease, None)
+        try:
+            if keep is not None:
+                lease._unschedule()
+                self._parked(lease, lease.backend.renew(lease.name, lease.token, int(keep * 1000)))
+                return
+            lease.release()
+        except (LockLost, BackendUnavailable) as exc:
+            self._release_failed(lease, exc, failing=failing)
+        finally:
+            live_leases.discard(self.request.id, lease)
+
+    async def _arun(
+        self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
+    ) -> Any:
+        """The async twin of ``__call__``'s body: same decisions, awaited I/O."""
+        if handed:
+            await self._adrop_queued_lock(name, handed)
+        if self.lock_on == "enqueue":
+            return await body(*args, **kwargs)
+        lock = AsyncLock(name, **self._lock_options())
+        attempts = self._attempts()
+        for number, timeout in enumerate(attempts, 1):
+            try:
+                lease = await lock.acquire(timeout=timeout)
+                break
+            except LockHeld as held:
+                if self._conflict(name, held, final=number == len(attempts)):
+                    return None
+        reset = _current.set(lease)
+        task_id = self.request.id
+        live_leases.add(task_id, lease)
+        try:
+            coroutine: Coroutine[Any, Any, Any] = body(*args, **kwargs)
+            result = await coroutine
+        except BaseException:
+            await self._arelease(lease, failing=True)
+            raise
+        finally:
+            _current.reset(reset)
+        await self._arelease(lease, failing=False)
+        return result
+
+    async def _arelease(self, lease: AsyncLease, *, failing: bool) -> None:
+        keep = _parked_for_retry.pop(lease, None)
+        try:
+            if keep is not None:
+                lease._unschedule()
+                ttl_ms = int(keep * 1000)
+                self._parked(lease, await lease.backend.arenew(lease.name, lease.token, ttl_ms))
+                return
+            await lease.release()
+        except (LockLost, BackendUnavailable) as exc:
+            self._release_failed(lease, exc, failing=failing)
+        finally:
+            live_leases.discard(self.request.id, lease)
+
+    def _parked(self, lease: AnyLease, kept: bool) -> None:
+        if kept:
+            log.info(
+                "task %s[%s]: lock %r handed to its retry", self.name, self.request.id, lease.name
+            )
+        else:
+            log.warning(
+                "task %s[%s]: lock %r was lost before its retry could take it over",
+                self.name,
+                self.request.id,
+                lease.name,
+            )
+
+    def _release_failed(self, lease: AnyLease, exc: LockError, *, failing: bool) -> None:
+        """A lease lost while the body ran fails an otherwise successful run, loudly."""
+        if isinstance(exc, LockLost) and not failing:
+            raise exc
+        log.warning(
+            "task %s[%s]: releasing lock %r: %s", self.name, self.request.id, lease.name, exc
+        )
+
+    def _drop_queued_lock(self, name: str, token: str) -> None:
+        """Free the lock taken when this message was published (token-checked).
+
+        ``"enqueue"``: the key is free again once the task starts. ``"both"``: the run
+        lock is taken right after; a redelivered copy of the message finds the token
+        gone and meets the run lock instead of entering.
+        """
+        self._lock_backend().release(name, token)
+
+    async def _adrop_queued_lock(self, name: str, token: str) -> None:
+        await self._lock_backend().arelease(name, token)
+
+    # -- conflicts (no I/O except Celery's own) ------------------------------------------
+
+    def _conflict(self, name: str, held: LockHeld, *, final: bool) -> bool:
+        """Act on a held lock: ``True`` to return without running; raise to end the run.
+
+        ``final=False`` is the first, non-blocking attempt of ``on_conflict="wait"``:
+        return ``False`` to go on waiting.
+        """
+        request = self.request
+        holder_id = held.holder.owner.task_id if held.holder is not None else None
+        who = held.holder.describe() if held.holder is not None else "another holder"
+        if (
+            request.id is not None
+            and holder_id == request.id
+            and self.on_conflict
+            in (
+                "skip",
+                "raise",
+            )
+        ):
+            # The same task id holds the key: this is a second delivery of a message that
+            # is still running (acks_late redelivery). Record nothing: the id's state
+            # belongs to the run in progress.
+            log.info(
+                "task %s[%s]: already running (%s); ignoring this duplicate delivery",
+                self.name,
+                request.id,
+                who,
+            )
+            raise Ignore()
+        if not final:
+            return False
+        if self.on_conflict == "raise":
+            raise held
+        if self.on_conflict == "retry":
+            countdown = self.retry_countdown * random.uniform(0.5, 1.5)
+            log.info(
+                "task %s[%s]: lock %r is held by %s; retrying in %.2fs",
+                self.name,
+                request.id,
+                name,
+                who,
+                countdown,
+            )
+            raise self.retry(exc=held, countdown=countdown)
+        if self.on_conflict == "wait":
+            raise held  # waited wait_timeout in vain
+        log.info(
+            "task %s[%s] skipped: lock %r is held by %s (holder task id %s)",
+            self.name,
+            request.id,
+            name,
+            who,
+            holder_id,
+        )
+        if request.called_directly or request.id is None:
+            return True
+        self.update_state(
+            task_id=request.id,
+            state=SKIPPED,
+            meta={"lock": name, "holder_task_id": holder_id, "holder": who},
+        )
+        raise Ignore()
+
+
+def singleton_task(
+    fun: Callable[..., Any] | None = None,
+    *,
+    key: KeySpec = None,
+    ttl: float | None = None,
+    on_conflict: str = "skip",
+    lock_on: str = "run",
+    max_hold: float | None = None,
+    wait_timeout: float | None = None,
+    backend: str | Backend | None = None,
+    retry_countdown: float = 1.0,
+    enqueue_ttl: float | None = None,
+    app: Any = None,
+    base: type[SingletonTask] = SingletonTask,
+    **task_options: Any,
+) -> Any:
+    """Register a Celery task whose runs hold the lock ``key`` (see ``README``).
+
+    Usable bare (``@singleton_task``) or with options; with ``app=`` it registers on that
+    app (``app.task``), else it is a ``shared_task``. Other keyword arguments are ordinary
+    task options (``bind``, ``max_retries``, ``acks_late``, ``soft_time_limit``...). Bad
+    options raise :class:`~task_locks.InvalidArgument` here, when the task is defined.
+    """
+    if not (isinstance(base, type) and issubclass(base, SingletonTask)):
+        raise InvalidArgument(f"base must be a SingletonTask subclass, got {base!r}")
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        if not callable(function):
+            raise InvalidArgument(f"singleton_task decorates a function, got {function!r}")
+        name = task_options.get("name") or f"{function.__module__}.{function.__name__}"
+        check_options(
+            name,
+            function,
+            bound=bool(task_options.get("bind")),
+            key=key,
+            ttl=ttl,
+            on_conflict=on_conflict,
+            lock_on=lock_on,
+            max_hold=max_hold,
+            wait_timeout=wait_timeout,
+            retry_countdown=retry_countdown,
+            enqueue_ttl=enqueue_ttl,
+        )
+        options: dict[str, Any] = {
+            **task_options,
+            "base": base,
+            "lock_key": key,
+            "lock_ttl": ttl,
+            "on_conflict": on_conflict,
+            "lock_on": lock_on,
+            "max_hold": max_hold,
+            "wait_timeout": wait_timeout,
+            "lock_backend": backend,
+            "retry_countdown": retry_countdown,
+            "enqueue_ttl": enqueue_ttl,
+        }
+        register = shared_task if app is None else app.task
+        return register(**options)(function)
+
+    return decorate(fun) if fun is not None else decorate
+
+
+def hand_over_to_retry(
+    task: SingletonTask, task_id: str, args: Any, kwargs: Any
+) -> AnyLease | None:
+    """The running lease a ``lock_on="both"`` task passes to its own retry message, if any.
+
+    ``self.retry()`` publishes the next attempt while this one still holds the key.
+    Releasing at the end of this attempt would leave the key free during the retry's
+    countdown, and a duplicate could be queued; instead the lease is parked (renewal
+    stops, TTL = countdown + ``enqueue_ttl``) and the retry adopts it like any queued lock.
+    """
+    lease = current_lease()
+    if task.lock_on != "both" or lease is None or not lease.held:
+        return None
+    if task.request.id != task_id or task._lock_name(args, kwargs) != lease.name:
+        return None
+    return lease
+
+
+def park_for_retry(lease: AnyLease, countdown: float, ttl: float) -> None:
+    """Keep ``lease`` (unrenewed) for ``countdown + ttl`` seconds when its run ends."""
+    _parked_for_retry[lease] = max(0.0, countdown) + ttl
+
+
+def _message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
+    """``(args, kwargs)`` of a task message body (protocol 2 tuple or protocol 1 dict)."""
+    if isinstance(body, dict):
+        return tuple(body.get("args") or ()), body.get("kwargs") or {}
+    return tuple(body[0] or ()), body[1] or {}
+
+
+__all__ = [
+    "LOCK_ON",
+    "ON_CONFLICT",
+    "SKIPPED",
+    "TOKEN_HEADER",
+    "DuplicateTask",
+    "SingletonTask",
+    "current_lease",
+    "singleton_task",
+]

@@ -1,0 +1,369 @@
+"""Counting semaphores: at most ``limit`` holders of a name at once.
+
+A semaphore is ``limit`` ordinary locks, its *slots*, named ``semaphore:<name>#<i>`` for
+``i`` in ``0 .. limit-1`` (see :func:`slot_name`). A permit is a lease on one slot, so each
+holder gets everything a lock gives: its own token (only it can release its permit), a
+TTL (a holder that dies gives its permit back within one TTL), renewal by the watchdog
+while it lives, a fence per slot, and ``max_hold``.
+
+Acquiring tries the slots in a random order and takes the first free one: one round trip
+when the first slot tried is free, at most ``limit`` when all are taken. Then it waits,
+bounded by ``timeout``, until a slot is released (``Backend.wait_any``: one BLPOP over
+every slot on Redis) or the soonest-expiring holder's TTL runs out, and tries again.
+Meant for small limits (a handful to a few dozen permits).
+
+The slots depend only on the name and the index, so processes that disagree on the
+limit during a deploy overlap on the shared slots: while both run, up to the larger
+limit can be inside. Each permit records the limit it was taken under, so listings can
+show "2 / 3" (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any, Final
+
+from .backends.base import Backend
+from .errors import InvalidArgument, LockHeld
+from .lock import (
+    _UNSET,
+    UNKNOWN_TTL_POLL,
+    AsyncLease,
+    Lease,
+    Op,
+    _exit_release,
+    _LockBase,
+    _Unset,
+    validate_name,
+)
+from .owner import current_owner
+from .types import AcquireResult, Holder
+from .watchdog import async_renewer, thread_renewer
+
+#: Every slot's lock name starts with this; :func:`describe` recognises them by it.
+PREFIX: Final = "semaphore:"
+#: Separates the semaphore's name from the slot index in a slot's lock name.
+SLOT_SEPARATOR: Final = "#"
+MAX_LIMIT: Final = 1024
+_MIN_PAUSE: Final = 0.001
+
+
+def slot_name(name: str, index: int) -> str:
+    """The lock name of slot ``index`` of semaphore ``name``."""
+    return f"{PREFIX}{name}{SLOT_SEPARATOR}{index}"
+
+
+def parse_slot(lock_name: str) -> tuple[str, int] | None:
+    """``(semaphore name, slot index)`` for a slot's lock name, else ``None``."""
+    if not lock_name.startswith(PREFIX):
+        return None
+    name, sep, index = lock_name[len(PREFIX) :].rpartition(SLOT_SEPARATOR)
+    if not sep or not name or not index.isdigit():
+        return None
+    return name, int(index)
+
+
+def _validate_limit(limit: object, name: str) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise InvalidArgument(f"limit must be a whole number of permits, got {limit!r}", name=name)
+    if not 1 <= limit <= MAX_LIMIT:
+        raise InvalidArgument(f"limit must be between 1 and {MAX_LIMIT}, got {limit}", name=name)
+    return limit
+
+
+@dataclass(frozen=True, slots=True)
+class SemaphoreInfo:
+    """A semaphore as an operator sees it: who holds its permits, out of how many."""
+
+    name: str
+    limit: int | None  # as recorded by the holders; None if they did not say
+    holders: list[Holder] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.holders)
+
+    @property
+    def summary(self) -> str:
+        """``"2 / 3"``: permits held / limit."""
+        return f"{self.count} / {'?' if self.limit is None else self.limit}"
+
+
+def describe(holders: Iterable[Holder]) -> list[SemaphoreInfo]:
+    """Group the slot locks among ``holders`` (e.g. ``backend.holders()``) by semaphore.
+
+    For ``locks list`` and the admin; a semaphore with no permit taken holds no lock and
+    does not appear. Other locks are ignored.
+    """
+    groups: dict[str, list[Holder]] = {}
+    for holder in holders:
+        parsed = parse_slot(holder.name)
+        if parsed is not None:
+            groups.setdefault(parsed[0], []).append(holder)
+    infos = []
+    for name, members in sorted(groups.items()):
+        limits = [h.owner.limit for h in members if h.owner.limit]
+        members.sort(key=lambda h: h.name)
+        infos.append(SemaphoreInfo(name, max(limits) if limits else None, members))
+    return infos
+
+
+class _PermitMixin:
+    """Which semaphore and slot a lease is a permit for."""
+
+    semaphore: str
+    slot: int
+    limit: int
+
+    def _place(self, semaphore: str, slot: int, limit: int) -> None:
+        self.semaphore, self.slot, self.limit = semaphore, slot, limit
+
+
+class Permit(_PermitMixin, Lease):
+    """A :class:`~task_locks.Lease` on one slot: ``release()``, ``fence``, ``check()``..."""
+
+    def __enter__(self) -> Permit:
+        return self
+
+
+class AsyncPermit(_PermitMixin, AsyncLease):
+    async def __aenter__(self) -> AsyncPermit:
+        return self
+
+
+class _SemaphoreBase(_LockBase):
+    """Configuration and the acquire loop shared by both flavours (no I/O here)."""
+
+    def __init__(
+        self,
+        name: str,
+        limit: int,
+        ttl: float | None = None,
+        *,
+        backend: str | Backend | None = None,
+        timeout: float | None = None,
+        on_lost: Callable[[Any], object] | None = None,
+        max_hold: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        super().__init__(
+            name,
+            ttl,
+            backend=backend,
+            timeout=timeout,
+            on_lost=on_lost,
+            max_hold=max_hold,
+            renew=renew,
+        )
+        self.limit = _validate_limit(limit, self.name)
+        self.slot_names = tuple(slot_name(self.name, i) for i in range(self.limit))
+        validate_name(self.slot_names[-1])  # the longest one must fit too
+
+    def _permit_plan(
+        self, timeout: float | None
+    ) -> Generator[Op, Any, tuple[int, str, int, float]]:
+        """Try the slots in random order; when all are taken, wait for a release or a TTL."""
+        names = self.slot_names
+        ttl_ms = max(1, int(self.effective_ttl * 1000))
+        token = secrets.token_hex(16)
+        owner = replace(current_owner(), limit=self.limit)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            soonest: float | None = None
+            for index in random.sample(range(self.limit), self.limit):
+                sent_at = time.monotonic()
+                result: AcquireResult = yield ("acquire", names[index], token, ttl_ms, owner)
+                if result.fence is not None:
+                    return index, token, result.fence, sent_at
+                if result.retry_after is not None and (
+                    soonest is None or result.retry_after < soonest
+                ):
+                    soonest = result.retry_after
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise self._full(now - start)
+            pause = max(_MIN_PAUSE, UNKNOWN_TTL_POLL if soonest is None else soonest)
+            if deadline is not None:
+                pause = min(pause, deadline - now)
+            yield ("wait_any", names, pause)
+
+    def _full(self, waited: float) -> LockHeld:
+        after = f" after waiting {waited:.3g}s" if waited else ""
+        return LockHeld(
+            f"semaphore {self.name!r}: all {self.limit} permits are taken{after}", name=self.name
+        )
+
+    def _mine(self, holders: list[Holder]) -> list[Holder]:
+        return [h for h in holders if (parse_slot(h.name) or ("", 0))[0] == self.name]
+
+    def _holder_prefix(self) -> str:
+        return f"{PREFIX}{self.name}{SLOT_SEPARATOR}"
+
+    def _info(self, holders: list[Holder]) -> SemaphoreInfo:
+        return SemaphoreInfo(self.name, self.limit, self._mine(holders))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} limit={self.limit} ttl={self.effective_ttl}>"
+
+
+def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value
+        if op[0] == "acquire":
+            answer = backend.acquire(*op[1:])
+        else:
+            backend.wait_any(*op[1:])
+            answer = None
+
+
+async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value
+        if op[0] == "acquire":
+            answer = await backend.aacquire(*op[1:])
+        else:
+            await backend.await_any(*op[1:])
+            answer = None
+
+
+class Semaphore(_SemaphoreBase):
+    """At most ``limit`` holders of ``name`` at once; ``acquire()`` returns a :class:`Permit`.
+
+    ``with Semaphore("export:tenant-7", limit=3, ttl=60) as permit:`` waits ``timeout``
+    (default: as long as it takes) and releases the permit at the end of the block.
+    """
+
+    def acquire(self, timeout: float | _Unset | None = _UNSET) -> Permit:
+        """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
+        backend = self.backend
+        plan = self._permit_plan(self._timeout(timeout))
+        index, token, fence, sent_at = _drive(plan, backend)
+        permit = Permit(
+            self.slot_names[index],
+            token,
+            fence,
+            self.effective_ttl,
+            backend,
+            sent_at,
+            on_lost=self.on_lost,
+            max_hold=self.max_hold,
+        )
+        permit._place(self.name, index, self.limit)
+        if self.renew:
+            thread_renewer().add(permit)
+        return permit
+
+    def try_acquire(self) -> Permit | None:
+        """One pass over the slots: a :class:`Permit`, or ``None`` if all are taken."""
+        try:
+            return self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    def holders(self) -> list[Holder]:
+        """The permits taken now (one round trip)."""
+        return self._mine(self.backend.holders(self._holder_prefix()))
+
+    def info(self) -> SemaphoreInfo:
+        return self._info(self.backend.holders(self._holder_prefix()))
+
+    def __enter__(self) -> Permit:
+        permit = self.acquire()
+        self._leases.setdefault(threading.get_ident(), []).append(permit)
+        return permit
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack = self._leases[threading.get_ident()]
+        permit = stack.pop()
+        if not stack:
+            del self._leases[threading.get_ident()]
+        _exit_release(permit, exc_type is not None)
+
+
+class AsyncSemaphore(_SemaphoreBase):
+    """The asyncio twin of :class:`Semaphore`: same arguments, same semantics."""
+
+    async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncPermit:
+        backend = self.backend
+        plan = self._permit_plan(self._timeout(timeout))
+        index, token, fence, sent_at = await _adrive(plan, backend)
+        permit = AsyncPermit(
+            self.slot_names[index],
+            token,
+            fence,
+            self.effective_ttl,
+            backend,
+            sent_at,
+            on_lost=self.on_lost,
+            max_hold=self.max_hold,
+        )
+        permit._place(self.name, index, self.limit)
+        if self.renew:
+            async_renewer().add(permit)
+        return permit
+
+    async def try_acquire(self) -> AsyncPermit | None:
+        try:
+            return await self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    async def holders(self) -> list[Holder]:
+        return self._mine(await self.backend.aholders(self._holder_prefix()))
+
+    async def info(self) -> SemaphoreInfo:
+        return self._info(await self.backend.aholders(self._holder_prefix()))
+
+    async def __aenter__(self) -> AsyncPermit:
+        permit = await self.acquire()
+        self._leases.setdefault(asyncio.current_task(), []).append(permit)
+        return permit
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        key = asyncio.current_task()
+        stack = self._leases[key]
+        permit = stack.pop()
+        if not stack:
+            del self._leases[key]
+        await permit.__aexit__(exc_type, exc, tb)
+
+
+__all__ = [
+    "MAX_LIMIT",
+    "PREFIX",
+    "SLOT_SEPARATOR",
+    "AsyncPermit",
+    "AsyncSemaphore",
+    "Permit",
+    "Semaphore",
+    "SemaphoreInfo",
+    "describe",
+    "parse_slot",
+    "slot_name",
+]

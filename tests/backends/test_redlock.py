@@ -1,0 +1,160 @@
+"""Redlock over three independent masters when some of them fail (acceptance 2 of issue 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from servers import RedisMasters, wait_until
+
+from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, get_backend
+from task_locks.backends.redlock import RedlockBackend
+
+MastersFactory = Callable[..., RedisMasters]
+
+
+def test_one_master_down_still_locks(masters_factory: MastersFactory) -> None:
+    masters = masters_factory(3)
+    url = masters.url()
+    masters[1].kill()
+
+    lease = Lock("one-down", ttl=5, backend=url).acquire(timeout=2)
+    assert Lock("one-down", ttl=5, backend=url).try_acquire() is None
+    holder = get_backend(url).holder("one-down")
+    assert holder is not None and holder.fence == lease.fence
+    lease.renew()
+    lease.release()
+    successor = Lock("one-down", ttl=5, backend=url).acquire(timeout=2)
+    assert successor.fence > lease.fence
+    successor.release()
+
+
+def test_two_masters_down_fail_with_a_clear_error(masters_factory: MastersFactory) -> None:
+    masters = masters_factory(3)
+    url = masters.url()
+    masters[0].kill()
+    masters[2].kill()
+
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable) as down:
+        Lock("two-down", ttl=5, backend=url).acquire(timeout=2)
+    assert time.monotonic() - started < 1.0, "an outage must fail fast, not wait out the timeout"
+    message = str(down.value)
+    assert down.value.name == "two-down"
+    assert "majority" in message and "2 of 3" in message
+    for dead in (masters[0], masters[2]):
+        assert f"127.0.0.1:{dead.port}" in message
+    assert f"127.0.0.1:{masters[1].port}:" not in message  # the live one is not blamed
+
+
+def test_paused_master_does_not_stretch_acquire(masters_factory: MastersFactory) -> None:
+    masters = masters_factory(3)
+    node_timeout = 0.2
+    url = masters.url(node_timeout=node_timeout)
+    holder = Lock("paused", ttl=10, backend=url).acquire(timeout=0)
+    masters[0].pause()
+    try:
+        started = time.monotonic()
+        free = Lock("free", ttl=5, backend=url).acquire(timeout=1)
+        assert time.monotonic() - started < node_timeout + 0.3  # the majority answered
+        free.release()
+
+        timeout = 1.0
+        started = time.monotonic()
+        with pytest.raises(LockHeld):
+            Lock("paused", ttl=5, backend=url).acquire(timeout=timeout)
+        took = time.monotonic() - started
+        assert timeout <= took <= timeout + 2 * node_timeout + 0.3, f"acquire took {took:.3f}s"
+
+        holder.renew()
+        holder.release()
+        started = time.monotonic()
+        Lock("paused", ttl=5, backend=url).acquire(timeout=timeout).release()
+        assert time.monotonic() - started < timeout
+    finally:
+        masters[0].resume()
+
+
+def test_restarted_master_gets_no_vote_until_the_longest_ttl(
+    masters_factory: MastersFactory,
+) -> None:
+    """The classic Redlock failure: a master restarts empty and hands out a held lock."""
+    masters = masters_factory(3)
+    url = masters.url()
+    ttl = 2.0
+    Lock("warm-up", ttl=0.5, backend=url).acquire(timeout=0).release()  # sees every run_id
+    masters[2].kill()
+    holder = Lock("amnesia", ttl=ttl, backend=url).acquire(timeout=0)  # on masters 0 and 1
+    masters[2].start()  # back, empty
+    masters[0].restart()  # forgets the holder's lock: without the rule 0 + 2 are a majority
+
+    rival = Lock("amnesia", ttl=ttl, backend=url)
+    granted = None
+    while granted is None:
+        try:
+            granted = rival.acquire(timeout=0)
+        except BackendUnavailable as exc:  # only master 1 may vote for now
+            assert "restarted, no vote" in str(exc)
+        except LockHeld:
+            pass
+        assert not (granted is not None and holder.held), "two holders at once"
+        time.sleep(0.05)  # sampling: the vote comes back on a timer
+    assert holder.lost.is_set() or not holder.held
+    assert granted.fence > holder.fence
+    granted.release()
+
+
+@pytest.mark.parametrize("fence_sync", [1, 0])
+def test_fences_grow_when_masters_disagree(
+    masters_factory: MastersFactory, fence_sync: int
+) -> None:
+    """One master hands out far larger fences, as one whose clock ran an hour ahead would.
+
+    (Its fence counter is set an hour ahead: the acquire script takes max(counter + 1,
+    server time), so this is the same disagreement; libfaketime cannot run redis-server.)
+    """
+    masters = masters_factory(3)
+    url = masters.url(fence_sync=fence_sync)
+    ahead = int((time.time() + 3600) * 1e6)
+    redis.Redis(port=masters[2].port).set("task_locks:{skew}:fence", ahead)
+    masters[1].kill()  # so the first majority must include the master that is ahead
+    first = Lock("skew", ttl=5, backend=url).acquire(timeout=0)
+    assert first.fence > ahead
+    first.release()
+    masters[1].start()
+    masters[2].kill()  # the next majority has only masters that were behind
+    second = Lock("skew", ttl=5, backend=url).acquire(timeout=0)
+    if fence_sync:
+        assert second.fence > first.fence
+    else:  # the documented limit: without fence_sync, fences follow each master's clock
+        assert second.fence < first.fence
+    second.release()
+
+
+def test_async_lock_with_one_master_down(masters_factory: MastersFactory) -> None:
+    masters = masters_factory(3)
+    url = masters.url()
+    masters[2].kill()
+
+    async def scenario() -> None:
+        backend = get_backend(url)
+        lease = await AsyncLock("async-one-down", ttl=5, backend=url).acquire(timeout=2)
+        assert await AsyncLock("async-one-down", ttl=5, backend=url).try_acquire() is None
+        await lease.renew()
+        await lease.release()
+        await backend.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_url_options_and_capabilities(masters_factory: MastersFactory) -> None:
+    masters = masters_factory(3)
+    backend = get_backend(masters.url(node_timeout=0.1, retry_delay=0.05, prefix="x:"))
+    assert isinstance(backend, RedlockBackend)
+    assert backend.quorum == 2 and backend.node_timeout == 0.1 and backend.prefix == "x:"
+    assert "consensus" not in backend.capabilities
+    assert {"fencing", "multiprocess", "wakeup", "holders"} <= backend.capabilities
+    wait_until(lambda: all(m.run_id is None for m in backend.masters), 1, "no contact yet")

@@ -1,0 +1,192 @@
+"""The tasks the Celery tests run in real ``celery worker`` processes (``-A celery_tasks``).
+
+URLs come from the environment the test fixtures set (``TL_CELERY_*``), so the test
+process and every worker share one broker, one result backend and one lock server.
+Each task records what it did in Redis (``log`` lists of JSON intervals) so the tests
+can check, from the outside, that no two runs of a key overlapped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from task_locks.celery import current_lease, singleton_task
+
+BROKER = os.environ.get("TL_CELERY_BROKER", "redis://127.0.0.1:6379/13")
+RESULTS = os.environ.get("TL_CELERY_RESULTS", "redis://127.0.0.1:6379/14")
+LOCKS = os.environ.get("TL_CELERY_LOCKS", "redis://127.0.0.1:6379/15")
+
+app = Celery("celery_tasks", broker=BROKER, backend=RESULTS)
+app.conf.update(
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+    task_default_queue="tl_default",
+    task_routes={
+        "celery_tasks.enqueue_task": {"queue": "tl_pending"},
+        "celery_tasks.both_task": {"queue": "tl_pending"},
+        "celery_tasks.redelivered_task": {"queue": "tl_redeliver"},
+    },
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("TL_VISIBILITY_TIMEOUT", "3600")),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+)
+store = redis.Redis.from_url(LOCKS)
+
+
+def record(log: str, **fields: Any) -> None:
+    store.rpush(log, json.dumps({"pid": os.getpid(), **fields}))
+
+
+def work(self: Any, log: str, seconds: float) -> dict[str, Any]:
+    """The critical section: sleep, and record the interval and who ran it."""
+    lease = current_lease()
+    start = time.time()
+    time.sleep(seconds)
+    end = time.time()
+    fields = {
+        "start": start,
+        "end": end,
+        "task_id": self.request.id,
+        "worker": self.request.hostname,
+        "fence": lease.fence if lease else None,
+    }
+    record(log, **fields)
+    return fields
+
+
+common: dict[str, Any] = {"app": app, "backend": LOCKS, "bind": True, "key": "t:{key}"}
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=60)
+def wait_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="retry", retry_countdown=0.2, max_retries=None)
+def retry_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="skip")
+def skip_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="raise")
+def raise_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise")
+def hold_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """Holds the key for a long time (ttl=60): killing it must free the key much sooner."""
+    record(log, event="started", task_id=self.request.id)
+    time.sleep(seconds)
+    return "finished"
+
+
+@singleton_task(**common, ttl=10, on_conflict="raise")
+def retrying_task(self: Any, key: str, log: str, times: int) -> str:
+    """Retries itself ``times`` times; every attempt must hold the key, none deadlock."""
+    lease = current_lease()
+    assert lease is not None
+    holder = lease.backend.holder(lease.name)
+    record(
+        log,
+        attempt=self.request.retries,
+        fence=lease.fence,
+        holder_task_id=holder.owner.task_id if holder else None,
+    )
+    if self.request.retries < times:
+        raise self.retry(countdown=0.1)
+    return "done"
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise")
+def failing_task(self: Any, key: str, log: str) -> None:
+    record(log, event="started")
+    raise ValueError("boom")
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise", soft_time_limit=1)
+def soft_limited_task(self: Any, key: str, log: str) -> None:
+    record(log, event="started")
+    time.sleep(20)  # interrupted by SoftTimeLimitExceeded after 1 s
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise", time_limit=1)
+def hard_limited_task(self: Any, key: str, log: str) -> None:
+    record(log, event="started")
+    time.sleep(20)  # the worker's main process kills this child after 1 s
+
+
+@singleton_task(**common, ttl=30, on_conflict="raise", max_hold=2)
+def hung_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """Hangs; max_hold=2 must mark its lease lost and free the key after about 2 s."""
+    lease = current_lease()
+    assert lease is not None
+    start = time.time()
+    record(log, event="started", task_id=self.request.id)
+    lost = lease.lost.wait(seconds)
+    record(log, event="lost" if lost else "not lost", after=time.time() - start)
+    time.sleep(1.0)  # still "working" after the key went to someone else
+    return "returned"
+
+
+@singleton_task(**common, ttl=30, lock_on="enqueue")
+def enqueue_task(self: Any, key: str, log: str) -> str:
+    record(log, event="ran", task_id=self.request.id)
+    return "ran"
+
+
+@singleton_task(**common, ttl=30, lock_on="both", on_conflict="skip")
+def both_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, lock_on="both", on_conflict="skip")
+def both_retrying_task(self: Any, key: str, log: str, countdown: float) -> str:
+    """Retries itself once; with lock_on="both" the key stays taken during the countdown."""
+    record(log, attempt=self.request.retries, task_id=self.request.id, at=time.time())
+    if self.request.retries < 1:
+        raise self.retry(countdown=countdown)
+    return "done"
+
+
+@singleton_task(**common, ttl=4, on_conflict="skip", acks_late=True)
+def redelivered_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """Runs past the broker's visibility_timeout, so Redis delivers it a second time."""
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=60)
+async def async_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    lease = current_lease()
+    start = time.time()
+    await asyncio.sleep(seconds)
+    fields = {
+        "start": start,
+        "end": time.time(),
+        "task_id": self.request.id,
+        "lease_type": type(lease).__name__,
+        "fence": lease.fence if lease else None,
+    }
+    record(log, **fields)
+    return fields
+
+
+@signals.task_prerun.connect
+def _count_deliveries(task_id: str, task: Any, args: Any, **_: Any) -> None:
+    """Every delivery that reached a worker child, before the lock is even looked at."""
+    if task.name == redelivered_task.name:
+        record(args[1] + ":deliveries", task_id=task_id, at=time.time())

@@ -1,0 +1,188 @@
+"""Definition-time checks (acceptance 10), lock keys, and direct calls: no worker needed.
+
+Direct calls (``task(...)``) run ``SingletonTask.__call__`` in this process, so they take
+the same real Redis lock a worker would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from task_locks import InvalidArgument, Lock, LockHeld
+from task_locks.celery import SingletonTask, current_lease, singleton_task
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("defs", broker="memory://", backend="cache+memory://", set_as_current=False)
+    yield app
+    app.close()
+
+
+# -- 10. bad definitions fail when the task is defined, with a clear message ------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"key": "sync:{acount_id}"},
+            "names unknown argument 'acount_id'; the task takes: account_id",
+        ),
+        ({"key": "sync:{}"}, "positional field"),
+        ({"key": "sync:{0}"}, "positional field"),
+        ({"key": "sync:{account_id"}, "malformed key template"),
+        ({"key": ""}, "must not be empty"),
+        ({"key": 42}, "key must be a format string, a callable or None"),
+        ({"on_conflict": "ignore"}, "on_conflict must be one of 'skip', 'retry', 'wait', 'raise'"),
+        ({"lock_on": "publish"}, "lock_on must be one of 'run', 'enqueue', 'both'"),
+        ({"ttl": 0}, "ttl must be a finite number of seconds > 0, got 0"),
+        ({"ttl": -5}, "ttl must be a finite number of seconds > 0, got -5"),
+        ({"ttl": "60"}, "ttl must be a number of seconds"),
+        ({"max_hold": 0}, "max_hold must be a finite number of seconds > 0"),
+        ({"wait_timeout": -1}, "wait_timeout"),
+        ({"retry_countdown": 0}, "retry_countdown"),
+    ],
+)
+def test_bad_definitions_raise_at_definition_time(
+    app: Celery, options: dict[str, Any], message: str
+) -> None:
+    def sync_account(account_id: int) -> None: ...
+
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace(")", r"\)")):
+        singleton_task(app=app, shared=False, **options)(sync_account)
+    with pytest.raises(InvalidArgument, match="sync_account"):  # the message names the task
+        singleton_task(**options)(sync_account)  # shared_task flavour: checked just the same
+
+
+def test_base_class_checks_its_options_when_the_task_class_is_built(app: Celery) -> None:
+    with pytest.raises(InvalidArgument, match="names unknown argument 'user'"):
+
+        @app.task(base=SingletonTask, lock_key="report:{user}", lazy=False, shared=False)
+        def report(account_id: int) -> None: ...
+
+    with pytest.raises(InvalidArgument, match="on_conflict"):
+
+        class Broken(SingletonTask):  # type: ignore[misc]
+            on_conflict = "sometimes"
+
+            def run(self, x: int) -> None: ...
+
+
+def test_base_must_be_a_singleton_task() -> None:
+    from celery import Task
+
+    with pytest.raises(InvalidArgument, match="SingletonTask subclass"):
+        singleton_task(base=Task)
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+def test_positional_keyword_and_default_calls_name_the_same_lock(app: Celery) -> None:
+    @singleton_task(app=app, shared=False, key="sync:{account_id}:{full}")
+    def sync(account_id: int, full: bool = False) -> None: ...
+
+    assert sync.lock_name(7) == sync.lock_name(account_id=7) == "sync:7:False"
+    assert sync.lock_name(7, full=False) == "sync:7:False"
+    assert sync.lock_name(7, True) == "sync:7:True"
+
+
+def test_template_fields_reach_into_arguments_and_skip_self(app: Celery) -> None:
+    @singleton_task(app=app, shared=False, key="acct:{account.id}:{items[0]}", bind=True)
+    def sync(self: Any, account: Any, items: list[int]) -> None: ...
+
+    assert sync.lock_name(SimpleNamespace(id=5), [9, 8]) == "acct:5:9"
+
+
+def test_callable_key_receives_the_bound_arguments(app: Celery) -> None:
+    @singleton_task(
+        app=app, shared=False, key=lambda account_id, region="eu": f"{region}/{account_id}"
+    )
+    def sync(account_id: int, region: str = "eu") -> None: ...
+
+    assert sync.lock_name(3) == sync.lock_name(account_id=3) == "eu/3"
+
+
+def test_default_key_is_the_task_name_and_a_stable_hash(app: Celery) -> None:
+    @singleton_task(app=app, shared=False, name="shop.sync")
+    def sync(account_id: int, tags: tuple[str, ...] = ()) -> None: ...
+
+    canonical = json.dumps({"account_id": 1, "tags": []}, sort_keys=True, separators=(",", ":"))
+    expected = "shop.sync:" + hashlib.sha1(canonical.encode()).hexdigest()
+    assert sync.lock_name(1) == sync.lock_name(account_id=1, tags=()) == expected
+    assert sync.lock_name(2) != expected
+
+
+def test_var_keyword_fields_are_checked_when_called(app: Celery) -> None:
+    @singleton_task(app=app, shared=False, key="job:{tenant}")
+    def job(**options: Any) -> None: ...
+
+    assert job.lock_name(tenant="acme") == "job:acme"
+    with pytest.raises(InvalidArgument, match="cannot be rendered for this call"):
+        job.lock_name(other=1)
+
+
+def test_a_call_that_does_not_match_the_signature_is_a_clear_error(app: Celery) -> None:
+    @singleton_task(app=app, shared=False, key="sync:{account_id}")
+    def sync(account_id: int) -> None: ...
+
+    with pytest.raises(InvalidArgument, match="does not match the task's signature"):
+        sync.lock_name(1, 2)
+
+
+# -- direct calls take the same lock a worker would --------------------------------------------
+
+
+def test_direct_call_holds_the_key_and_exposes_the_lease(app: Celery, redis_url: str) -> None:
+    seen: dict[str, Any] = {}
+
+    @singleton_task(app=app, shared=False, key="direct:{n}", ttl=5, backend=redis_url, bind=True)
+    def job(self: Any, n: int) -> int:
+        lease = current_lease()
+        assert lease is not None and self.lease is lease
+        seen["held_elsewhere"] = Lock(lease.name, backend=redis_url).try_acquire()
+        return lease.fence
+
+    fence = job(1)
+    assert fence > 0 and seen["held_elsewhere"] is None
+    assert current_lease() is None
+    assert Lock("direct:1", backend=redis_url).holder() is None  # released
+
+
+@pytest.mark.parametrize(
+    ("on_conflict", "outcome"), [("skip", "returns None"), ("raise", LockHeld)]
+)
+def test_direct_call_on_a_held_key(
+    app: Celery, redis_url: str, on_conflict: str, outcome: Any
+) -> None:
+    @singleton_task(
+        app=app, shared=False, key="held:{n}", ttl=5, backend=redis_url, on_conflict=on_conflict
+    )
+    def job(n: int) -> str:
+        return "ran"
+
+    with Lock("held:1", ttl=5, backend=redis_url):
+        if outcome is LockHeld:
+            with pytest.raises(LockHeld, match="held:1"):
+                job(1)
+        else:
+            assert job(1) is None
+    assert job(1) == "ran"
+
+
+def test_bare_decorator_registers_a_shared_task() -> None:
+    @singleton_task
+    def nightly(day: str) -> str:
+        return day
+
+    assert isinstance(nightly._get_current_object(), SingletonTask)
+    assert nightly.lock_name("mon").startswith(f"{nightly.name}:")
+    assert nightly.on_conflict == "skip" and nightly.lock_on == "run"

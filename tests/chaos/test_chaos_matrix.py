@@ -1,0 +1,119 @@
+"""Backend x fault runs: real client processes, real servers, real faults, then the checker.
+
+What is asserted is what the package promises whatever the backend and the fault:
+a fenced register (``task_locks.fencing`` and ``django_app.fencing.fenced``) never
+accepts a stale write and never loses an acknowledged one (acceptance 1). Overlaps and
+the unfenced register's stale writes are *measured*, not asserted: they are the honest
+answer to "where does a lock alone fail", and they go to the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from chaoskit import clusters, report
+from chaoskit.scenario import Run, Settings
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
+
+HAVE_ETCD_BACKEND = importlib.util.find_spec("task_locks.backends.etcd") is not None
+HAVE_REDLOCK_BACKEND = importlib.util.find_spec("task_locks.backends.redlock") is not None
+WAIT_REPLICAS = "wait_replicas=1&wait_timeout=100"
+
+BACKENDS = {
+    "redis": lambda db: clusters.SingleRedis(),
+    "sentinel": lambda db: clusters.SentinelRedis(),
+    "sentinel+wait": lambda db: clusters.SentinelRedis(WAIT_REPLICAS),
+    "redlock": lambda db: clusters.Redlock(),
+    "etcd": lambda db: clusters.Etcd(),
+    "django": lambda db: clusters.DjangoDatabase(db),
+}
+FAULTS_OF = {
+    "redis": clusters.SingleRedis.faults,
+    "sentinel": clusters.SentinelRedis.faults,
+    "sentinel+wait": clusters.SentinelRedis.faults,
+    "redlock": clusters.Redlock.faults,
+    "etcd": clusters.Etcd.faults,
+    "django": clusters.DjangoDatabase.faults,
+}
+FAULT_ORDER = [
+    "pause-holder",
+    "pause-acquirer",
+    "kill-holder",
+    "pause-server",
+    "restart-server",
+    "failover",
+    "kill-leader",
+    "proxy-latency",
+    "proxy-blackhole",
+    "proxy-reset",
+    "clock-skew",
+]
+
+#: ``make test``: the faults that break something somewhere, once each (< 2 minutes).
+SHORT = [
+    ("redis", "pause-holder"),
+    ("redis", "restart-server"),
+    ("redis", "kill-holder"),
+    ("redis", "proxy-blackhole"),
+    ("redis", "clock-skew"),
+    ("sentinel", "failover"),
+    ("redlock", "restart-server"),
+    ("etcd", "kill-leader"),
+    ("django", "pause-holder"),
+]
+#: ``make chaos``: every backend with every fault it supports (plus a paused acquirer).
+LONG = [
+    (backend, fault)
+    for backend in BACKENDS
+    for fault in FAULT_ORDER
+    if fault in FAULTS_OF[backend] or fault == "pause-acquirer"
+]
+
+
+def _available(backend: str) -> str | None:
+    if backend == "etcd" and not HAVE_ETCD_BACKEND:
+        return "the etcd backend is not there yet"
+    if backend == "redlock" and not HAVE_REDLOCK_BACKEND:
+        return "the redlock backend is not there yet"
+    return None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "scenario" not in metafunc.fixturenames:
+        return
+    long_form = metafunc.config.getoption("--chaos-long", default=False)
+    pairs = LONG if long_form else SHORT
+    metafunc.parametrize("scenario", pairs, ids=[f"{b}-{f}" for b, f in pairs])
+
+
+def test_fenced_resources_never_accept_a_stale_write(
+    scenario: tuple[str, str],
+    chaos_long: bool,
+    chaos_resource_redis: str,
+    chaos_database: str | None,
+) -> None:
+    backend, fault = scenario
+    missing = _available(backend)
+    if missing:
+        pytest.skip(missing)
+    if backend == "django" and chaos_database is None:
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
+    settings = Settings(duration=10.0 if chaos_long else 4.0)
+    if backend.startswith("sentinel"):
+        settings.duration *= 2  # a failover cycle takes about 4 s
+    service = BACKENDS[backend](chaos_database)
+    outcome = Run(service, fault, settings, chaos_resource_redis, chaos_database).execute()
+    outcome.backend = backend
+    report.OUTCOMES.append(outcome)
+    result = outcome.result
+
+    assert not outcome.errors, f"the harness failed: {outcome.errors} (see {outcome.workdir})"
+    assert result.faults >= 1, f"the nemesis injected no {fault} fault"
+    assert result.holds >= 1, "no client ever held the lock"
+    for guard in ("fenced", "django"):
+        if guard in result.guards:
+            g = result.guards[guard]
+            assert g.stale_accepted == 0, f"{guard}: {g.stale_accepted} stale writes accepted"
+            assert g.lost == 0, f"{guard}: acknowledged writes lost: {g.lost_ids[:5]}"

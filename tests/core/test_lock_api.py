@@ -1,0 +1,85 @@
+"""The everyday API, the same for Lock and AsyncLock: with-blocks, timeouts, LockHeld."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import redis
+
+from task_locks import LockHeld, LockLost, configure
+
+from .support import SyncDriver, holder_token
+
+
+def test_with_block_releases_even_when_the_body_fails(driver: SyncDriver, redis_url: str) -> None:
+    lock = driver.lock("block", ttl=5, backend=redis_url, timeout=1)
+    if driver.mode == "sync":
+
+        def body() -> None:
+            with lock as lease:
+                assert holder_token(redis_url, "block") == lease.token
+                raise KeyError("boom")
+
+    else:
+
+        async def body() -> None:
+            async with lock as lease:
+                assert holder_token(redis_url, "block") == lease.token
+                raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        driver.call(body)
+    assert holder_token(redis_url, "block") is None
+
+
+def test_held_lock_names_its_holder(driver: SyncDriver, redis_url: str) -> None:
+    handle = driver.acquire("busy", backend=redis_url, ttl=5)
+    assert driver.try_acquire("busy", backend=redis_url, ttl=5) is None
+    with pytest.raises(LockHeld) as caught:
+        driver.acquire("busy", timeout=0, backend=redis_url, ttl=5)
+    error = caught.value
+    assert error.name == "busy"
+    assert error.holder is not None and error.holder.fence == handle.fence
+    assert error.holder.owner.pid == os.getpid()
+    assert f"pid {os.getpid()}" in str(error) and "'busy'" in str(error)
+    handle.release()
+
+
+def test_acquire_timeout_is_kept(driver: SyncDriver, redis_url: str) -> None:
+    """Waiting ends on time (Redis's coarse BLPOP timer is not allowed to stretch it)."""
+    handle = driver.acquire("slowpoke", backend=redis_url, ttl=10)
+    started = time.monotonic()
+    with pytest.raises(LockHeld, match="after waiting"):
+        driver.acquire("slowpoke", timeout=0.3, backend=redis_url, ttl=5)
+    assert 0.3 <= time.monotonic() - started < 0.38
+    handle.release()
+
+
+def test_lease_state_and_idempotent_release(
+    driver: SyncDriver, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="task_locks")
+    handle = driver.acquire("state", backend=redis_url, ttl=5)
+    assert handle.held and not handle.lost.is_set()
+    assert handle.name == "state" and len(handle.token) >= 32
+    assert 4 < handle.expires_at - time.time() <= 5
+    handle.release()
+    handle.release()  # a second release does nothing
+    assert not handle.held
+    with pytest.raises(LockLost, match="already released"):
+        handle.check()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("acquired lock 'state'" in m for m in messages)
+    assert any("released lock 'state'" in m for m in messages)
+
+
+def test_configured_backend_and_default_ttl(driver: SyncDriver, redis_url: str) -> None:
+    configure(backend=redis_url, default_ttl=7)
+    handle = driver.acquire("configured")
+    assert handle.ttl == 7
+    with redis.Redis.from_url(redis_url) as client:
+        assert 6000 < client.pttl("task_locks:{configured}") <= 7000
+    handle.release()

@@ -1,0 +1,127 @@
+"""The Redis backend for operators and odd set-ups: holders, force_release, NOSCRIPT, URLs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import pytest
+import redis
+import redis.connection
+from servers import wait_until
+
+from task_locks import NotOwned, get_backend, owner_context
+from task_locks.types import RenewItem
+
+from .support import SyncDriver, holder_token
+
+
+def listing(driver: SyncDriver, url: str, prefix: str) -> list:
+    backend = get_backend(url)
+    lister = backend.aholders if driver.mode == "async" else backend.holders
+    return list(driver.call(lister, prefix))
+
+
+def test_holders_lists_live_locks_by_prefix_with_owner(driver: SyncDriver, redis_url: str) -> None:
+    with owner_context(task_id="t-42", task_name="reports.build", worker="w1@host"):
+        reports = [driver.acquire(f"report:{i}", backend=redis_url, ttl=5) for i in range(3)]
+    other = driver.acquire("sync:1", backend=redis_url, ttl=5)
+    glob = driver.acquire("odd[*]?name", backend=redis_url, ttl=5)
+
+    listed = listing(driver, redis_url, "report:")
+    assert [h.name for h in listed] == ["report:0", "report:1", "report:2"]
+    first = listed[0]
+    assert first.fence == reports[0].fence
+    assert first.owner.task_id == "t-42" and first.owner.task_name == "reports.build"
+    assert first.owner.worker == "w1@host"
+    assert first.owner.pid == os.getpid() and first.owner.host == socket.gethostname()
+    assert first.acquired_at is not None and abs(first.acquired_at - time.time()) < 5
+    assert first.expires_at is not None and 0 < first.expires_at - time.time() <= 5
+    assert "reports.build" in first.describe()
+    # Glob characters in names and prefixes are literal.
+    assert [h.name for h in listing(driver, redis_url, "odd[*]")] == ["odd[*]?name"]
+    assert listing(driver, redis_url, "report:*") == []
+    assert len(listing(driver, redis_url, "")) == 5
+    # The one-name lookup agrees with the listing.
+    assert driver.call(driver.lock("report:1", backend=redis_url).holder).fence == reports[1].fence
+    # Operators' listing scans; it never blocks the server with KEYS.
+    with redis.Redis.from_url(redis_url) as client:
+        stats = client.info("commandstats")
+    assert "cmdstat_scan" in stats and "cmdstat_keys" not in stats
+    for handle in [*reports, other, glob]:
+        handle.release()
+    assert listing(driver, redis_url, "") == []
+
+
+def test_force_release_frees_the_lock_and_the_holder_finds_out(
+    driver: SyncDriver, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = get_backend(redis_url)
+    force = backend.aforce_release if driver.mode == "async" else backend.force_release
+    handle = driver.acquire("stuck", backend=redis_url, ttl=0.6)
+    assert driver.call(force, "stuck") is True
+    assert driver.call(force, "stuck") is False  # nothing held any more
+    assert any(
+        r.levelno == logging.WARNING and "'stuck' was force-released" in r.getMessage()
+        for r in caplog.records
+    )
+    other = driver.acquire("stuck", timeout=0, backend=redis_url, ttl=5)  # free at once
+    with pytest.raises(NotOwned):
+        handle.release()
+    assert holder_token(redis_url, "stuck") == other.token
+    other.release()
+
+
+def test_noscript_is_handled_after_script_flush(driver: SyncDriver, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.script_flush()
+    handle = driver.acquire("noscript", backend=redis_url, ttl=0.6)
+    client.script_flush()
+    handle.renew()
+    client.script_flush()
+    renewals = handle.renewals
+    wait_until(lambda: handle.renewals > renewals, 1, "a watchdog renewal (batched script)")
+    client.script_flush()
+    waiter = driver.start_acquire("noscript", timeout=5, backend=redis_url, ttl=5)
+    handle.release()
+    second, _ = waiter.result(timeout=5)
+    client.script_flush()
+    assert get_backend(redis_url).renew_many([RenewItem("noscript", second.token, 5000)]) == [True]
+    second.release()
+    assert holder_token(redis_url, "noscript") is None
+    client.close()
+
+
+def test_rediss_url_builds_a_tls_client_without_connecting() -> None:
+    backend = get_backend("rediss://:s3cret@127.0.0.1:6390/2?socket_timeout=1.5&prefix=app:")
+    pool = backend.client.connection_pool
+    assert pool.connection_class is redis.connection.SSLConnection
+    assert pool.connection_kwargs["db"] == 2
+    assert pool.connection_kwargs["socket_timeout"] == 1.5
+    assert backend.prefix == "app:"
+    assert "s3cret" not in backend.server and "s3cret" not in repr(backend)
+
+
+def test_unix_socket_url(driver: SyncDriver, redis_factory, tmp_path) -> None:
+    path = tmp_path / "redis.sock"
+    redis_factory(extra=["--unixsocket", str(path), "--unixsocketperm", "700"])
+    url = f"unix://{path}?db=3&socket_timeout=2"
+    handle = driver.acquire("over-unix", backend=url, ttl=5)
+    with redis.Redis(unix_socket_path=str(path), db=3) as client:
+        assert client.exists("task_locks:{over-unix}")
+    assert holder_token(url, "over-unix") == handle.token
+    handle.release()
+
+
+def test_prefix_option_namespaces_locks(redis_url: str) -> None:
+    one = get_backend(redis_url + "?prefix=one:")
+    two = get_backend(redis_url + "?prefix=two:")
+    from task_locks import Lock
+
+    first = Lock("shared", ttl=5, backend=one).acquire(timeout=0)
+    second = Lock("shared", ttl=5, backend=two).acquire(timeout=0)  # another namespace
+    assert [h.name for h in one.holders()] == ["shared"]
+    first.release()
+    second.release()

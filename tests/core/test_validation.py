@@ -1,0 +1,86 @@
+"""Acceptance 8: bad input fails at call time with a message saying what was wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from task_locks import InvalidArgument, LockError, configure, get_backend
+
+from .support import SyncDriver
+
+#: Nothing listens here: a call that reached the network would fail differently.
+NOWHERE = "redis://127.0.0.1:1/0"
+
+LOCK_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"name": ""}, "empty"),
+    ({"name": "   "}, "empty or blank"),
+    ({"name": 42}, "must be a string"),
+    ({"name": "x" * 600}, "at most 512"),
+    ({"ttl": 0}, "ttl must be a finite number of seconds > 0, got 0"),
+    ({"ttl": -5}, "ttl must be a finite number of seconds > 0, got -5"),
+    ({"ttl": float("nan")}, "ttl must be a finite number"),
+    ({"ttl": "30"}, "ttl must be a number of seconds, got '30'"),
+    ({"timeout": -1}, "timeout must be >= 0 seconds, got -1"),
+    ({"timeout": "5"}, "timeout must be seconds"),
+    ({"max_hold": 0}, "max_hold must be a finite number of seconds > 0"),
+    ({"backend": "nosuch://host"}, "unknown lock backend scheme 'nosuch://'"),
+    ({"backend": "redis//127.0.0.1:6379"}, "malformed backend URL"),
+    ({"backend": "redis://127.0.0.1:notaport/0"}, "malformed Redis URL"),
+    ({"backend": "redis://127.0.0.1:6379/notadb"}, "malformed Redis URL"),
+    ({"backend": "redis://[::1/0"}, "malformed backend URL"),
+    ({"backend": "redis://127.0.0.1:6379/0?socket_timeout=soon"}, "socket_timeout='soon'"),
+    ({"backend": "redis://127.0.0.1:6379/0?socket_timeout=0"}, "socket_timeout must be > 0"),
+    ({"backend": "redis://127.0.0.1:6379/0?colour=blue"}, "unsupported option"),
+    ({"backend": "redis+sentinel://127.0.0.1:26379"}, "service_name"),
+    ({"backend": "redis+sentinel://127.0.0.1:26379/m/x"}, "malformed sentinel URL"),
+    ({"backend": "redis+cluster://"}, "no host:port"),
+    ({"backend": "redis+cluster://127.0.0.1:port"}, "malformed host:port '127.0.0.1:port'"),
+    ({"backend": "redis+cluster://127.0.0.1:7000?colour=blue"}, "unknown option"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), LOCK_CASES, ids=[m for _, m in LOCK_CASES])
+def test_bad_lock_arguments_fail_when_the_lock_is_made(
+    driver: SyncDriver, bad: dict[str, Any], message: str
+) -> None:
+    arguments = {"name": "valid", "ttl": 5, "backend": NOWHERE, **bad}
+    name = arguments.pop("name")
+    with pytest.raises(InvalidArgument) as caught:
+        driver.lock_class(name, **arguments)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, LockError)
+    assert message in str(caught.value)
+
+
+def test_bad_acquire_timeout_fails_before_any_io(driver: SyncDriver) -> None:
+    lock = driver.lock("valid", ttl=5, backend=NOWHERE)  # nothing listens: no I/O may happen
+    with pytest.raises(InvalidArgument, match=r"timeout must be >= 0 seconds, got -0.5"):
+        driver.call(lock.acquire, timeout=-0.5)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("", "must be a non-empty string"),
+        ("nosuch://x", "unknown lock backend scheme"),
+        ("127.0.0.1:6379", "malformed backend URL"),
+    ],
+)
+def test_bad_backend_urls(url: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        get_backend(url)
+    with pytest.raises(InvalidArgument, match=message):
+        configure(backend=url)
+
+
+def test_bad_configured_ttl() -> None:
+    with pytest.raises(InvalidArgument, match="default_ttl must be a finite number"):
+        configure(default_ttl=-1)
+
+
+def test_password_never_appears_in_messages() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        get_backend("redis://user:hunter2@127.0.0.1:6379/0?socket_timeout=x")
+    assert "hunter2" not in str(caught.value)
+    assert "***" in str(caught.value)

@@ -1,0 +1,91 @@
+"""System checks (acceptance 5) and migration drift (acceptance 6)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django_helpers import ROOT, finish, manage
+from servers import free_port
+
+from django_app import conf
+from django_app.checks import check_settings
+from django_app.conf import MisconfiguredBackend
+from task_locks import InvalidArgument, Lock
+
+
+def ids(settings: object, value: object) -> list[str]:
+    settings.TASK_LOCKS = value  # type: ignore[attr-defined]
+    return sorted(m.id for m in check_settings())
+
+
+def test_check_ids(settings: object, redis_url: str) -> None:
+    assert ids(settings, {"BACKEND": redis_url, "DEFAULT_TTL": 30}) == []
+    assert ids(settings, {"BACKEND": "nosuch://x"}) == ["task_locks.E001"]
+    assert ids(settings, {"BACKEND": "not a url"}) == ["task_locks.E001"]
+    assert ids(settings, {"BACKEND": "django://missing-alias"}) == ["task_locks.E001"]
+    assert ids(settings, {"BACKEND": redis_url, "DEFAULT_TTL": 0}) == ["task_locks.E002"]
+    assert ids(settings, {"BACKEND": redis_url, "DEFAULT_TTL": -5}) == ["task_locks.E002"]
+    assert ids(settings, {"BACKEND": redis_url, "DEFAUL_TTL": 5}) == ["task_locks.E003"]
+    assert ids(settings, {"BACKEND": redis_url, "AUDIT": ["lots"]}) == ["task_locks.E004"]
+    assert ids(settings, "redis://x") == ["task_locks.E004"]
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    assert ids(settings, {"BACKEND": down}) == ["task_locks.W001"]
+    assert ids(settings, {"BACKEND": "memory://", "KEY_PREFIX": "app:"}) == ["task_locks.W002"]
+
+
+def test_a_bad_setting_fails_loudly_at_use_not_silently_elsewhere(settings: object) -> None:
+    settings.TASK_LOCKS = {"BACKEND": "nosuch://x"}  # type: ignore[attr-defined]
+    assert isinstance(conf.backend(), MisconfiguredBackend)
+    with pytest.raises(InvalidArgument, match=r"misconfigured.*nosuch"):
+        Lock("x", ttl=1).acquire(timeout=0)
+
+
+def test_key_prefix_goes_into_redis_urls(settings: object, redis_url: str) -> None:
+    settings.TASK_LOCKS = {"BACKEND": redis_url, "KEY_PREFIX": "shop:"}  # type: ignore[attr-defined]
+    assert conf.lock_settings().backend_url == f"{redis_url}?prefix=shop%3A"
+
+
+def test_manage_py_check_reports_ids(redis_url: str) -> None:
+    status, out, err = finish(manage("check", backend_url="nosuch://x"))
+    assert status == 1 and "task_locks.E001" in err
+    status, out, err = finish(manage("check", backend_url=redis_url))
+    assert status == 0, err
+    assert "System check identified no issues" in out
+
+
+@pytest.mark.skipif(
+    not (ROOT / "example_project" / "manage.py").exists(), reason="no example project yet"
+)
+def test_example_project_check_is_clean() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "TASK_LOCKS"))}
+    proc = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT / "example_project",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "task_locks." not in proc.stdout + proc.stderr
+
+
+@pytest.mark.django_db
+def test_no_missing_migrations() -> None:
+    """Fails when a model changes without a migration (``makemigrations --check``)."""
+    out = io.StringIO()
+    try:
+        call_command("makemigrations", "task_locks", check=True, dry_run=True, stdout=out)
+    except SystemExit as exc:  # pragma: no cover - the failure this test exists for
+        raise AssertionError(f"models changed without a migration:\n{out.getvalue()}") from exc
+
+
+def test_every_model_has_a_migration() -> None:
+    migrations = Path(conf.__file__).parent / "migrations"
+    assert (migrations / "0001_initial.py").exists()

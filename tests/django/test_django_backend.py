@@ -1,0 +1,326 @@
+"""The ``django://ALIAS`` backend on real databases: SQLite, PostgreSQL, MySQL/MariaDB."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.db import connections, transaction
+from django_helpers import HERE, subprocess_env
+
+from django_app.backend import LOCKS, DjangoBackend
+from task_locks import (
+    BackendUnavailable,
+    InvalidArgument,
+    Lock,
+    LockHeld,
+    NotOwned,
+    get_backend,
+)
+
+ALIASES = [a for a in ("default", "pg", "mysql") if a in settings.DATABASES]
+ALL_DBS = pytest.mark.django_db(transaction=True, databases=ALIASES)
+
+
+@pytest.fixture(params=ALIASES)
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def url(alias: str) -> str:
+    return f"django://{alias}"
+
+
+def _db_sql(alias: str, sql: str) -> None:
+    """Run SQL with the database's own clock expressions on the test's connection."""
+    vendor = connections[alias].vendor
+    now = {
+        "postgresql": "now()",
+        "mysql": "UTC_TIMESTAMP(6)",
+        "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+    }[vendor]
+    past = {
+        "postgresql": "now() - interval '1 second'",
+        "mysql": "UTC_TIMESTAMP(6) - INTERVAL 1 SECOND",
+        "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 seconds')",
+    }[vendor]
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.format(now=now, past=past))
+
+
+@ALL_DBS
+def test_lock_basics(url: str) -> None:
+    backend = get_backend(url)
+    first = Lock("report:1", ttl=5, backend=url).acquire(timeout=0)
+    with pytest.raises(LockHeld) as held:
+        Lock("report:1", ttl=5, backend=url).acquire(timeout=0)
+    assert held.value.name == "report:1"
+    assert held.value.holder is not None and held.value.holder.fence == first.fence
+
+    [holder] = backend.holders("report:")
+    assert (holder.name, holder.fence) == ("report:1", first.fence)
+    assert 0 < holder.expires_in <= 5.5  # type: ignore[operator]
+    assert backend.holders("other:") == []
+
+    first.renew()
+    assert backend.holder("report:1").renewals == 1  # type: ignore[union-attr]
+    first.release()
+    second = Lock("report:1", ttl=5, backend=url).acquire(timeout=0)
+    assert second.fence > first.fence, "fences strictly increase per name"
+    second.release()
+    assert backend.holders() == []
+
+
+@ALL_DBS
+def test_release_is_token_checked_and_force_release_is_not(url: str) -> None:
+    backend = get_backend(url)
+    lease = Lock("job", ttl=5, backend=url).acquire(timeout=0)
+    assert backend.release("job", "not-the-token") is False
+    assert backend.renew("job", "not-the-token", 5000) is False
+    assert backend.holder("job") is not None, "a stranger's release changed nothing"
+    assert backend.force_release("job") is True
+    assert backend.force_release("job") is False
+    with pytest.raises(NotOwned):
+        lease.release()
+
+
+@ALL_DBS
+def test_prefix_search_is_exact(url: str) -> None:
+    backend = get_backend(url)
+    leases = [Lock(n, ttl=5, backend=url).acquire(timeout=0) for n in ["a_b", "axb", "A_b", "a%"]]
+    assert [h.name for h in backend.holders("a_")] == ["a_b"]
+    assert [h.name for h in backend.holders("a%")] == ["a%"]
+    assert len(backend.holders()) == 4
+    for lease in leases:
+        lease.release()
+
+
+@ALL_DBS
+def test_expiry_is_judged_by_the_database_clock(
+    alias: str, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend(url)
+    Lock("clock", ttl=30, backend=url, renew=False).acquire(timeout=0)
+    real_time = time.time
+
+    # The client's clock is mocked on purpose (a clock cannot be skewed for real here):
+    # an hour slow, a client-side check would still see 30 s left on the lock below.
+    monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
+    _db_sql(alias, f"UPDATE {LOCKS} SET expires_at = {{past}} WHERE name = 'clock'")
+    assert backend.holders() == []
+    taken = Lock("clock", ttl=30, backend=url, renew=False).acquire(timeout=0)
+
+    # A day fast, a client-side check would call the lock expired; the database does not.
+    monkeypatch.setattr(time, "time", lambda: real_time() + 86400)
+    with pytest.raises(LockHeld):
+        Lock("clock", ttl=30, backend=url).acquire(timeout=0)
+    assert [h.fence for h in backend.holders()] == [taken.fence]
+    monkeypatch.undo()
+    taken.release()
+
+
+def test_the_sql_uses_the_database_clock() -> None:
+    from django_app.backend import _Dialect
+
+    for vendor, now in [
+        ("postgresql", "now()"),
+        ("mysql", "UTC_TIMESTAMP(6)"),
+        ("sqlite", "'now'"),
+    ]:
+        dialect = _Dialect(vendor)
+        assert now in dialect.take_sql()
+        assert f"expires_at <= {dialect.now}" in dialect.take_sql()
+
+
+@ALL_DBS
+def test_a_lock_taken_inside_a_transaction_is_visible_and_survives_rollback(
+    alias: str, url: str
+) -> None:
+    backend = get_backend(url)
+    with pytest.raises(RuntimeError), transaction.atomic(using=alias):
+        lease = Lock("in-txn", ttl=5, backend=url).acquire(timeout=0)
+        seen = threading.Thread(target=lambda: results.append(backend.holder("in-txn")))
+        results: list[object] = []
+        seen.start()
+        seen.join(10)
+        assert results and results[0] is not None, "other connections see the lock at once"
+        raise RuntimeError("roll the caller's transaction back")
+    assert backend.holder("in-txn") is not None
+    lease.release()
+
+
+@ALL_DBS
+def test_threads_never_overlap_and_hand_off_quickly(url: str) -> None:
+    inside = 0
+    overlaps = 0
+    fences: list[int] = []
+    guard = threading.Lock()
+
+    def worker() -> None:
+        nonlocal inside, overlaps
+        for _ in range(5):
+            with Lock("shared", ttl=10, backend=url, timeout=30) as lease:
+                with guard:
+                    inside += 1
+                    overlaps += inside > 1
+                    fences.append(lease.fence)
+                time.sleep(0.01)
+                with guard:
+                    inside -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert overlaps == 0
+    assert fences == sorted(fences) and len(set(fences)) == 20
+    assert time.monotonic() - started < 20
+
+
+def _run_workers(url: str, name: str, rounds: int, tmp_path: Path) -> list[list[float]]:
+    log = tmp_path / "sections.log"
+    env = subprocess_env()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "lock_worker.py"), url, name, str(rounds), str(log)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for proc in workers:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for proc in workers:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        for proc in workers:
+            assert proc.wait(timeout=60) == 0
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+    return [list(map(float, line.split())) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.skipif("pg" not in settings.DATABASES, reason="no PostgreSQL on 127.0.0.1:5432")
+@pytest.mark.django_db(transaction=True, databases=ALIASES)
+def test_two_processes_never_overlap_on_postgresql(tmp_path: Path) -> None:
+    sections = sorted(_run_workers("django://pg", "pg-contended", 15, tmp_path))
+    assert len(sections) == 30
+    assert len({int(s[3]) for s in sections}) == 2, "both processes took the lock"
+    for before, after in itertools.pairwise(sections):
+        assert before[1] <= after[0], f"critical sections overlap: {before} and {after}"
+        assert after[2] > before[2], "fences grow in the order the lock was held"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_processes_never_overlap_on_sqlite(tmp_path: Path) -> None:
+    sections = sorted(_run_workers("django://default", "sqlite-contended", 8, tmp_path))
+    assert len(sections) == 16
+    for before, after in itertools.pairwise(sections):
+        assert before[1] <= after[0]
+        assert after[2] > before[2]
+
+
+def test_bad_urls_fail_at_definition() -> None:
+    with pytest.raises(InvalidArgument, match="no database alias 'nope'"):
+        DjangoBackend("django://nope")
+
+
+def test_database_errors_become_backend_unavailable(
+    django_db_blocker: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = DjangoBackend("django://default")
+    broken = {**connections["default"].settings_dict, "NAME": "/nonexistent/dir/locks.sqlite3"}
+    monkeypatch.setattr(backend._pool, "_settings", lambda: dict(broken))
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        with pytest.raises(BackendUnavailable) as failed:
+            Lock("x", ttl=1, backend=backend).acquire(timeout=0)
+    assert failed.value.name == "x" and failed.value.server == "django://default"
+
+
+@ALL_DBS
+def test_prefix_option_namespaces_the_table(url: str) -> None:
+    shop, blog = get_backend(f"{url}?prefix=shop:"), get_backend(f"{url}?prefix=blog:")
+    one = Lock("sync", ttl=5, backend=shop).acquire(timeout=0)
+    two = Lock("sync", ttl=5, backend=blog).acquire(timeout=0)
+    assert [h.name for h in shop.holders()] == ["sync"]
+    assert [h.name for h in get_backend(url).holders()] == ["blog:sync", "shop:sync"]
+    assert shop.holder("sync").fence == one.fence  # type: ignore[union-attr]
+    one.release()
+    two.release()
+    with pytest.raises(InvalidArgument, match="unknown option"):
+        DjangoBackend(f"{url}?bogus=1")
+
+
+@ALL_DBS
+def test_a_forked_child_uses_its_own_connections(url: str) -> None:
+    backend = get_backend(url)
+    lease = Lock("fork:parent", ttl=5, backend=backend).acquire(timeout=0)  # pools a connection
+    pid = os.fork()
+    if pid == 0:  # the child: lock through the inherited backend, then leave at once
+        status = 1
+        try:
+            child = Lock("fork:child", ttl=5, backend=backend).acquire(timeout=0)
+            child.release()
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's pooled connection still works: the child never closed it.
+    assert [h.name for h in backend.holders("fork:")] == ["fork:parent"]
+    lease.release()
+
+
+def test_ready_configures_task_locks_from_settings() -> None:
+    env = subprocess_env("memory://from-settings")
+    code = (
+        "import django; django.setup(); "
+        "from task_locks.config import resolve_backend, default_ttl; "
+        "print(resolve_backend().url, default_ttl())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["memory://from-settings", "30.0"], out.stderr
+
+
+@ALL_DBS
+def test_a_waiter_wakes_soon_after_the_release(alias: str, url: str) -> None:
+    backend = get_backend(url)
+    assert ("wakeup" in backend.capabilities) == (connections[alias].vendor == "postgresql")
+    lease = Lock("wake", ttl=30, backend=backend).acquire(timeout=0)
+    released_at: list[float] = []
+
+    def release_soon() -> None:
+        time.sleep(0.3)
+        released_at.append(time.monotonic())
+        lease.release()
+
+    releaser = threading.Thread(target=release_soon)
+    releaser.start()
+    started = time.monotonic()
+    backend.wait("wake", 20)  # the holder's TTL is 30 s: only the release ends this early
+    woke = time.monotonic()
+    releaser.join(10)
+    assert woke - started < 5
+    assert woke - released_at[0] < 0.5  # a generous bound: speed lives in bench/

@@ -1,0 +1,90 @@
+"""The benchmark runner still works end to end, so ``make bench`` cannot rot unnoticed.
+
+Runs ``bench/run.py --smoke --no-peers`` (its own redis-server, tiny counts, no peer
+installation, a few seconds) and checks that every core measurement produced numbers and
+that both output files were written. Speed targets are NOT asserted here: they live in
+``bench/results.md``; a loaded test machine must not fail the suite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "bench" / "run.py"
+
+
+def load_runner() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run", RUNNER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(90)
+def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(RUNNER), "--smoke", "--no-peers", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    floor = next(iter(results["floor"].values()))
+    assert floor["ping"]["median_us"] > 0 and floor["set"]["median_us"] > 0
+    rows = {(r["label"], r["backend"]): r for r in results["uncontended"]}
+    for key in [("task-locks", "redis"), ("task-locks", "memory"), ("redis-py Lock", "redis")]:
+        assert rows[key].get("median_us", 0) > 0, rows[key]
+        assert rows[key]["p99_us"] >= rows[key]["median_us"]
+
+    ours = results["contention"]["task-locks|2|0.001"]
+    assert ours["acquisitions"] > 0
+    assert 0 < ours["utilisation"] <= 1
+    assert 0 < ours["fairness"] <= 1
+    assert "redis-py Lock|2|0.001" in results["contention"]
+
+    (renewal,) = results["renewal"]
+    assert "error" not in renewal, renewal
+    assert renewal["rounds"] >= 1 and renewal["lost"] == 0
+    assert renewal["calls_per_round"] >= 1 and renewal["memory_per_lease"] > 0
+
+    # Peers that were not installed are reported, never silently dropped.
+    assert results["peers"]["python-redis-lock"].startswith("not installed:")
+    verdicts = {t["what"]: t["verdict"] for t in results["targets"]}
+    assert set(verdicts.values()) <= {"PASS", "MISS", "n/a"}
+    assert verdicts["uncontended cycle / redis-py Lock (median)"] in {"PASS", "MISS"}
+
+    markdown = (tmp_path / "results.md").read_text()
+    for heading in ["## Targets", "## The floor", "## Uncontended", "## Contention", "## Renewal"]:
+        assert heading in markdown
+    assert "python-redis-lock | not installed: skipped (--no-peers)" in markdown
+    assert (tmp_path / "results.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_contention_figures_from_known_records() -> None:
+    """Two processes taking turns: rate, utilisation, fairness and hand-off come out exact."""
+    runner = load_runner()
+    # [asked, acquired, releasing]: A holds 0-1, B waits from 0.5 and gets it at 1.1, A asks
+    # again at 1.5 and gets it at 2.2 after B releases at 2.0; the window is 0-4 s.
+    a = [[0.0, 0.0, 1.0], [1.5, 2.2, 3.0]]
+    b = [[0.5, 1.1, 2.0]]
+    stats = runner.contention_stats([([a, b], 0.0, 4.0)])
+    assert stats["acquisitions"] == 3
+    assert stats["rate"] == pytest.approx(0.75)
+    assert stats["utilisation"] == pytest.approx((1.0 + 0.9 + 0.8) / 4)
+    assert stats["fairness"] == pytest.approx(0.5)
+    assert stats["handoffs"] == 2
+    assert stats["handoff_median_us"] == pytest.approx(100_000, rel=1e-6)  # 0.1 s
+    assert stats["handoff_p99_us"] == pytest.approx(200_000, rel=1e-6)  # 0.2 s
