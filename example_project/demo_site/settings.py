@@ -1,26 +1,71 @@
 """Settings for the example site.
 
 Two environment variables pick the servers; with neither set, everything runs embedded
-(no server to start): the lock backend is the Django database (SQLite), the Celery broker
-is kombu's filesystem transport and results go to SQLite through SQLAlchemy.
+(no server to start): the lock backend is the Django database (SQLite, ``django://default``),
+the Celery broker is a folder of files (kombu's filesystem transport) and task results go
+to SQLite through SQLAlchemy.
 
 - ``TASK_LOCKS_URL``: the lock backend, e.g. ``redis://127.0.0.1:6379/0`` or ``etcd://...``
-- ``CELERY_BROKER_URL``: the broker, e.g. ``redis://127.0.0.1:6379/1``
+- ``CELERY_BROKER_URL``: the broker, e.g. ``redis://127.0.0.1:6379/1`` or ``amqp://...``
 
-Where this demo differs from production, the setting says why (see ``check --deploy``).
+``DEMO_VAR_DIR`` moves the databases and the broker folder (default ``example_project/var``).
+
+Where a demo must differ from production, ``manage.py check --deploy`` warns, and
+``DEPLOY_WARNINGS`` below lists each warning with the reason. ``DJANGO_HTTPS=1`` (with
+``DJANGO_SECRET_KEY`` set) switches every one of them to its production value.
 """
 
 import os
 from pathlib import Path
 
+from django.core.exceptions import ImproperlyConfigured
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("DEMO_VAR_DIR", BASE_DIR / "var"))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-# Demo only: a fixed key and DEBUG so the site runs with no secrets to manage. Production
-# reads SECRET_KEY from the environment and sets DEBUG = False.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret-" + "x" * 40)
-DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+# -- where the demo differs from production --------------------------------------------
+# The demo is served by `manage.py runserver`: plain HTTP on localhost, no TLS. Production
+# runs behind HTTPS; `DJANGO_HTTPS=1` turns on exactly what it needs.
+HTTPS = os.environ.get("DJANGO_HTTPS") == "1"
+
+#: `check --deploy` warnings the demo raises on purpose, and why each must stay in a demo.
+#: tests/test_example_project.py checks that `check --deploy` reports exactly these.
+DEPLOY_WARNINGS = {
+    # DEBUG: runserver serves the admin's CSS/JS only with DEBUG on, and a newcomer wants
+    # tracebacks. Production: DEBUG = False and a real static files server.
+    "security.W018": "DEBUG is True",
+    # No TLS on `runserver`: a Secure cookie would never come back over http://, so the
+    # admin login would fail (no session, CSRF check fails).
+    "security.W012": "SESSION_COOKIE_SECURE is False",
+    "security.W016": "CSRF_COOKIE_SECURE is False",
+    # Redirecting to https:// would send the browser to a port nothing listens on.
+    "security.W008": "SECURE_SSL_REDIRECT is False",
+    # HSTS only means something once the site is served over HTTPS; a localhost demo must
+    # not teach a browser to insist on https://127.0.0.1.
+    "security.W004": "SECURE_HSTS_SECONDS is not set",
+}
+
+if HTTPS:
+    SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
+    if not SECRET_KEY:
+        raise ImproperlyConfigured("DJANGO_HTTPS=1 needs DJANGO_SECRET_KEY in the environment")
+    DEBUG = False
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = True
+    SECURE_HSTS_SECONDS = 31536000
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_PRELOAD = True
+    DEPLOY_WARNINGS = {}
+else:
+    # A fixed key so the demo runs with no secret to manage (check --deploy cannot see
+    # this one: it is long and random-looking). Production reads it from the environment.
+    SECRET_KEY = os.environ.get(
+        "DJANGO_SECRET_KEY", "demo-only-never-use-in-production-4f9c2b7e1a6d8053c7e2b9f4a1d6"
+    )
+    DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = False
+    if not DEBUG:
+        DEPLOY_WARNINGS = {k: v for k, v in DEPLOY_WARNINGS.items() if k != "security.W018"}
+
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 
 INSTALLED_APPS = [
@@ -74,11 +119,6 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
-
-# Demo only: plain HTTP on localhost. Production sets these to True behind HTTPS, with
-# SECURE_SSL_REDIRECT and HSTS.
-SESSION_COOKIE_SECURE = False
-CSRF_COOKIE_SECURE = False
 
 TASK_LOCKS_URL = os.environ.get("TASK_LOCKS_URL") or "django://default"
 TASK_LOCKS = {

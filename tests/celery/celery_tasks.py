@@ -23,7 +23,7 @@ BROKER = os.environ.get("TL_CELERY_BROKER", "redis://127.0.0.1:6379/13")
 RESULTS = os.environ.get("TL_CELERY_RESULTS", "redis://127.0.0.1:6379/14")
 LOCKS = os.environ.get("TL_CELERY_LOCKS", "redis://127.0.0.1:6379/15")
 
-app = Celery("celery_tasks", broker=BROKER, backend=RESULTS)
+app = Celery("celery_tasks", broker=BROKER, backend=RESULTS, set_as_current=False)
 app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,

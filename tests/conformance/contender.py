@@ -16,6 +16,10 @@ from task_locks import Lock
 
 
 def main(url: str, name: str, rounds: int, log_path: str) -> None:
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):  # django:// runs inside a Django project
+        import django
+
+        django.setup()
     lock = Lock(name, ttl=10, backend=url, timeout=60)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     pid = os.getpid()

@@ -289,7 +289,7 @@ def test_renew_many_answers_per_lease(deployment: Deployment) -> None:
 def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     capabilities = deployment.capabilities
     assert capabilities <= {"fencing", "consensus", "multiprocess", "wakeup", "holders"}
-    assert {"fencing", "wakeup", "holders"} <= capabilities
+    assert {"fencing", "holders"} <= capabilities
     assert ("consensus" in capabilities) == deployment.kind.startswith("etcd")
     lock = Lock("demanding", ttl=5, backend=deployment.url, require={"fencing", "consensus"})
     if "consensus" in capabilities:

@@ -54,7 +54,8 @@ def test_acquire_timeout_is_kept(driver: SyncDriver, redis_url: str) -> None:
     started = time.monotonic()
     with pytest.raises(LockHeld, match="after waiting"):
         driver.acquire("slowpoke", timeout=0.3, backend=redis_url, ttl=5)
-    assert 0.3 <= time.monotonic() - started < 0.38
+    # Sanity bound: a BLPOP that ran to Redis's timer tick could end up to 0.1 s late.
+    assert 0.3 <= time.monotonic() - started < 0.45
     handle.release()
 
 
