@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 PEER_VENV = BENCH / ".peers"
 TTL = 30.0
 CONTENDERS = 4
+ROUNDS = 3
 
 # Runs in bench/.peers: the same two measurements, with pottery's Redlock.
 POTTERY_WORKER = r"""
@@ -89,7 +91,10 @@ def quantile(values: list[float], q: float) -> float:
 # -- our backends -------------------------------------------------------------------------
 
 
-def measure_ours(url: str, cycles: int, seconds: float) -> dict[str, Any]:
+Raw = tuple[list[float], int, float, list[str]]  # samples, hand-offs, seconds, errors
+
+
+def measure_ours(url: str, cycles: int, seconds: float) -> Raw:
     """Uncontended cycle latency and contended hand-off rate for one backend URL."""
     from task_locks import Lock
 
@@ -123,12 +128,15 @@ def measure_ours(url: str, cycles: int, seconds: float) -> dict[str, Any]:
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    return summarise(samples, sum(done), elapsed, errors)
+    return samples, sum(done), elapsed, errors
 
 
-def summarise(
-    samples: list[float], handoffs: int, elapsed: float, errors: list[str]
-) -> dict[str, Any]:
+def summarise(rounds: list[Raw]) -> dict[str, Any]:
+    """Rounds of one subject merged: all samples, total hand-offs over total time."""
+    samples = [x for r in rounds for x in r[0]]
+    handoffs = sum(r[1] for r in rounds)
+    elapsed = sum(r[2] for r in rounds)
+    errors = [e for r in rounds for e in r[3]]
     result: dict[str, Any] = {
         "median_us": statistics.median(samples) * 1e6,
         "p90_us": quantile(samples, 0.9) * 1e6,
@@ -172,7 +180,7 @@ def peers_python() -> tuple[str | None, str]:
     return str(python), done.stdout.strip()
 
 
-def measure_pottery(python: str, ports: list[int], cycles: int, seconds: float) -> dict[str, Any]:
+def measure_pottery(python: str, ports: list[int], cycles: int, seconds: float) -> Raw:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(POTTERY_WORKER)
     try:
@@ -185,7 +193,7 @@ def measure_pottery(python: str, ports: list[int], cycles: int, seconds: float) 
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
     reply = json.loads(done.stdout)
-    return summarise(reply["samples"], reply["handoffs"], reply["seconds"], [])
+    return reply["samples"], reply["handoffs"], reply["seconds"], []
 
 
 # -- deployments ------------------------------------------------------------------------------
@@ -228,8 +236,13 @@ def django_note() -> str:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    """Measure every backend; returns ``{"rows": [...], "markdown": "..."}``."""
+    """Measure every backend; returns ``{"rows": [...], "markdown": "..."}``.
+
+    Each subject is measured in ROUNDS short rounds; on ``redlock://`` ours and pottery
+    alternate round by round, so load on the machine falls on both alike.
+    """
     cycles, seconds = (200, 1.5) if quick else (1000, 4.0)
+    per_round = (max(50, cycles // ROUNDS), seconds / ROUNDS)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         for label, make_url, server in deployments(stack):
@@ -238,33 +251,35 @@ def run(quick: bool = False) -> dict[str, Any]:
                 continue
             url = make_url()
             log(f"{label}: {url}")
-            try:
-                rows.append(
-                    {
-                        "backend": label,
-                        "library": "task-locks",
-                        **measure_ours(url, cycles, seconds),
-                    }
-                )
-            except Exception as exc:
-                rows.append({"backend": label, "library": "task-locks", "status": f"failed: {exc}"})
+            subjects: dict[str, Callable[[], Raw]] = {
+                "task-locks": partial(measure_ours, url, *per_round)
+            }
             if label.startswith("redlock"):
                 python, version = peers_python()
-                peer = f"pottery {version} Redlock" if python else "pottery Redlock"
                 if python is None:
-                    rows.append({"backend": label, "library": peer, "status": version})
-                    continue
-                ports = [s.port for s in server.servers]
-                try:
-                    rows.append(
-                        {
-                            "backend": label,
-                            "library": peer,
-                            **measure_pottery(python, ports, cycles, seconds),
-                        }
+                    rows.append({"backend": label, "library": "pottery Redlock", "status": version})
+                else:
+                    ports = [s.port for s in server.servers]
+                    subjects[f"pottery {version} Redlock"] = partial(
+                        measure_pottery, python, ports, *per_round
                     )
-                except Exception as exc:
-                    rows.append({"backend": label, "library": peer, "status": f"failed: {exc}"})
+            measured: dict[str, list[Raw]] = {library: [] for library in subjects}
+            failed: dict[str, str] = {}
+            for _ in range(ROUNDS):
+                for library, measure in subjects.items():
+                    if library in failed:
+                        continue
+                    try:
+                        measured[library].append(measure())
+                    except Exception as exc:
+                        failed[library] = f"failed: {type(exc).__name__}: {exc}"
+            for library in subjects:
+                row: dict[str, Any] = {"backend": label, "library": library}
+                if library in failed:
+                    row["status"] = failed[library]
+                else:
+                    row.update(summarise(measured[library]))
+                rows.append(row)
         rows.append({"backend": "django", "library": "task-locks", "status": django_note()})
     from task_locks import close_all
 
@@ -272,8 +287,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {
         "rows": rows,
         "contenders": CONTENDERS,
-        "cycles": cycles,
+        "cycles": per_round[0] * ROUNDS,
         "seconds": seconds,
+        "rounds": ROUNDS,
     }
     result["markdown"] = markdown(result)
     return result
@@ -282,7 +298,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Uncontended acquire+release ({result['cycles']} cycles) and contended hand-offs "
-        f"({result['contenders']} threads, {result['seconds']} s, empty critical section).",
+        f"({result['contenders']} threads, {result['seconds']} s, empty critical section), "
+        f"in {result['rounds']} alternating rounds.",
         "",
         "| backend | library | median cycle | p90 cycle | hand-offs/s |",
         "|---|---|---:|---:|---:|",

@@ -8,10 +8,10 @@ Targets (issue 9), checked from the same run:
   that was blocked in it (woken by the release, no polling).
 
 It starts its own ``redis-server`` unless ``--url`` names a backend (any URL works:
-``etcd://...``, ``memory://``). Lock and semaphore cycles run in alternating rounds so
+``etcd://...``, ``memory://``). Lock and semaphore cycles alternate sample by sample, so
 that drift on the machine lands on both alike.
 
-    .venv/bin/python bench/coordination_bench.py [--url URL] [--cycles 2000] [--handovers 50]
+    .venv/bin/python bench/coordination_bench.py [--url URL] [--cycles 5000] [--handovers 50]
 """
 
 from __future__ import annotations
@@ -35,14 +35,22 @@ from task_locks import Election, Lock, Semaphore, close_all, get_backend  # noqa
 TTL = 30.0  # no renewal or expiry inside a sample
 
 
-def cycle_us(acquire_release: Callable[[], None], cycles: int) -> float:
-    """Median microseconds of one acquire+release, over ``cycles`` samples."""
-    samples = []
+def paired_us(
+    first: Callable[[], None], second: Callable[[], None], cycles: int
+) -> tuple[float, float]:
+    """Median microseconds of one call of each, over ``cycles`` alternated samples.
+
+    Alternating sample by sample lands any drift of the machine on both alike.
+    """
+    one, two = [], []
     for _ in range(cycles):
         started = time.perf_counter()
-        acquire_release()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
+        first()
+        middle = time.perf_counter()
+        second()
+        two.append(time.perf_counter() - middle)
+        one.append(middle - started)
+    return statistics.median(one) * 1e6, statistics.median(two) * 1e6
 
 
 def lock_cycle(url: str) -> Callable[[], None]:
@@ -54,10 +62,12 @@ def lock_cycle(url: str) -> Callable[[], None]:
     return run
 
 
-def semaphore_cycle(url: str, limit: int = 3) -> Callable[[], None]:
+def semaphore_cycle(url: str, limit: int = 3, taken: int = 0) -> Callable[[], None]:
+    """A permit's cycle, with ``taken`` of the ``limit`` permits held by others throughout."""
     semaphore = Semaphore(f"bench-sem-{uuid.uuid4().hex[:6]}", limit=limit, ttl=TTL, backend=url)
+    held = [semaphore.acquire(timeout=0) for _ in range(taken)]
 
-    def run() -> None:
+    def run(held: list[object] = held) -> None:  # keeps the others' permits referenced
         semaphore.acquire(timeout=0).release()
 
     return run
@@ -109,8 +119,7 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="backend URL (default: a redis-server of our own)")
-    parser.add_argument("--cycles", type=int, default=2000, help="samples per round")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating lock/semaphore rounds")
+    parser.add_argument("--cycles", type=int, default=5000, help="lock/semaphore sample pairs")
     parser.add_argument("--handovers", type=int, default=50)
     args = parser.parse_args()
 
@@ -121,15 +130,10 @@ def main() -> None:
         url = server.url()
     try:
         lock, semaphore = lock_cycle(url), semaphore_cycle(url)
-        for warm in (lock, semaphore):
-            cycle_us(warm, 200)
-        lock_rounds, semaphore_rounds = [], []
-        for _ in range(args.rounds):
-            lock_rounds.append(cycle_us(lock, args.cycles))
-            semaphore_rounds.append(cycle_us(semaphore, args.cycles))
-        lock_us = statistics.median(lock_rounds)
-        semaphore_us = statistics.median(semaphore_rounds)
+        paired_us(lock, semaphore, 200)  # warm up connections and scripts
+        lock_us, semaphore_us = paired_us(lock, semaphore, args.cycles)
         ratio = semaphore_us / lock_us
+        _, crowded_us = paired_us(lock, semaphore_cycle(url, taken=2), args.cycles // 5)
         handover = sorted(handovers_ms(url, args.handovers))
         median_ms = statistics.median(handover)
         p95_ms = handover[min(len(handover) - 1, int(len(handover) * 0.95))]
@@ -146,6 +150,7 @@ def main() -> None:
             "<= 1.5x lock",
             f"{ratio:.2f}x {'ok' if ratio <= 1.5 else 'MISSED'}",
         ),
+        ("  the same, 2 of 3 permits taken by others", f"{crowded_us:.0f} us", "", ""),
         (
             "leader hand-over after resign (median)",
             f"{median_ms:.2f} ms",

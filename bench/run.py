@@ -32,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -410,7 +411,7 @@ def server_cpu(admin: Any) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def contention_stats(runs: list[tuple[list[list[list[float]]], float, float]]) -> dict[str, Any]:
+def contention_stats(runs: list[tuple[Any, ...]]) -> dict[str, Any]:
     """Pool several runs of one cell. Each run: per-process records, start, end.
 
     - rate: acquisitions that began in the window / window seconds;
@@ -424,7 +425,12 @@ def contention_stats(runs: list[tuple[list[list[list[float]]], float, float]]) -
     total = held = wall = 0.0
     fairness: list[float] = []
     handoffs: list[float] = []
-    for per_process, start, end in runs:
+    server = {"cpu": 0.0, "calls": 0, "blpop": 0, "acquisitions": 0}
+    for per_process, start, end, *measured in runs:
+        if measured:  # what Redis ran, over every acquisition of the run
+            for key, value in measured[0].items():
+                server[key] += value
+            server["acquisitions"] += sum(len(records) for records in per_process)
         wall += end - start
         counts = []
         events = []
@@ -449,11 +455,20 @@ def contention_stats(runs: list[tuple[list[list[list[float]]], float, float]]) -
         "handoff_p99_us": quantile(handoffs, 0.99) / 1000,
         "handoffs": len(handoffs),
         "acquisitions": int(total),
+        **(
+            {
+                "server_calls_per_acq": server["calls"] / server["acquisitions"],
+                "blpop_per_acq": server["blpop"] / server["acquisitions"],
+                "server_cpu_per_acq_us": server["cpu"] * 1e6 / server["acquisitions"],
+            }
+            if server["acquisitions"]
+            else {}
+        ),
     }
 
 
 def measure_contention(
-    libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path
+    libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path, admin: Any
 ) -> dict[str, dict[str, Any]]:
     """``libraries``: (label, python, adapter). A pool of max(procs) workers per library."""
     size = max(plan.procs)
@@ -492,7 +507,7 @@ def measure_contention(
                         continue
                     try:
                         run = _contend_once(
-                            pools[label][:n], hold, 2 * hold, plan.contention_seconds
+                            pools[label][:n], hold, 2 * hold, plan.contention_seconds, admin
                         )
                     except WorkerError as exc:
                         failed[label] = str(exc).splitlines()[-1][:300]
@@ -517,13 +532,27 @@ def measure_contention(
     return results
 
 
-def _contend_once(workers: list[Worker], hold: float, out: float, seconds: float) -> Any:
+def _contend_once(
+    workers: list[Worker], hold: float, out: float, seconds: float, admin: Any = None
+) -> Any:
+    """One run; with ``admin``, also what Redis executed (this library alone on it)."""
+    if admin is not None:
+        admin.config_resetstat()
+        cpu = server_cpu(admin)
     start = time.monotonic() + 0.2 + 0.03 * len(workers)
     end = start + seconds
     for worker in workers:
         worker.send(op="contend", start=start, end=end, hold=hold, out=out)
     per_process = [w.receive(timeout=seconds + 60)["records"] for w in workers]
-    return per_process, start, end
+    if admin is None:
+        return per_process, start, end
+    stats = admin.info("commandstats")
+    server = {
+        "cpu": server_cpu(admin) - cpu,
+        "calls": sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+        "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
+    }
+    return per_process, start, end, server
 
 
 def measure_renewal(
@@ -783,22 +812,27 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "Each process loops: blocking acquire, hold (sleep), release, work outside (sleep "
         "2 x hold). Utilisation = time inside the critical section / wall time (1.0 is the "
         "limit); fairness = slowest process's acquisitions / fastest's; hand-off = "
-        "release() called -> the next (already waiting) process's acquire returns.\n"
+        "release() called -> the next (already waiting) process's acquire returns; Redis "
+        "cmds / acq = every command Redis ran (inside scripts too, failed attempts and "
+        "wake-ups included) per acquisition. redis-py's Lock runs with its defaults "
+        "(blocking, sleep=0.1) and timeout=30; python-redis-lock with expire=30.\n"
     )
     add(
-        "| hold | procs | library | acq/s | utilisation | fairness (min) | hand-off median µs | hand-off p99 µs | hand-offs |"
+        "| hold | procs | library | acq/s | utilisation | fairness (min) | hand-off median µs "
+        "| hand-off p99 µs | hand-offs | Redis cmds / acq | BLPOP / acq |"
     )
-    add("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    add("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     cells = [r for r in results["contention"].values() if "rate" in r]
     for r in sorted(cells, key=lambda r: (r["hold"], r["procs"], r["library"])):
         add(
             f"| {r['hold'] * 1000:g} ms | {r['procs']} | {r['library']} | {fmt(r['rate'], 0)} "
             f"| {fmt(r['utilisation'], 2)} | {fmt(r['fairness'], 2)} ({fmt(r['fairness_min'], 2)}) "
-            f"| {fmt(r['handoff_median_us'])} | {fmt(r['handoff_p99_us'])} | {r['handoffs']} |"
+            f"| {fmt(r['handoff_median_us'])} | {fmt(r['handoff_p99_us'])} | {r['handoffs']} "
+            f"| {fmt(r.get('server_calls_per_acq'))} | {fmt(r.get('blpop_per_acq'), 2)} |"
         )
     for r in results["contention"].values():
         if "error" in r:
-            add(f"| | | {r['library']} | failed: {r['error']} | | | | | |")
+            add(f"| | | {r['library']} | failed: {r['error']} | | | | | | | |")
     add("")
 
     add("## Renewal: live leases in one process, one watchdog thread\n")
@@ -878,25 +912,32 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["uncontended"] if "median_us" in r]
+    # One Redis server (and memory://) only: the slower backends are in the table.
+    rows = [
+        r
+        for r in results["uncontended"]
+        if "median_us" in r and r["backend"] in ("redis", "memory")
+    ]
     contention = [r for r in results["contention"].values() if "rate" in r]
     holds = sorted({r["hold"] for r in contention})
     fig, axes = plt.subplots(1, 1 + len(holds), figsize=(5 + 4 * len(holds), 4.8), squeeze=False)
     ax = axes[0][0]
     labels = [f"{r['label']}\n({r['backend']})" for r in rows]
     medians = [r["median_us"] for r in rows]
-    p99 = [r["p99_us"] - r["median_us"] for r in rows]
     colors = ["tab:green" if r["label"].startswith("task-locks") else "tab:gray" for r in rows]
-    ax.barh(labels, medians, xerr=[[0] * len(rows), p99], color=colors, capsize=3)
+    ax.barh(labels, medians, color=colors)
+    right = 1.6 * max(medians, default=1)
+    for y, r in enumerate(rows):  # p99 as text: on a shared machine it dwarfs the medians
+        ax.text(r["median_us"] + right * 0.01, y, f"{r['median_us']:.0f} (p99 {r['p99_us']:,.0f})",
+                va="center", fontsize=7)  # fmt: skip
+    ax.set_xlim(0, right)
     ping = results["floor"].get(FLOOR, {}).get("ping", {}).get("median_us")
     if ping:
         ax.axvline(2 * ping, color="tab:red", linestyle="--", label=f"2 x PING ({2 * ping:.0f} µs)")
         ax.legend(loc="lower right", fontsize=8)
     ax.invert_yaxis()
-    if medians and max(medians) > 20 * min(medians):
-        ax.set_xscale("log")
-    ax.set_xlabel("acquire + release, µs (bar: median, whisker: p99)")
-    ax.set_title("Uncontended cycle")
+    ax.set_xlabel("acquire + release, µs (median; p99 in brackets)")
+    ax.set_title("Uncontended cycle, one Redis")
     ax.tick_params(axis="y", labelsize=8)
     for index, hold in enumerate(holds, start=1):
         ax = axes[0][index]
@@ -933,9 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.out / ".logs"
-    shutil.rmtree(log_dir, ignore_errors=True)
-    log_dir.mkdir()
+    # Worker logs (their stderr) live in a temp dir, kept only when the run fails.
+    log_dir = Path(tempfile.mkdtemp(prefix="task-locks-bench-"))
 
     machine = machine_facts()
     peers_python, peers = ensure_peers(not args.no_peers)
@@ -1034,7 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"contention: procs {plan.procs}, holds {plan.holds}, {plan.contention_seconds} s per run"
         )
-        contention = measure_contention(contention_libs, url, plan, log_dir)
+        contention = measure_contention(contention_libs, url, plan, log_dir, admin)
 
         log(f"renewal: {plan.leases} leases")
         renewal = measure_renewal(url, plan, log_dir, admin.flushall)
@@ -1096,7 +1136,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['verdict']:4}  {t['what']}: {fmt(t['value'], 2)} (threshold {t['threshold']}) {t['note']}"
             )
         log(f"wrote {args.out / 'results.md'} and results.png in {results['elapsed_s']:.0f} s")
+        shutil.rmtree(log_dir, ignore_errors=True)
         return 0
+    except BaseException:
+        log(f"failed; worker logs are in {log_dir}")
+        raise
     finally:
         for worker in workers:
             worker.close()

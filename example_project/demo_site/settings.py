@@ -110,9 +110,15 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": VAR_DIR / "demo.sqlite3",
-        # Several worker processes share the file: wait for the write lock instead of
-        # failing at once.
-        "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE"},
+        "OPTIONS": {
+            # Several worker processes share the file, and the django:// lock backend
+            # writes to it on every acquire: wait for the write lock instead of failing
+            # at once, take it at BEGIN (no deadlock on upgrade), and let readers (the
+            # admin, the demo's progress line) read while a writer commits (WAL).
+            "timeout": 30,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        },
     }
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -120,41 +126,71 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 
+# -- task-locks --------------------------------------------------------------------------
+# One variable picks the lock backend; the default needs no server (the database above).
 TASK_LOCKS_URL = os.environ.get("TASK_LOCKS_URL") or "django://default"
 TASK_LOCKS = {
     "BACKEND": TASK_LOCKS_URL,
     "DEFAULT_TTL": 30,
+    # The demo's own namespace: on a shared Redis it never touches anyone else's keys.
+    "KEY_PREFIX": "task-locks-demo:",
+    "AUDIT": ["lost", "forced", "conflict"],
 }
 
-_broker_dir = VAR_DIR / "broker"
+# -- Celery ------------------------------------------------------------------------------
+# One variable picks the broker; the default is a folder (demo_site/broker.py).
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or "filesystem://"
-CELERY_BROKER_TRANSPORT_OPTIONS = (
-    {"data_folder_in": str(_broker_dir), "data_folder_out": str(_broker_dir)}
-    if CELERY_BROKER_URL.startswith("filesystem")
-    else {}
-)
+if CELERY_BROKER_URL.startswith("filesystem"):
+    _broker = VAR_DIR / "broker"
+    for _folder in ("queue", "processed", "control"):
+        (_broker / _folder).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT = "demo_site.broker:Transport"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker / "queue"),
+        "data_folder_out": str(_broker / "queue"),
+        "store_processed": True,
+        "processed_folder": str(_broker / "processed"),
+        "control_folder": str(_broker / "control"),
+        "polling_interval": 0.1,  # a folder cannot wake a consumer: poll it often
+    }
+    # Remote control (`celery inspect`, broadcast) needs fan-out across processes,
+    # which a folder does badly; the demo does not use it. A real broker keeps it on.
+    CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or (
     f"db+sqlite:///{VAR_DIR / 'results.sqlite3'}"
 )
+# SQLite results are written by every worker process: wait for the file's write lock.
+CELERY_DATABASE_ENGINE_OPTIONS = (
+    {"connect_args": {"timeout": 30}} if CELERY_RESULT_BACKEND.startswith("db+sqlite") else {}
+)
 CELERY_TASK_TRACK_STARTED = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-# HA beat: only the elected leader sends ticks (`celery -A demo_site beat
-# -S task_locks.celery.beat:LeaderScheduler`), so running beat on two hosts is safe.
+# HA beat: `celery -A demo_site beat` on several hosts is safe, only the elected leader
+# sends, and a tick is never sent twice (task_locks.celery.beat).
+CELERY_BEAT_SCHEDULER = "task_locks.celery.beat:LeaderScheduler"
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
     "sync-account-1-every-minute": {
         "task": "shop.tasks.sync_account",
         "schedule": 60.0,
         "args": (1,),
     },
-    "nightly-rebuild": {"task": "shop.tasks.rebuild_search_index", "schedule": 3600.0},
+    "rebuild-search-index-hourly": {
+        "task": "shop.tasks.rebuild_search_index",
+        "schedule": 3600.0,
+    },
 }
 
+# task-locks logs under `task_locks.*` (`task_locks.lock`: lost leases; `task_locks.celery`:
+# conflicts, retries, locks of killed children); the audit writer under `django_app.audit`.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"task_locks": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {
+        "task_locks": {"handlers": ["console"], "level": "WARNING"},
+        "django_app": {"handlers": ["console"], "level": "WARNING"},
+    },
 }

@@ -24,6 +24,8 @@ class JobRun(models.Model):
     pid = models.IntegerField()
     fence = models.BigIntegerField(null=True)
     lease_lost = models.BooleanField(default=False)
+    #: How many times Celery retried this call before this run (``on_conflict="retry"``).
+    retries = models.IntegerField(default=0)
 
     class Meta:
         indexes = [models.Index(fields=["key"])]

@@ -65,6 +65,8 @@ from .base import Backend
 _OPTIONS: Final = {"prefix", "timeout"}
 #: HTTP connections kept per endpoint (threads beyond this open short-lived ones).
 _POOL_SIZE: Final = 32
+#: Names whose last-seen revision is remembered for watches (a bounded hint).
+_SEEN_MAX: Final = 10_000
 #: Transport failures: the server may or may not have seen the request.
 _TRANSPORT = (
     etcd_errors.ConnectionFailedError,
@@ -210,8 +212,11 @@ class EtcdBackend(Backend):
             server=self.server,
         ) from last
 
-    @staticmethod
-    def _reason(exc: BaseException) -> str:
+    def _reason(self, exc: BaseException) -> str:
+        if _undelivered(exc):
+            return "connection refused"
+        if isinstance(exc, etcd_errors.ConnectionTimeoutError | requests.Timeout):
+            return f"no answer within {self.timeout:g}s"
         detail = getattr(exc, "detail_text", None)
         if detail:
             try:
@@ -239,15 +244,15 @@ class EtcdBackend(Backend):
         if end is not None:
             payload["range_end"] = _b64(end)
         answer = self._post(name, "/kv/range", payload, retry=True)
-        self._note_revision(answer, [kv for kv in answer.get("kvs", [])])
         return list(answer.get("kvs", []))
 
-    def _note_revision(self, answer: Any, kvs: list[Any]) -> None:
+    def _note_held(self, name: str, answer: Any) -> None:
+        """Remember a store revision at which ``name`` was held: the watch starts after it."""
         revision = int(answer.get("header", {}).get("revision", 0))
-        for kv in kvs:
-            name = b64decode(kv["key"])[len(self.prefix) :].decode(errors="replace")
-            if revision > self._seen.get(name, 0):
-                self._seen[name] = revision
+        if len(self._seen) > _SEEN_MAX:
+            self._seen.clear()  # only a hint: a waiter without one reads the key first
+        if revision > self._seen.get(name, 0):
+            self._seen[name] = revision
 
     def _lease_ttl(self, name: str | None, lease: int) -> float | None:
         """Seconds the lease still lives (etcd rounds down), ``None`` if unknown."""
@@ -282,8 +287,8 @@ class EtcdBackend(Backend):
             fence=int(kv.get("create_revision", 0)),
             owner=Owner.from_json(json.dumps(data.get("owner", {}))),
             acquired_at=data.get("acquired"),
-            # etcd reports whole seconds, rounded down: up to one more may remain.
-            expires_at=None if ttl is None else time.time() + ttl,
+            # etcd reports whole seconds rounded down: an upper bound is one more.
+            expires_at=None if ttl is None else time.time() + ttl + 1,
             token=str(data.get("token", "")),
         )
 
@@ -318,12 +323,13 @@ class EtcdBackend(Backend):
         if answer.get("succeeded"):
             revision = int(answer["header"]["revision"])
             self._held[(name, token)] = _Held(lease, revision, value)
+            self._seen.pop(name, None)
             return AcquireResult(revision)
         self._revoke(name, lease)  # never leak the lease of a failed attempt
         kvs = answer["responses"][0].get("response_range", {}).get("kvs", [])
         if not kvs:  # gone between compare and read cannot happen in one txn; be safe
             return AcquireResult(None, retry_after=0.0)
-        self._note_revision(answer, kvs)
+        self._note_held(name, answer)
         kv = kvs[0]
         data, raw = self._decode(kv)
         revision = int(kv.get("create_revision", 0))
@@ -454,8 +460,10 @@ class EtcdBackend(Backend):
     def wait(self, name: str, timeout: float) -> None:
         seen = self._seen.get(name)
         if seen is None:  # we never saw it held: look once
-            if not self._range(name, self._key(name)):
+            answer = self._post(name, "/kv/range", {"key": _b64(self._key(name))}, retry=True)
+            if not answer.get("kvs"):
                 return
+            self._note_held(name, answer)
             seen = self._seen.get(name, 0)
         request = {
             "create_request": {

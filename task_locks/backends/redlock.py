@@ -62,12 +62,14 @@ import os
 import random
 import threading
 import time
+import weakref
 import zlib
+from asyncio import FIRST_COMPLETED
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
@@ -336,6 +338,12 @@ class _Call:
 _Plan = Generator[_Call, list[Any], T]
 
 
+def _after_fork(ref: weakref.ReferenceType[RedlockBackend]) -> None:
+    backend = ref()
+    if backend is not None:
+        backend._forked()
+
+
 class RedlockBackend(Backend):
     schemes = ("redlock",)
     capabilities = frozenset({"fencing", "holders", "multiprocess", "wakeup"})
@@ -366,6 +374,17 @@ class RedlockBackend(Backend):
         self._chains: dict[tuple[Any, ...], Future[Any]] = {}
         self._chain_lock = threading.Lock()
         self._achains: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's threads, locks and in-flight calls are not ours."""
+        self._pool = None
+        self._pool_lock = threading.Lock()
+        self._chain_lock = threading.Lock()
+        self._chains = {}
+        self._achains = {}
+        self._background = set()
 
     # -- construction -------------------------------------------------------------------
 
@@ -661,21 +680,28 @@ class RedlockBackend(Backend):
         return result
 
     def _fan_out(self, call: _Call) -> list[Any]:
+        """Call every master at once; return when the answers decide, or at the deadline.
+
+        Each answer is recorded by the pool thread that got it, which also judges whether
+        the outcome is decided, so the caller wakes up once.
+        """
         deadline = time.monotonic() + self.node_timeout
-        futures: dict[Future[Any], int] = {
-            self._submit(index, call): index for index in range(len(self.masters))
-        }
         answers: list[Any] = [PENDING] * len(self.masters)
-        pending = set(futures)
-        while pending:
-            done, pending = wait_futures(
-                pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
-            )
-            for future in done:
-                answers[futures[future]] = future.result()
-            if not done or call.enough(answers):
-                break
-        return self._note_failures(answers, timed_out=time.monotonic() >= deadline)
+        guard = threading.Lock()
+        decided = threading.Event()
+
+        def record(index: int, future: Future[Any]) -> None:
+            with guard:
+                answers[index] = future.result()
+                if self._all_answered(answers) or call.enough(answers):
+                    decided.set()
+
+        for index in range(len(self.masters)):
+            self._submit(index, call).add_done_callback(partial(record, index))
+        decided.wait(max(0.0, deadline - time.monotonic()))
+        with guard:  # stragglers keep writing into ``answers``: take a snapshot
+            snapshot = list(answers)
+        return self._note_failures(snapshot, timed_out=not decided.is_set())
 
     def _drive(self, plan: _Plan[T]) -> T:
         answers: Any = None

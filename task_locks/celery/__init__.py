@@ -5,11 +5,25 @@
     @singleton_task(key="sync:{account_id}", ttl=60, on_conflict="skip")
     def sync_account(account_id): ...
 
-The lock name is the rendered key, so ``Lock("sync:42")`` anywhere is the same lock.
+- The lock name is the rendered key, so ``Lock("sync:42")`` anywhere is the same lock.
+- ``on_conflict``: ``"skip"`` (log at INFO naming the holder, finish in state
+  ``SKIPPED``: not a success; ``AsyncResult.get()`` does not return for it, poll
+  ``.state``), ``"retry"`` (``self.retry`` with a jittered countdown, ``max_retries``
+  applies, then fails with ``LockHeld``), ``"wait"`` (up to ``wait_timeout``, woken by
+  the release), ``"raise"`` (fails with ``LockHeld`` naming the holder).
+- ``lock_on``: ``"run"`` (default), ``"enqueue"`` (at most one *queued* message per key;
+  the key is freed when it starts), ``"both"`` (at most one queued-or-running). See
+  :mod:`task_locks.celery.publish`.
+- A second delivery of a message that is still running (``acks_late`` redelivery)
+  finds its own task id holding the key and is ignored (no state is written) under
+  ``"skip"``/``"raise"``; under ``"wait"``/``"retry"`` it runs after the first, never
+  alongside.
+- Pools: prefork, threads and solo are supported and tested. gevent and eventlet are
+  not tested and not claimed: the renewal watchdog is a real OS thread, which
+  monkey-patching turns into a greenlet that only runs when a task yields, so a
+  CPU-bound task could lose its lease.
+
 Importing this package connects the signal receivers that release leftover locks.
-Pools: prefork, threads and solo are supported and tested; gevent and eventlet are not
-tested (the renewal watchdog is a real OS thread, which monkey-patching turns into a
-greenlet that only runs when the task yields).
 """
 
 from __future__ import annotations

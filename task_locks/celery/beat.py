@@ -46,7 +46,6 @@ Settings, read from the Celery config (``app.conf``; with Django's ``CELERY`` na
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import socket
@@ -61,7 +60,7 @@ from celery.schedules import schedule as interval_schedule
 from celery.utils.imports import symbol_by_name
 
 from ..election import Election, Leadership
-from ..errors import BackendUnavailable, LockError, LockHeld
+from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld
 from ..lock import Lock
 
 log = logging.getLogger("task_locks.celery.beat")
@@ -131,7 +130,10 @@ def beat_tick(request: Any) -> BeatTick | None:
     election, term, tick = find(ELECTION_HEADER), find(TERM_HEADER), find(TICK_HEADER)
     if election is None or term is None or tick is None:
         return None
-    return BeatTick(str(election), int(term), str(tick))
+    try:
+        return BeatTick(str(election), int(term), str(tick))
+    except (TypeError, ValueError):
+        return None  # not a term we stamped
 
 
 class LeaderMixin:
@@ -142,7 +144,13 @@ class LeaderMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs.get("app", args[0] if args else None)
-        ttl = float(_setting(app, "task_locks_beat_ttl", DEFAULT_TTL))
+        raw_ttl = _setting(app, "task_locks_beat_ttl", DEFAULT_TTL)
+        try:
+            ttl = float(raw_ttl)
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"task_locks_beat_ttl must be a number of seconds, got {raw_ttl!r}"
+            ) from None
         name = _setting(
             app,
             "task_locks_beat_election",
@@ -270,7 +278,8 @@ class LeaderMixin:
         if not claimed:
             log.info("beat: tick %s was already sent; not sending it again", tick)
             return None
-        sent = copy.copy(entry)
+        sent = object.__new__(type(entry))  # not copy.copy: ModelEntry's __reduce__ breaks
+        sent.__dict__.update(vars(entry))
         sent.options = dict(entry.options or {})
         sent.options["headers"] = {
             **(sent.options.get("headers") or {}),

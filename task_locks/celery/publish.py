@@ -6,15 +6,18 @@ and beat alike. Celery's ``before_task_publish`` signal fires in there too, but 
 cannot stop a publish (Celery logs and swallows a receiver's exception), so the guard
 wraps that one function on the app's ``amqp`` object instead:
 
-- it takes the key's lock (no renewal, TTL ``enqueue_ttl``, owner = the new task id) and
-  puts the lock's token in the message headers; the worker that runs the message frees
-  that lock token-checked when the task starts (``"enqueue"``) or hands it over to the
-  run lock (``"both"``). A message that is never consumed frees it after its TTL; a
-  revoked or expired one frees it at once (``task_revoked``).
-- if the key is taken, the message is not published: ``DuplicateTask`` (a ``LockHeld``)
-  is raised, carrying the holder's ``AsyncResult``; ``delay``/``apply_async`` return that
-  handle instead unless ``on_conflict="raise"``. ``on_conflict="wait"`` waits up to
-  ``wait_timeout`` for the key before publishing.
+- it takes the key's lock (no renewal; owner = the new task id; TTL ``enqueue_ttl``,
+  counted from the message's ETA when it has one) and puts the lock's token in the
+  message headers. The worker that runs the message frees that lock, token-checked,
+  when the task starts (``"enqueue"``) or hands it over to the run lock (``"both"``).
+  A message that is never consumed frees the key after the TTL; a revoked or expired
+  one frees it when a worker drops it (``task_revoked``).
+- if the key is taken, nothing is published: ``DuplicateTask`` (a ``LockHeld``) is
+  raised with the holder's ``AsyncResult`` as ``existing``. ``delay``/``apply_async``
+  (hence canvas and beat, for tasks the publisher has registered) return that handle
+  instead, for ``on_conflict`` ``"skip"`` and ``"retry"``; ``"raise"`` raises;
+  ``"wait"`` first waits up to ``wait_timeout`` for the key. ``app.send_task`` by name
+  always raises ``DuplicateTask``, as its return value cannot name another task.
 - retries (``self.retry()``, ``retry_on_worker_lost``) are not de-duplicated: they
   re-run a message that already passed. With ``"both"``, a task retrying itself hands
   its running lease to the retry message (kept, unrenewed, for the countdown plus
@@ -33,6 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..config import default_ttl
 from ..errors import LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
@@ -107,7 +111,9 @@ def guarded_publish(
     if retries:
         return _publish_retry(task, send, producer, name, message, options, task_id, args, kwargs)
     key = task._lock_name(args, kwargs)
-    lock = Lock(key, ttl=task.enqueue_ttl or task.lock_ttl, backend=task.lock_backend, renew=False)
+    # The TTL runs from when the message is due: an ETA/countdown message keeps the key.
+    ttl = (task.enqueue_ttl or task.lock_ttl or default_ttl()) + _countdown(headers.get("eta"))
+    lock = Lock(key, ttl=ttl, backend=task.lock_backend, renew=False)
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:

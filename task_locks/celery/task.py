@@ -264,23 +264,24 @@ class SingletonTask(Task):  # type: ignore[misc]
                 except LockHeld as held:
                     if self._conflict(name, held, final=number == len(attempts)):
                         return None
-            return self._hold(lease, body, args, kwargs)
+            return self._hold(lease, body, args, kwargs, request.id)
 
-    def _hold(self, lease: Lease, body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def _hold(
+        self, lease: Lease, body: Callable[..., Any], args: Any, kwargs: Any, task_id: str | None
+    ) -> Any:
         reset = _current.set(lease)
-        task_id = self.request.id
         live_leases.add(task_id, lease)
         try:
             result = body(*args, **kwargs)
         except BaseException:
-            self._release(lease, failing=True)
+            self._release(lease, task_id, failing=True)
             raise
         finally:
             _current.reset(reset)
-        self._release(lease, failing=False)
+        self._release(lease, task_id, failing=False)
         return result
 
-    def _release(self, lease: Lease, *, failing: bool) -> None:
+    def _release(self, lease: Lease, task_id: str | None, *, failing: bool) -> None:
         keep = _parked_for_retry.pop(lease, None)
         try:
             if keep is not None:
@@ -291,7 +292,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         except (LockLost, BackendUnavailable) as exc:
             self._release_failed(lease, exc, failing=failing)
         finally:
-            live_leases.discard(self.request.id, lease)
+            live_leases.discard(task_id, lease)
 
     async def _arun(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
@@ -317,14 +318,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             coroutine: Coroutine[Any, Any, Any] = body(*args, **kwargs)
             result = await coroutine
         except BaseException:
-            await self._arelease(lease, failing=True)
+            await self._arelease(lease, task_id, failing=True)
             raise
         finally:
             _current.reset(reset)
-        await self._arelease(lease, failing=False)
+        await self._arelease(lease, task_id, failing=False)
         return result
 
-    async def _arelease(self, lease: AsyncLease, *, failing: bool) -> None:
+    async def _arelease(self, lease: AsyncLease, task_id: str | None, *, failing: bool) -> None:
         keep = _parked_for_retry.pop(lease, None)
         try:
             if keep is not None:
@@ -336,7 +337,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         except (LockLost, BackendUnavailable) as exc:
             self._release_failed(lease, exc, failing=failing)
         finally:
-            live_leases.discard(self.request.id, lease)
+            live_leases.discard(task_id, lease)
 
     def _parked(self, lease: AnyLease, kept: bool) -> None:
         if kept:

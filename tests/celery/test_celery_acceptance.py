@@ -214,6 +214,30 @@ def test_enqueue_lock_queues_one_message_per_key(
         app.control.cancel_consumer("tl_pending", destination=[consumer], reply=True)
 
 
+def test_revoked_or_expired_queued_message_frees_its_enqueue_lock(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any
+) -> None:
+    """The worker that drops a revoked or expired message frees the lock taken when it
+    was published (ttl=30), instead of leaving the key blocked until the TTL."""
+    tasks, app, consumer = cluster.tasks, cluster.app, prefork_workers[0].hostname
+    revoked = tasks.enqueue_task.delay(f"{key}r", f"log:{key}")
+    expired = tasks.enqueue_task.apply_async((f"{key}e", f"log:{key}"), expires=0.5)
+    revoked.revoke()
+    assert holder(cluster, f"t:{key}r") is not None and holder(cluster, f"t:{key}e") is not None
+    time.sleep(0.6)  # let the second message's expiry pass while it sits in the queue
+    try:
+        app.control.add_consumer("tl_pending", destination=[consumer], reply=True)
+        wait_until(
+            lambda: holder(cluster, f"t:{key}r") is None and holder(cluster, f"t:{key}e") is None,
+            10,
+            "both queued locks to be freed",
+        )
+        wait_until(lambda: revoked.state == expired.state == "REVOKED", 10, "REVOKED states")
+    finally:
+        app.control.cancel_consumer("tl_pending", destination=[consumer], reply=True)
+    assert intervals(f"log:{key}") == []  # neither ran
+
+
 def test_enqueue_lock_is_handed_over_to_the_run_with_both(
     cluster: Any, prefork_workers: Any, key: str, intervals: Any
 ) -> None:

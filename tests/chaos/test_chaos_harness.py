@@ -7,11 +7,11 @@ import time
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from chaoskit.checker import check
 from chaoskit.clock import now
 from chaoskit.proxy import ProxyHub
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from servers import wait_until
 
 pytestmark = pytest.mark.chaos
@@ -88,7 +88,8 @@ def test_a_holder_that_never_released_holds_until_the_end_of_the_run() -> None:
 def test_a_fence_that_does_not_rise_after_a_completed_acquire_is_a_regression() -> None:
     events = hold(0, 0.0, 1.0, 10) + hold(1, 1.1, 2.0, 9)
     assert check(events).fence_regressions == 1
-    concurrent = hold(0, 0.0, 1.0, 10) + [
+    concurrent = [
+        *hold(0, 0.0, 1.0, 10),
         ev(1, "acquire", "invoke", 0.005, ttl=1.0),  # began before 0's acquire completed
         ev(1, "acquire", "ok", 1.2, fence=9),
     ]
@@ -152,7 +153,7 @@ def proxied(redis_server):
 
 
 def test_proxy_passes_traffic_through(proxied) -> None:
-    proxy, client, direct = proxied
+    _proxy, client, direct = proxied
     assert client.incr("chaos:proxy") == 1
     assert direct.get("chaos:proxy") == b"1"
 

@@ -100,7 +100,7 @@ def test_fenced_resources_never_accept_a_stale_write(
         pytest.skip(missing)
     if backend == "django" and chaos_database is None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
-    settings = Settings(duration=10.0 if chaos_long else 4.0)
+    settings = Settings(duration=8.0 if chaos_long else 3.0)
     if backend.startswith("sentinel"):
         settings.duration *= 2  # a failover cycle takes about 4 s
     service = BACKENDS[backend](chaos_database)

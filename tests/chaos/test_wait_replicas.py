@@ -13,10 +13,10 @@ import time
 import pytest
 import redis
 import redis.sentinel
-from chaoskit.clusters import SentinelRedis
+from chaoskit.clusters import FAST_SYNC, SentinelRedis
 from servers import RedisServer, wait_until
 
-from task_locks import BackendUnavailable, Lock
+from task_locks import BackendUnavailable, Lock, LockLost, StaleFence
 from task_locks.fencing import FencedStore
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]
@@ -25,8 +25,8 @@ WAIT = {"wait_replicas": 1, "wait_timeout": 100}
 
 @pytest.fixture
 def master_and_replica():
-    master = RedisServer().start()
-    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(master.port)]).start()
+    master = RedisServer(extra=list(FAST_SYNC)).start()
+    replica = RedisServer(extra=[*FAST_SYNC, "--replicaof", "127.0.0.1", str(master.port)]).start()
     wait_until(
         lambda: redis.Redis(port=replica.port).info("replication")["master_link_status"] == "up",
         10,
@@ -93,6 +93,7 @@ def _fail_over(service: SentinelRedis) -> None:
             return False
 
     wait_until(master_serves, 20, "Sentinel to report the new master as up")
+    service.master, service.replica = replica, old_master
 
 
 def test_failover_drops_a_granted_lock_unless_wait_replicas_refused_it(sentinel_cluster) -> None:
@@ -113,11 +114,12 @@ def test_failover_drops_a_granted_lock_unless_wait_replicas_refused_it(sentinel_
     assert second.fence > first.fence
     store = FencedStore(redis.Redis(port=sentinel_cluster.master.port))
     store.write("invoice:7", "second", second)
-    with pytest.raises(Exception, match="refused a write"):
+    with pytest.raises(StaleFence):
         store.write("invoice:7", "first", first)
-    # "invoice:8" was never counted as held by anyone: the next taker gets it at once.
-    Lock("invoice:8", ttl=30, backend=careful_url).acquire(timeout=5).release()
-    first.lost.set()  # its lock is gone with the old master: stop its renewals quietly
+    # "invoice:8" was never counted as held by anyone, and is free on the new master.
+    Lock("invoice:8", ttl=30, backend=plain_url).acquire(timeout=0).release()
+    with pytest.raises(LockLost):  # the first holder finds out at its next renewal
+        first.renew()
     second.release()
 
 

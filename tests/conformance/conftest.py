@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 from servers import EtcdCluster, EtcdServer, RedisMasters, RedisServer
 
+from task_locks import watchdog
 from task_locks.backends import get_backend
 
 KINDS = ["memory", "redis", "redlock", "etcd", "etcd-cluster"]
@@ -33,7 +34,7 @@ def _django_params() -> list[object]:
 
     params: list[object] = []
     for kind, alias in DJANGO_KINDS.items():
-        marks = [pytest.mark.django_db(transaction=True, databases=[alias])]
+        marks = [pytest.mark.django_db(transaction=True, databases=sorted({"default", alias}))]
         if importlib.util.find_spec("django_app.backend") is None:
             marks.append(pytest.mark.skip(reason="django_app/backend.py is not there yet"))
         elif alias not in settings.DATABASES:
@@ -100,6 +101,13 @@ BAD_URLS = {
 BAD_URLS["etcd-cluster"] = BAD_URLS["etcd"]
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_renewals() -> Iterator[None]:
+    """A failing test may leave leases behind: stop renewing them before backends close."""
+    yield
+    watchdog.thread_renewer().schedule.clear()
+
+
 @pytest.fixture(scope="session")
 def redis_masters() -> Iterator[RedisMasters]:
     masters = RedisMasters(3).start()
@@ -156,7 +164,7 @@ def _django(kind: str) -> Deployment:
     env["TASK_LOCKS_TEST_SQLITE"] = str(connections["default"].settings_dict["NAME"])
     if "pg" in connections.settings:
         env["TASK_LOCKS_TEST_PG"] = str(connections["pg"].settings_dict["NAME"])
-    bad = ["django://", "django://no-such-alias"]
+    bad = ["django://no-such-alias", "django://default?bogus=1"]
     return Deployment(kind, f"django://{DJANGO_KINDS[kind]}", bad_urls=bad, env=env)
 
 

@@ -127,11 +127,15 @@ def test_fences_strictly_increase(deployment: Deployment) -> None:
         assert holder is not None and holder.fence == lease.fence
         if attempt == 2:
             assert backend.force_release("fenced")
+            with pytest.raises(NotOwned):
+                lease.release()
         else:
             lease.release()
     other = Lock("other-name", ttl=5, backend=deployment.url).acquire(timeout=5)
     other.release()
-    fences.append(Lock("fenced", ttl=5, backend=deployment.url).acquire(timeout=5).fence)
+    last = Lock("fenced", ttl=5, backend=deployment.url).acquire(timeout=5)
+    fences.append(last.fence)
+    last.release()
     assert all(isinstance(f, int) for f in fences)
     assert fences == sorted(set(fences)), fences
 
@@ -190,7 +194,9 @@ def test_renewal_keeps_the_lock_past_its_ttl(deployment: Deployment) -> None:
     holder = get_backend(deployment.url).holder("renewed")
     assert holder is not None and holder.fence == lease.fence
     lease.release()
-    assert rival.try_acquire() is not None
+    successor = rival.try_acquire()
+    assert successor is not None
+    successor.release()
 
 
 def test_release_wakes_a_waiter_at_once(

@@ -90,7 +90,9 @@ def shared_url(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "etcd":
         return str(request.getfixturevalue("etcd_server").url(prefix=prefix))
     if request.param == "redlock":
-        return str(request.getfixturevalue("redlock_masters").url(prefix=prefix))
+        # A loaded 2-core test machine can stall a process past the 0.25 s default.
+        masters = request.getfixturevalue("redlock_masters")
+        return str(masters.url(prefix=prefix, node_timeout=1))
     if request.param == "django-pg":
         return _django_pg(request, monkeypatch)
     url: str = request.getfixturevalue("redis_url")
@@ -127,4 +129,3 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         child.wait(timeout=10)
         if child.stdout is not None:
             child.stdout.close()
-

@@ -6,8 +6,9 @@ Run as ``python procs.py ROLE ARGS...``; every child writes what it saw to a Red
 - ``candidate``: campaigns in a loop, logs each term it led as an interval
   ``[start, end]`` (``end`` is the last moment it had checked it still led), resigns after
   a short while (or holds on while the test sets ``<name>:hold``), until ``<name>:stop``.
-- ``permits``: takes a semaphore permit ``rounds`` times, counting how many are inside
-  (INCR/DECR, with the maximum kept by a script), and counts finished rounds.
+- ``permits``: once ``<name>:go`` is set, takes a semaphore permit ``rounds`` times,
+  counting how many are inside (INCR/DECR, the maximum kept by a script) and the
+  finished rounds.
 - ``hold-permit``: takes one permit, says which slot, and holds it until killed.
 """
 
@@ -79,6 +80,11 @@ def permits(url: str, log_url: str, name: str, limit: str, ttl: str, rounds: str
     log = redis.Redis.from_url(log_url, decode_responses=True)
     enter = log.register_script(ENTER)
     semaphore = Semaphore(name, limit=int(limit), ttl=float(ttl), backend=url, timeout=30)
+    log.incr(f"{name}:ready")
+    deadline = time.monotonic() + 60
+    while not log.exists(f"{name}:go"):  # all start together, so they contend
+        assert time.monotonic() < deadline, "never told to go"
+        time.sleep(0.01)
     for _ in range(int(rounds)):
         with semaphore as permit:
             enter(keys=[f"{name}:inside", f"{name}:max"])
@@ -99,7 +105,7 @@ def hold_permit(url: str, log_url: str, name: str, limit: str, ttl: str) -> None
 ROLES = {"candidate": candidate, "permits": permits, "hold-permit": hold_permit}
 
 if __name__ == "__main__":
-    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    if sys.argv[2].startswith("django://"):
         import django
 
         django.setup()  # as a Django project's process would, before its first lock

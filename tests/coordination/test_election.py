@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import threading
@@ -116,9 +117,7 @@ def test_context_manager_and_describe(local_url: str) -> None:
     with Election(name, ttl=5, backend=local_url, identity="ctx") as leadership:
         holders = get_backend(local_url).holders()
         infos = describe(holders)
-        assert [(i.election, i.identity, i.term) for i in infos] == [
-            (name, "ctx", leadership.term)
-        ]
+        assert [(i.election, i.identity, i.term) for i in infos] == [(name, "ctx", leadership.term)]
         assert "ctx (term" in infos[0].describe()
     assert Election(name, backend=local_url).leader() is None
     assert leader_info(None) is None
@@ -246,6 +245,6 @@ def test_three_processes_one_leader_and_failover_after_sigkill(
         intervals.append((float(data["start"]), float(data["end"]), term, data["pid"]))
     intervals.sort()
     assert len({pid for *_, pid in intervals}) >= 2
-    for before, after in zip(intervals, intervals[1:], strict=False):
+    for before, after in itertools.pairwise(intervals):
         assert after[0] >= before[1], f"two leaders at once: {before} and {after}"
         assert after[2] > before[2], f"terms out of order: {before} then {after}"

@@ -6,6 +6,7 @@ worker consumes them), each with the ``task_locks_*`` headers the leader stamped
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -20,10 +21,11 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.beat import PersistentScheduler, Scheduler
 from procs import output
 from servers import wait_until
 
-from task_locks import Election
+from task_locks import Election, InvalidArgument, LockError
 from task_locks.celery.beat import (
     TERM_HEADER,
     TICK_HEADER,
@@ -99,7 +101,7 @@ def test_only_the_leader_sends_and_a_clean_shutdown_hands_over_at_once(
     ticks = sent_ticks(broker)
     ids = [headers[TICK_HEADER] for *_, headers in ticks]
     assert len(ids) == len(set(ids)), f"a tick was sent twice: {ids}"
-    steps = {b[0] - a[0] for a, b in zip(ticks, ticks[1:], strict=False)}
+    steps = {b[0] - a[0] for a, b in itertools.pairwise(ticks)}
     assert steps <= {500, 1000}, f"ticks off the 0.5 s grid or missing: {ids}"
     terms = [term for _, term, _ in ticks]
     assert terms == sorted(terms) and len(set(terms)) == 2
@@ -134,17 +136,30 @@ def test_a_deposed_leader_cannot_resend_the_same_tick(redis_url: str, tmp_path: 
     assert tick.election == zombie.election.name and tick.tick.startswith("often@")
 
 
-def test_the_wrapped_scheduler_can_be_named(redis_url: str, tmp_path: Path) -> None:
+def test_the_wrapped_scheduler_can_be_named(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     app = make_app(redis_url, "named")
-    app.conf.task_locks_beat_scheduler = "celery.beat:Scheduler"
-    scheduler = LeaderScheduler(app=app, lazy=True)
-    assert type(scheduler).__name__ == "LeaderScheduler" or not isinstance(
-        scheduler, LeaderScheduler
-    )
-    assert type(scheduler) is leader_scheduler("celery.beat:Scheduler")
-    assert "leader election -> named" in scheduler.info
-    with pytest.raises(Exception, match="not a Celery beat scheduler"):
+    plain = LeaderScheduler(app=app, lazy=True)
+    assert isinstance(plain, PersistentScheduler)
+    assert "leader election -> named (ttl 2s)" in plain.info
+
+    monkeypatch.setenv("TASK_LOCKS_BEAT_SCHEDULER", "celery.beat:Scheduler")
+    from_env = LeaderScheduler(app=app, lazy=True)
+    assert type(from_env) is leader_scheduler(Scheduler)
+    assert not isinstance(from_env, PersistentScheduler)
+    assert from_env.election.name == "named"
+
+    app.conf.task_locks_beat_scheduler = "default"  # the Celery setting wins over the env
+    assert isinstance(LeaderScheduler(app=app, lazy=True), PersistentScheduler)
+    with pytest.raises(LockError, match="not a Celery beat scheduler"):
         leader_scheduler("task_locks:Lock")
+    app.conf.task_locks_beat_ttl = "soon"
+    with pytest.raises(InvalidArgument, match="task_locks_beat_ttl must be a number"):
+        LeaderScheduler(app=app, lazy=True)
+    app.conf.task_locks_beat_ttl = 0
+    with pytest.raises(InvalidArgument, match="ttl"):
+        LeaderScheduler(app=app, lazy=True)
 
 
 def test_beat_tick_reads_request_attributes() -> None:
@@ -158,6 +173,10 @@ def test_beat_tick_reads_request_attributes() -> None:
         {"task_locks_election": "beat", "task_locks_term": 7, "task_locks_tick": "often@1000"}
     )
     assert beat_tick({"headers": {}}) is None
+    assert (
+        beat_tick({"task_locks_election": "b", "task_locks_term": "x", "task_locks_tick": "t"})
+        is None
+    )
 
 
 # -- acceptance 2: two `celery beat` processes, the leader SIGKILLed half-way ------------------
@@ -181,7 +200,7 @@ def start_beat(redis_url: str, election: str, ttl: float, tmp: Path, n: int) -> 
 
 @pytest.mark.slow
 def test_two_beat_processes_leader_killed_half_way(redis_url: str, tmp_path: Path) -> None:
-    election, ttl, half = f"beat-{uuid.uuid4().hex[:6]}", 3.0, 7
+    election, ttl, half = f"beat-{uuid.uuid4().hex[:6]}", 3.0, 6
     broker = broker_of(redis_url)
     observer = Election(election, backend=redis_url)
     beats = [start_beat(redis_url, election, ttl, tmp_path, n) for n in range(2)]
@@ -218,7 +237,7 @@ def test_two_beat_processes_leader_killed_half_way(redis_url: str, tmp_path: Pat
     seen = [(tick % 100_000, term) for tick, term, _ in ticks]
     ids = Counter(headers[TICK_HEADER] for *_, headers in ticks)
     assert max(ids.values()) == 1, f"ticks sent twice: {[t for t, n in ids.items() if n > 1]}"
-    gaps = [(b[0] - a[0]) // 1000 - 1 for a, b in zip(ticks, ticks[1:], strict=False)]
+    gaps = [(b[0] - a[0]) // 1000 - 1 for a, b in itertools.pairwise(ticks)]
     missed = sum(gaps)
     assert missed <= ttl, f"{missed} ticks missed around the fail-over: {seen}"
     assert sum(1 for gap in gaps if gap) <= 1, f"ticks missed outside the fail-over: {seen}"

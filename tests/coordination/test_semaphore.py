@@ -171,6 +171,8 @@ def test_eight_processes_limit_three(
 ) -> None:
     name, rounds = unique("acceptance"), 3
     children = [spawn("permits", shared_url, redis_url, name, 3, 5, rounds) for _ in range(8)]
+    wait_until(lambda: log_redis.get(f"{name}:ready") == "8", 60, "eight processes ready")
+    log_redis.set(f"{name}:go", 1)
     for child in children:
         assert child.wait(60) == 0, output(child)
     assert int(log_redis.get(f"{name}:done")) == 8 * rounds

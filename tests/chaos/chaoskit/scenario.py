@@ -44,7 +44,7 @@ class Settings:
     writes_per_hold: int = 4
     work: float = 0.1
     idle: float = 0.05
-    acquire_timeout: float = 2.0
+    acquire_timeout: float = 1.0
 
 
 @dataclass
@@ -90,6 +90,8 @@ class Run:
         self.proxies: list[list[Proxy]] = []
         self.hub: ProxyHub | None = None
         self.errors: list[str] = []
+        #: Seconds from the start of the run at which each phase ended (for the curious).
+        self.phases: dict[str, float] = {}
         self.skew_recorded = False
         self._stopping = threading.Event()
         self._next_process = 0
@@ -227,11 +229,15 @@ class Run:
             self._nemesis_log = history_module.Recorder(
                 self.dir / "history" / "nemesis.jsonl", "nemesis"
             )
+            self.phases["servers"] = now() - started
             for slot in range(self.settings.clients):
                 self.spawn(slot)
             self._wait_clients_started()
+            self.phases["clients up"] = now() - started
             self._run_nemesis()
+            self.phases["nemesis done"] = now() - started
             self._stop_clients()
+            self.phases["clients stopped"] = now() - started
         finally:
             self._kill_clients()
             if self.hub is not None:

@@ -1,0 +1,172 @@
+"""The example project: `make demo` passes on the embedded default, and its settings pass
+`manage.py check`, with `check --deploy` warning only where a demo must differ.
+
+The demo runs as a newcomer runs it (a subprocess, nothing configured, nothing started
+beforehand) but in a private folder (``DEMO_VAR_DIR``), so it never meets a developer's
+own `make demo`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "example_project"
+#: Acceptance: `make demo` finishes within a minute on a fresh machine.
+DEMO_LIMIT = 60.0
+#: Variables that would point the demo away from its embedded default.
+SERVER_VARIABLES = ("TASK_LOCKS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
+
+
+#: Logs in as the demo says (admin / admin) and opens the pages it points to.
+ADMIN_TOUR = """
+import json, django
+django.setup()
+from django.test import Client
+from django_app.models import LockEvent
+client = Client(HTTP_HOST="127.0.0.1")
+assert client.login(username="admin", password="admin"), "admin / admin does not log in"
+pages = ["/admin/task_locks/lockholder/", "/admin/task_locks/lockevent/", "/admin/shop/jobrun/"]
+seen = {page: client.get(page).status_code for page in pages}
+seen["conflicts recorded"] = LockEvent.objects.filter(kind="conflict").count()
+print(json.dumps(seen))
+"""
+
+
+def example_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SERVER_VARIABLES}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # pytest-django's; the example has its own
+    env.update(DEMO_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def manage(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=EXAMPLE,
+        env=example_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def warning_ids(output: str) -> set[str]:
+    return set(re.findall(r"\(([\w.]+\.[EW]\d{3})\)", output))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_passes_on_the_embedded_default(tmp_path: Path) -> None:
+    started = time.monotonic()
+    demo = subprocess.run(
+        [sys.executable, "example_project/demo.py"],
+        cwd=ROOT,
+        env=example_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    took = time.monotonic() - started
+    logs = "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}"
+        for log in sorted((tmp_path / "var").glob("*.log"))
+    )
+    assert demo.returncode == 0, f"{demo.stdout}\n{demo.stderr}\n{logs}"
+    out = demo.stdout
+    assert "task-locks demo: locks on django://default" in out
+    assert "broker filesystem://" in out
+    assert "started 2 Celery workers" in out
+    assert re.search(r"\[#{20}\] 42/42 done", out), out  # the live progress reached the end
+    assert "calls 44, " in out
+    assert "max concurrency per key 1, lost leases 0" in out
+    assert "verdict: PASS" in out
+    assert "exit 75" in out and "is held by command 'manage.py nightly_report'" in out
+    assert "http://127.0.0.1:8000/admin/ (login admin / admin)" in out
+    assert "PROBLEM" not in out
+    # Every key row of the verdict table says 1 at most inside, and no lease lost.
+    rows = re.findall(
+        r"^(\S+)\s+(skip|raise|wait|retry|wait\+fence|command)\s.*?(\d+)\s+(\d+)$", out, re.M
+    )
+    assert len(rows) == 8, out
+    assert all(peak == "1" and lost == "0" for _, _, peak, lost in rows), out
+    # The workers were stopped: nothing of this run is still alive.
+    assert "stopped the workers" in out and "exit codes [0, 0]" in out
+    assert took < DEMO_LIMIT, f"the demo took {took:.1f}s (limit {DEMO_LIMIT:.0f}s)\n{out}"
+
+    # "Where to look next" holds: the admin login works and its pages show the run.
+    look = subprocess.run(
+        [sys.executable, "-c", ADMIN_TOUR],
+        cwd=EXAMPLE,
+        env=example_env(tmp_path, DJANGO_SETTINGS_MODULE="demo_site.settings"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert look.returncode == 0, look.stdout + look.stderr
+    assert json.loads(look.stdout.splitlines()[-1]) == {
+        "/admin/task_locks/lockholder/": 200,
+        "/admin/task_locks/lockevent/": 200,
+        "/admin/shop/jobrun/": 200,
+        "conflicts recorded": 1,  # the second nightly_report, in the audit log
+    }
+
+
+def test_example_settings_pass_manage_py_check(tmp_path: Path) -> None:
+    check = manage(tmp_path, "check")
+    assert check.returncode == 0, check.stderr
+    assert "System check identified no issues" in check.stdout
+
+
+def demo_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    monkeypatch.setenv("DEMO_VAR_DIR", str(tmp_path / "var"))
+    for name in ("DJANGO_HTTPS", "DJANGO_DEBUG", "DJANGO_SECRET_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    return runpy.run_path(str(EXAMPLE / "demo_site" / "settings.py"))
+
+
+def test_deploy_check_warns_exactly_where_the_demo_must_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acceptance 4: every warning is in the settings' commented DEPLOY_WARNINGS, and
+    every entry there is still needed (the list cannot go stale)."""
+    allowlist = demo_settings(tmp_path, monkeypatch)["DEPLOY_WARNINGS"]
+    assert isinstance(allowlist, dict)
+    assert set(allowlist) == {
+        "security.W004",  # HSTS: no HTTPS on runserver
+        "security.W008",  # no redirect to https://
+        "security.W012",  # session cookie not Secure (plain HTTP)
+        "security.W016",  # CSRF cookie not Secure (plain HTTP)
+        "security.W018",  # DEBUG on: runserver serves the admin's static files
+    }
+    settings_text = (EXAMPLE / "demo_site" / "settings.py").read_text()
+    for warning in allowlist:
+        assert f'"{warning}"' in settings_text  # each one sits next to its explanation
+    deploy = manage(tmp_path, "check", "--deploy")
+    assert deploy.returncode == 0, deploy.stderr
+    assert warning_ids(deploy.stderr + deploy.stdout) == set(allowlist), deploy.stderr
+
+
+def test_https_mode_passes_the_deploy_check_clean(tmp_path: Path) -> None:
+    """The production switches are real: with them on, `check --deploy` has nothing to say."""
+    deploy = manage(
+        tmp_path,
+        "check",
+        "--deploy",
+        DJANGO_HTTPS="1",
+        DJANGO_SECRET_KEY=secrets.token_urlsafe(50),
+    )
+    assert deploy.returncode == 0, deploy.stderr
+    assert warning_ids(deploy.stderr + deploy.stdout) == set(), deploy.stderr
+    assert "System check identified no issues" in deploy.stdout

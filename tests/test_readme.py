@@ -1,0 +1,306 @@
+"""Every code block in README.md is run here, or says why not, so the README cannot rot.
+
+Each fenced block has a marker on the line right above it: ``<!-- run: how -->`` or
+``<!-- not-run: why -->``. Python blocks marked ``run`` are executed one by one, each in
+a fresh namespace, in a subprocess set up like a user's project: the example project's
+Django settings (its own SQLite database in a temporary folder), Celery in eager mode,
+and every lock on the test Redis. Shell blocks marked ``run`` run in bash from the
+repository root with ``.venv/bin`` first on ``PATH``. The README's Redis URL
+(``redis://127.0.0.1:6379/0``, the usual local server) is replaced by the test server's
+URL everywhere, so these tests never touch a Redis they did not start.
+
+A block's definitions are also exercised: a ``TASK_LOCKS`` dict must pass the app's
+system checks, a ``LockedCommand`` is run with ``call_command``, a ``LOGGING`` dict is
+applied. The reference tables are checked against the code (every ``TASK_LOCKS`` key and
+every ``singleton_task`` option, with its default).
+
+``python tests/test_readme.py BLOCKS.json RESULTS.json`` is the subprocess's entry point.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+EXAMPLE = ROOT / "example_project"
+#: The Redis URL the README uses; the tests substitute their own server's.
+README_REDIS = "redis://127.0.0.1:6379/0"
+RUNNABLE = {"python", "sh"}
+#: Linked from the README, written by `make bench` (may be absent in a fresh checkout).
+GENERATED = {"bench/results.md", "bench/results.png"}
+
+FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+MARKER = re.compile(r"^<!--\s*(run|not-run):\s*(\S.*?)\s*-->$")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    marker: str | None  # "run", "not-run" or None
+    reason: str
+
+    @property
+    def where(self) -> str:
+        return f"README.md:{self.line} ({self.lang or 'no language'})"
+
+
+def readme_blocks(text: str | None = None) -> list[Block]:
+    text = README.read_text() if text is None else text
+    lines = text.splitlines()
+    found = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        above = lines[line - 2].strip() if line >= 2 else ""
+        marker = MARKER.match(above)
+        found.append(
+            Block(
+                line=line,
+                lang=match.group(1),
+                code=match.group(2),
+                marker=marker.group(1) if marker else None,
+                reason=marker.group(2) if marker else "",
+            )
+        )
+    return found
+
+
+def to_run(lang: str) -> list[Block]:
+    return [b for b in readme_blocks() if b.marker == "run" and b.lang == lang]
+
+
+def localised(code: str, redis_url: str) -> str:
+    return code.replace(README_REDIS, redis_url)
+
+
+# -- the README's shape ------------------------------------------------------------------
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    text = README.read_text()
+    first = readme_blocks(text)[0]
+    assert first.lang == "sh"
+    assert [line.split("#")[0].strip() for line in first.code.splitlines()] == [
+        "make demo",
+        "make test",
+    ]
+    # Nothing but the title (and the block's marker) comes before it.
+    before = text[: text.index("```")].splitlines()
+    assert [line for line in before if line.strip() and not line.startswith("<!--")] == [
+        "# task-locks"
+    ]
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    blocks = readme_blocks()
+    assert len(blocks) >= 10
+    unmarked = [b.where for b in blocks if b.marker is None]
+    assert not unmarked, f"mark these <!-- run: how --> or <!-- not-run: why -->: {unmarked}"
+    unrunnable = [b.where for b in blocks if b.marker == "run" and b.lang not in RUNNABLE]
+    assert not unrunnable, f"only {sorted(RUNNABLE)} blocks can be run: {unrunnable}"
+    run = [b for b in blocks if b.marker == "run"]
+    assert {b.lang for b in run} == RUNNABLE
+    assert len(run) > len(blocks) / 2, "most blocks should run"
+    for block in run:
+        # Every Redis the README names is the one the tests redirect to their own server.
+        assert "6379" not in block.code.replace(README_REDIS, ""), block.where
+        if block.lang == "python":
+            ast.parse(block.code, filename=block.where)
+
+
+def test_links_and_anchors_resolve() -> None:
+    text = README.read_text()
+    slugs = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+        slugs.add(slug.replace(" ", "-"))
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        if target.startswith("#"):
+            assert target[1:] in slugs, f"no heading for {target}"
+        elif target not in GENERATED:
+            assert (ROOT / target).exists(), f"README links to missing {target}"
+
+
+# -- the reference tables match the code ----------------------------------------------
+
+
+def _readme_default(option: str, text: str) -> str:
+    row = re.search(rf"^\| `{option}` \| ([^|]*) \|", text, re.M)
+    assert row is not None, f"singleton_task option {option!r} missing from the README table"
+    return row.group(1).strip().strip("`")
+
+
+def test_singleton_task_options_are_documented_with_their_defaults() -> None:
+    from task_locks.celery import singleton_task
+
+    text = README.read_text()
+    parameters = inspect.signature(singleton_task).parameters.values()
+    options = [p for p in parameters if p.kind is p.KEYWORD_ONLY]
+    assert len(options) >= 10
+    for option in options:
+        default = option.default
+        expected = (
+            default.__name__
+            if inspect.isclass(default)
+            else json.dumps(default)
+            if isinstance(default, str)
+            else repr(default)
+        )
+        assert _readme_default(option.name, text) == expected, option.name
+
+
+def test_task_locks_reference_block_is_the_defaults() -> None:
+    from django_app import conf
+
+    reference = [b for b in to_run("python") if "EVENT_RETENTION_DAYS" in b.code]
+    assert len(reference) == 1
+    namespace: dict[str, Any] = {}
+    exec(reference[0].code, namespace)
+    documented = namespace["TASK_LOCKS"]
+    assert set(documented) == set(conf.DEFAULTS)
+    for key, default in conf.DEFAULTS.items():
+        value = list(default) if isinstance(default, tuple) else default
+        assert documented[key] == value, key
+
+
+# -- the blocks run ----------------------------------------------------------------------
+
+
+def test_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
+    blocks = to_run("python")
+    spec = tmp_path / "blocks.json"
+    spec.write_text(
+        json.dumps([{"where": b.where, "code": localised(b.code, redis_url)} for b in blocks])
+    )
+    results_file = tmp_path / "results.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "TASK_LOCKS"))}
+    env.update(
+        DJANGO_SETTINGS_MODULE="demo_site.settings",
+        DEMO_VAR_DIR=str(tmp_path / "var"),
+        TASK_LOCKS_URL=redis_url,
+        PYTHONPATH=os.pathsep.join([str(EXAMPLE), str(ROOT)]),
+    )
+    done = subprocess.run(
+        [sys.executable, __file__, str(spec), str(results_file)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and results_file.exists(), done.stdout + done.stderr
+    results = json.loads(results_file.read_text())
+    assert [r["where"] for r in results] == [b.where for b in blocks]
+    failed = [f"{r['where']}:\n{r['output']}\n{r['error']}" for r in results if r["error"]]
+    assert not failed, "\n\n".join(failed)
+    outputs = {r["where"]: r["output"] for r in results}
+    printed = "\n".join(outputs.values())
+    # What the blocks say they do, they did.
+    assert "holding fence" in printed and "got it without waiting" in printed
+    assert "refreshed under fence" in printed
+    assert "refused a write with fence" in printed
+    assert "leading, term" in printed and "one of at most 3 renders" in printed
+    assert "building the report under fence" in printed  # the LockedCommand ran
+    assert "celery result: SUCCESS" in printed  # the singleton task ran under its lock
+
+
+def test_shell_blocks_run(redis_url: str, tmp_path: Path) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "DJANGO_SETTINGS_MODULE" and not k.startswith(("CELERY_", "TASK_LOCKS"))
+    }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["DEMO_VAR_DIR"] = str(tmp_path / "var")
+    blocks = to_run("sh")
+    assert blocks
+    for block in blocks:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", localised(block.code, redis_url)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, f"{block.where}\n{done.stdout}\n{done.stderr}"
+        if "task-locks run" in block.code:
+            assert "only one of me runs at a time" in done.stdout, done.stdout
+
+
+# -- the subprocess: runs the Python blocks like a user's project would ------------------
+
+
+def _run_blocks(spec: Path, results_file: Path) -> None:
+    import contextlib
+    import io
+    import logging.config
+    import traceback
+
+    import django
+
+    django.setup()
+    from celery.result import EagerResult
+    from demo_site.celery import app
+    from django.core.management import call_command
+    from django.test.utils import override_settings
+
+    from django_app import checks, conf
+    from django_app.commands import LockedCommand
+
+    call_command("migrate", verbosity=0)
+    # No worker here: tasks run in-process, through the same __call__ a worker uses.
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+
+    def exercise(namespace: dict[str, Any], out: io.StringIO) -> None:
+        module = namespace["__name__"]
+        if isinstance(namespace.get("TASK_LOCKS"), dict):
+            with override_settings(TASK_LOCKS=namespace["TASK_LOCKS"]):
+                problems = checks.check_settings()
+            assert not problems, f"TASK_LOCKS fails the system checks: {problems}"
+        if isinstance(namespace.get("LOGGING"), dict):
+            logging.config.dictConfig(namespace["LOGGING"])
+        for value in list(namespace.values()):
+            if (
+                inspect.isclass(value)
+                and issubclass(value, LockedCommand)
+                and value.__module__ == module
+            ):
+                call_command(value(), stdout=out)
+            if isinstance(value, EagerResult):
+                out.write(f"celery result: {value.state}\n")
+                value.get()
+
+    results = []
+    for number, block in enumerate(json.loads(spec.read_text())):
+        out = io.StringIO()
+        error = ""
+        namespace: dict[str, Any] = {"__name__": f"readme_block_{number}"}
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(block["code"], block["where"], "exec"), namespace)
+                exercise(namespace, out)
+        except BaseException:
+            error = traceback.format_exc()
+        finally:
+            conf.apply()  # undo a block's configure(): the next one starts afresh
+        results.append({"where": block["where"], "output": out.getvalue(), "error": error})
+    results_file.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _run_blocks(Path(sys.argv[1]), Path(sys.argv[2]))
