@@ -227,12 +227,70 @@ def deployments(stack: ExitStack) -> Iterator[tuple[str, Callable[[], str], Any]
         yield "etcd", lambda: "", "no etcd binary (scripts/install-servers.sh installs it)"
 
 
-def django_note() -> str:
+DJANGO_ALIASES = {"django (SQLite)": "default", "django (PostgreSQL)": "pg"}
+
+
+def django_worker(alias: str, cycles: int, seconds: float) -> None:
+    """In a child process: set Django up on the test settings, migrate, measure, print."""
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", database=alias, verbosity=0, interactive=False)
+    print(json.dumps(measure_ours(f"django://{alias}", cycles, seconds)))
+
+
+def measure_django(alias: str, cycles: int, seconds: float) -> Raw:
+    """django:// in a child process with its own database (SQLite file / PostgreSQL db)."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.django.settings")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    database = f"bench_task_locks_{os.getpid()}"
+    with tempfile.TemporaryDirectory() as scratch:
+        env["TASK_LOCKS_TEST_SQLITE"] = os.path.join(scratch, "bench.sqlite3")
+        env["TASK_LOCKS_TEST_PG"] = database
+        if alias == "pg":
+            _postgres(f"CREATE DATABASE {database}")
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--django-worker", alias, str(cycles), str(seconds)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+                cwd=ROOT,
+            )
+        finally:
+            if alias == "pg":
+                _postgres(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+    if done.returncode != 0:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["failed"])[-1])
+    samples, handoffs, elapsed, errors = json.loads(done.stdout.strip().splitlines()[-1])
+    return samples, handoffs, elapsed, errors
+
+
+def _postgres(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres") as conn:
+        conn.autocommit = True
+        conn.execute(sql)  # type: ignore[arg-type]
+
+
+def django_reason(alias: str) -> str | None:
+    """Why django:// on ``alias`` cannot be measured here, or ``None``."""
     try:
         import django_app.backend  # noqa: F401
     except Exception as exc:
-        return f"not measured here: django_app.backend does not import ({exc})"
-    return "not measured here: django:// needs a configured Django project (see bench/run.py)"
+        return f"not measured: django_app.backend does not import ({exc})"
+    if alias == "pg":
+        import socket
+
+        try:
+            socket.create_connection(("127.0.0.1", 5432), timeout=0.5).close()
+        except OSError:
+            return "not measured: no PostgreSQL on 127.0.0.1:5432"
+    return None
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -280,7 +338,17 @@ def run(quick: bool = False) -> dict[str, Any]:
                 else:
                     row.update(summarise(measured[library]))
                 rows.append(row)
-        rows.append({"backend": "django", "library": "task-locks", "status": django_note()})
+        for label, alias in DJANGO_ALIASES.items():
+            reason = django_reason(alias)
+            if reason:
+                rows.append({"backend": label, "library": "task-locks", "status": reason})
+                continue
+            log(f"{label}: django://{alias} (child process)")
+            try:
+                raw = [measure_django(alias, *per_round) for _ in range(ROUNDS)]
+                rows.append({"backend": label, "library": "task-locks", **summarise(raw)})
+            except Exception as exc:
+                rows.append({"backend": label, "library": "task-locks", "status": f"failed: {exc}"})
     from task_locks import close_all
 
     close_all()
@@ -342,7 +410,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--django-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.django_worker:
+        alias, cycles, seconds = args.django_worker
+        django_worker(alias, int(cycles), float(seconds))
+        return 0
     result = run(quick=args.quick)
     print(result["markdown"])
     if args.json:

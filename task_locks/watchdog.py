@@ -89,6 +89,11 @@ class Schedule:
             entry = self._entries.pop(id(lease), None)
             if entry is not None:
                 entry.cancelled = True
+                # Released leases stay in the heap until popped; compact when they
+                # outnumber the live ones, so fast acquire/release loops stay small.
+                if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entries):
+                    self._heap = [e for e in self._heap if not e.cancelled]
+                    heapq.heapify(self._heap)
 
     def next_due(self) -> float | None:
         """When the earliest lease is due (``None``: nothing scheduled).

@@ -87,7 +87,7 @@ def test_demo_passes_on_the_embedded_default(tmp_path: Path) -> None:
     out = demo.stdout
     assert "task-locks demo: locks on django://default" in out
     assert "broker filesystem://" in out
-    assert "started 2 Celery workers" in out
+    assert "starting 2 Celery workers" in out
     assert re.search(r"\[#{20}\] 42/42 done", out), out  # the live progress reached the end
     assert "calls 44, " in out
     assert "max concurrency per key 1, lost leases 0" in out

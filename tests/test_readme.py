@@ -211,7 +211,7 @@ def test_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
     # What the blocks say they do, they did.
     assert "holding fence" in printed and "got it without waiting" in printed
     assert "refreshed under fence" in printed
-    assert "refused a write with fence" in printed
+    assert "refused a write with fence" in printed and "A's release refused" in printed
     assert "leading, term" in printed and "one of at most 3 renders" in printed
     assert "building the report under fence" in printed  # the LockedCommand ran
     assert "celery result: SUCCESS" in printed  # the singleton task ran under its lock

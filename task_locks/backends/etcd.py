@@ -1,4 +1,4 @@
-"""etcd (consensus): ``etcd://host:port[,host:port...][?options]``.
+"""etcd (consensus): ``etcd://host[:port][,host[:port]...][?options]`` (port 2379 by default).
 
 Locks that stay correct while a majority of the etcd cluster is up: every decision is a
 Raft-replicated transaction, and a lock's fence is the key's ``create_revision``, which
@@ -153,10 +153,11 @@ class EtcdBackend(Backend):
     def _endpoints(self, netloc: str) -> list[tuple[str, int]]:
         endpoints = []
         for item in netloc.split(","):
-            host, _, port = item.strip().rpartition(":")
+            item = item.strip()
+            host, _, port = item.rpartition(":") if ":" in item else (item, ":", "2379")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise InvalidArgument(
-                    f"{self.server}: expected host:port[,host:port...], got {item.strip()!r}"
+                    f"{self.server}: expected host[:port][,host[:port]...], got {item!r}"
                 )
             endpoints.append((host.strip("[]"), int(port)))
         return endpoints

@@ -21,13 +21,21 @@ and this module only fans requests out to them and counts the answers:
   than a majority raise :class:`~task_locks.errors.BackendUnavailable` (the watchdog
   retries a renewal until the lease would have run out).
 - **restarted masters**: every new connection to a master reads its ``run_id`` and
-  uptime. A master whose ``run_id`` changed since we last saw it, or first seen with an
-  uptime below the longest TTL this process has used (or ``restart_delay``), may have
-  lost locks it held, so its answers do not count until that much time has passed.
+  uptime. A master whose ``run_id`` changed since we last saw it may have lost locks it
+  held, so its answers do not count until its uptime reaches the longest TTL this
+  process has used (or ``restart_delay``, if longer). A master first seen with an uptime
+  below ``restart_delay`` waits likewise.
+- **ordering**: calls for one (name, token) reach each master in order (a cleanup
+  release never overtakes that master's straggling grant), and release waits for every
+  master that answers, so a released lock is free everywhere reachable.
 - **wake-ups**: a waiter blocks on the release signal list of one master (chosen by
   the name, skipping masters that just failed), with a deadline of its own, so a
   paused master cannot stretch a wait.
 - **holders**: a holder is listed when a majority of masters agree on its token.
+
+Capabilities: ``fencing`` (with ``fence_sync``, see above and below), ``multiprocess``,
+``wakeup``, ``holders``; not ``consensus``: a majority of masters is no consensus
+protocol, so ``Lock(..., require={"consensus"})`` refuses this backend.
 
 Limits (also in the README's safety table):
 
@@ -46,6 +54,12 @@ Limits (also in the README's safety table):
 - A local lease's expiry is estimated as ``ttl`` after the request was sent; the
   Redlock validity is shorter by ``drift`` (1 % + 2 ms), which the renewal at ttl/3
   covers in practice.
+- A grant that reaches a paused master after the client gave up on it (and after its
+  cleanup release timed out) stays there, with our token, until its TTL runs out: it
+  cannot form a majority for anyone, but it can delay the next acquire while another
+  master is down.
+- Sync calls fan out through a thread pool of this backend (up to 8 threads per
+  master); async calls fan out as tasks on the running loop (redis.asyncio).
 
 URL options: ``prefix`` (default ``task_locks:``), ``node_timeout`` (seconds per master
 and request, default 0.25), ``retry_delay`` (upper bound of the random delay after a

@@ -226,7 +226,8 @@ def test_three_processes_one_leader_and_failover_after_sigkill(
             ttl + 5,
             "a new leader after the SIGKILL",
         )
-        took_over = float(log_redis.hget(f"{name}:term:{successor.term}", "start"))
+        logged = f"{name}:term:{successor.term}"  # written just after campaign() returned
+        took_over = float(wait_until(lambda: log_redis.hget(logged, "start"), 5, "its log"))
         assert successor.term > victim.term
         assert successor.identity != victim.identity
         handover = took_over - killed_at
