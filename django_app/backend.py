@@ -160,6 +160,7 @@ class _Pool:
         self._idle: list[tuple[Any, float]] = []
         self._guard = threading.Lock()
         self._pid = os.getpid()
+        self._closed = False
 
     def _settings(self) -> dict[str, Any]:
         from django.db import connections
@@ -199,7 +200,7 @@ class _Pool:
             _inherited.append(wrapper)
             return
         with self._guard:
-            if len(self._idle) < MAX_IDLE:
+            if not self._closed and len(self._idle) < MAX_IDLE:
                 self._idle.append((wrapper, time.monotonic()))
                 return
         self._close(wrapper)
@@ -221,6 +222,7 @@ class _Pool:
             return
         with self._guard:
             idle, self._idle = self._idle, []
+            self._closed = True  # connections checked in later are closed, not kept
         for wrapper, _ in idle:
             self._close(wrapper)
 

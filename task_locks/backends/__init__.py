@@ -78,12 +78,14 @@ def get_backend(url: str) -> Backend:
             "e.g. redis://127.0.0.1:6379/0"
         )
     cls = _load(scheme)
+    # Built outside the lock: a backend's construction may itself configure task-locks
+    # (django:// sets Django up, whose ready() calls get_backend again).
+    backend = cls(url)
     with _lock:
-        backend = _instances.get(url)
-        if backend is None:
-            backend = cls(url)
-            _instances[url] = backend
-    return backend
+        shared = _instances.setdefault(url, backend)
+    if shared is not backend:
+        backend.close()
+    return shared
 
 
 def close_all() -> None:
