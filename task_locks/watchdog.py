@@ -17,6 +17,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -176,16 +177,21 @@ class ThreadRenewer:
         self.schedule = Schedule()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        # When the sleeping thread wakes on its own; add() wakes it only for an earlier
+        # lease, so a busy acquire/release loop never pays for a thread switch.
+        self._wake_at = -math.inf
 
     def add(self, lease: Renewable) -> None:
-        earliest = self.schedule.add(lease, next_renewal(lease, time.monotonic()))
+        due = next_renewal(lease, time.monotonic())
+        self.schedule.add(lease, due)
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="task-locks-renewer", daemon=True
                 )
+                self._wake_at = -math.inf
                 self._thread.start()
-            elif earliest:
+            elif due < self._wake_at:
                 self._cond.notify()
 
     def remove(self, lease: Renewable) -> None:
@@ -194,23 +200,25 @@ class ThreadRenewer:
     def _run(self) -> None:
         idle_since: float | None = None
         while True:
-            now = time.monotonic()
-            due = self.schedule.next_due()
-            if due is None:
-                idle_since = idle_since or now
-                if now - idle_since >= IDLE_EXIT:
-                    with self._cond:
-                        if self.schedule.next_due() is None:
-                            self._thread = None
-                            return
-                with self._cond:
+            # Reading the schedule and going to sleep happen under the condition, so an
+            # add() in between cannot be missed.
+            with self._cond:
+                now = time.monotonic()
+                due = self.schedule.next_due()
+                if due is None:
+                    idle_since = idle_since or now
+                    if now - idle_since >= IDLE_EXIT:
+                        self._thread = None
+                        return
+                    self._wake_at = now + IDLE_EXIT
                     self._cond.wait(IDLE_EXIT)
-                continue
-            idle_since = None
-            if due > now:
-                with self._cond:
+                    continue
+                idle_since = None
+                if due > now:
+                    self._wake_at = due
                     self._cond.wait(due - now)
-                continue
+                    continue
+                self._wake_at = -math.inf  # busy: the loop looks again before sleeping
             for backend, leases in self.schedule.take_due(now).items():
                 self._renew(backend, leases)
 
