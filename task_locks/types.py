@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -30,10 +31,8 @@ class Owner:
     limit: int | None = None
 
     def to_json(self) -> str:
-        # getattr, not dataclasses.asdict: asdict deep-copies every field, which cost
-        # about 12 us on each acquire (the fields are str / int / None).
-        fields = ((k, getattr(self, k)) for k in self.__dataclass_fields__)
-        return json.dumps({k: v for k, v in fields if v not in (None, "")})
+        # Cached: a process acquires with the same few owners over and over.
+        return _owner_json(self)
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Owner:
@@ -58,6 +57,13 @@ class Owner:
         if self.pid:
             parts.append(f"pid {self.pid}")
         return " ".join(parts) or "unknown holder"
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_json(owner: Owner) -> str:
+    # getattr, not dataclasses.asdict: asdict deep-copies every field.
+    fields = ((k, getattr(owner, k)) for k in owner.__dataclass_fields__)
+    return json.dumps({k: v for k, v in fields if v not in (None, "")})
 
 
 @dataclass(frozen=True, slots=True)
