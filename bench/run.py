@@ -1232,27 +1232,28 @@ def notes(results: dict[str, Any]) -> list[str]:
             )
         )
     if ours_c and prl_c and miss("4 procs, 1 ms hold: rate / python-redis-lock"):
-        prl_u = unc.get(("python-redis-lock", "redis"))
         out.append(
             "Against python-redis-lock: both hand over through BLPOP, so the rate follows "
             f"the cost of a hand-off: median {ours_c['handoff_median_us']:.0f} µs ours vs "
             f"{prl_c['handoff_median_us']:.0f} µs theirs in this run"
             + (
-                f"; their acquire is a plain SET NX ({prl_u['acquire_median_us']:.0f} µs "
-                f"uncontended, ours {ours['acquire_median_us']:.0f} µs with the fence and "
-                "metadata script)"
-                if prl_u and ours
+                f". Redis ran {ours_c['server_calls_per_acq']:.0f} commands per acquisition "
+                f"for us against {prl_c['server_calls_per_acq']:.0f} for them: our failed "
+                "attempt before the wait and our acquire after it are scripts (holder "
+                "lookup; fence, metadata, expiries), theirs are SET NX, and on a 2-CPU "
+                "machine Redis's time is on the hand-off's path"
+                if "server_calls_per_acq" in ours_c and "server_calls_per_acq" in prl_c
                 else ""
             )
             + "."
         )
     celery = results.get("celery", {})
-    if miss("Celery: @singleton_task / plain"):
+    if miss("Celery:"):
         out.append(
-            "Celery: a singleton task adds an acquire and a release round trip (and the "
-            "watchdog entry) to every task, next to the broker's own round trips; with a "
-            "solo-pool worker and tiny tasks that overhead is a large share. See "
-            "bench/celery_bench.py for the set-up."
+            "Celery: every @singleton_task run takes and releases a lock (two Redis round "
+            "trips, about one uncontended cycle above) on top of the broker's own work; "
+            "with empty tasks on a solo-pool worker that is a large share of each task. "
+            "The set-up and per-task worker CPU are in bench/celery_bench.py and its log."
         )
     if celery.get("not_measured"):
         out.append(

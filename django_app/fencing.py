@@ -116,7 +116,7 @@ def fenced(resource: str, fence: Any, *, using: str | None = None) -> Iterator[N
         yield
 
 
-class FencedQuerySet(models.QuerySet):  # type: ignore[type-arg]
+class FencedQuerySet(models.QuerySet):
     """``update(..., fence=N)`` writes only rows whose fence is not newer than ``N``."""
 
     def update(self, fence: Any = None, **kwargs: Any) -> int:
@@ -162,7 +162,8 @@ class FencedModel(models.Model):
 
     def save(self, *args: Any, fence: Any = None, **kwargs: Any) -> None:
         if fence is None:
-            return super().save(*args, **kwargs)
+            super().save(*args, **kwargs)
+            return
         number, lock_name = _fence_number(fence, self._meta.label_lower)
         update_fields = kwargs.get("update_fields")
         if update_fields is not None and "fence" not in update_fields:
@@ -192,15 +193,11 @@ class FencedModel(models.Model):
     ) -> bool:
         local = base_qs.model._meta.local_concrete_fields
         if not any(field.attname == "fence" for field in local):
-            return super()._do_update(  # type: ignore[no-any-return]
-                base_qs, using, pk_val, values, update_fields, forced_update
-            )
+            return super()._do_update(base_qs, using, pk_val, values, update_fields, forced_update)
         pending = getattr(self, "_pending_fence", None)
         if pending is None:  # a plain save never moves the mark, least of all down
             values = [value for value in values if value[0].attname != "fence"]
-            return super()._do_update(  # type: ignore[no-any-return]
-                base_qs, using, pk_val, values, update_fields, forced_update
-            )
+            return super()._do_update(base_qs, using, pk_val, values, update_fields, forced_update)
         number, lock_name = pending
         guarded = base_qs.filter(fence__lte=number)
         if super()._do_update(guarded, using, pk_val, values, update_fields, forced_update):

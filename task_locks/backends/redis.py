@@ -183,6 +183,20 @@ class _Scripts:
 SCRIPTS = _Scripts()
 
 
+class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
+    """A sentinel-managed connection that is dropped after any read error.
+
+    redis-py's sync class reads with ``disconnect_on_error=False``: after a socket timeout
+    the connection returns to the pool with the late reply unread, and the next command
+    (say, someone's acquire) would read it as its own answer. The asyncio class already
+    disconnects.
+    """
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["disconnect_on_error"] = True
+        return super().read_response(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class _Flavour:
     """The redis-py modules for one I/O style: the sync and asyncio clients mirror each other."""
@@ -191,11 +205,18 @@ class _Flavour:
     sentinel: Any
     cluster: Any
     retry: Any
+    sentinel_options: dict[str, Any]
 
 
-_SYNC = _Flavour(redis, redis.sentinel, redis.cluster, redis.retry.Retry)
+_SYNC = _Flavour(
+    redis,
+    redis.sentinel,
+    redis.cluster,
+    redis.retry.Retry,
+    {"connection_class": _SentinelConnection},
+)
 _ASYNC = _Flavour(
-    redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster, redis.asyncio.retry.Retry
+    redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster, redis.asyncio.retry.Retry, {}
 )
 
 
@@ -291,7 +312,9 @@ class RedisBackend(Backend):
                     f"malformed sentinel URL {self.server}: expected "
                     "redis+sentinel://host:port[,host:port]/service_name[/db]"
                 )
-            kwargs = dict(common, password=self._parts.password, retry=retry)
+            kwargs = dict(
+                common, password=self._parts.password, retry=retry, **flavour.sentinel_options
+            )
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
             sentinel = flavour.sentinel.Sentinel(self._hosts(), **common)

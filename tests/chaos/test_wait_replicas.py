@@ -123,13 +123,6 @@ def test_failover_drops_a_granted_lock_unless_wait_replicas_refused_it(sentinel_
     second.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="redis-py's SentinelManagedConnection.read_response defaults to "
-    "disconnect_on_error=False: after a socket timeout the connection goes back to the "
-    "pool with the late reply unread, and the next command reads it (task_locks' "
-    "redis+sentinel client must disconnect on timeouts; reported to the redis backend)",
-)
 def test_a_timed_out_sentinel_connection_is_not_reused(sentinel_cluster) -> None:
     from task_locks import get_backend
     from task_locks.types import Owner

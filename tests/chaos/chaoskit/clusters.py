@@ -205,12 +205,13 @@ class SentinelRedis(LockService):
     def failover(
         self,
         record: Callable[..., Any],
-        handover_due: Callable[[], object],
+        handover_due: Callable[[], bool],
         holder_appeared: Callable[[], bool],
     ) -> None:
         """Replica promoted before it got the lock: SIGSTOP replica, acquire, SIGKILL master."""
         old_master, replica = self.master, self.replica
-        handover_due()  # the holder is releasing: the next acquire is milliseconds away
+        if not handover_due():  # the holder is releasing: the next acquire is close
+            return
         replica.pause()
         # Bytes already sent would still reach the stopped replica from its socket buffer
         # when it resumes: cut the link, so what follows exists on the master only.

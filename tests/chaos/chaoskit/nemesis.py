@@ -94,8 +94,9 @@ def restart_server(run: Run) -> None:
 def failover(run: Run) -> None:
     """Sentinel promotes a replica that never received the newest lock."""
 
-    def handover_due() -> object:
-        return run.wait_for_state(LAST_STEP, 3 * run.ttl)
+    def handover_due() -> bool:
+        run.wait_for_state(LAST_STEP, 3 * run.ttl)
+        return not run.stopping  # no failover while the run winds down
 
     def fresh_acquire() -> bool:
         return run.wait_for_new_holder(run.settings.work + 0.5)

@@ -105,6 +105,10 @@ class Run:
         assert self._nemesis_log is not None
         self._nemesis_log.event("nemesis", "info", action=action, **data)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def sleep(self, seconds: float) -> bool:
         """Sleep, waking early when the run ends; ``False`` if it ended."""
         return not self._stopping.wait(seconds)
@@ -213,6 +217,7 @@ class Run:
 
     def execute(self) -> Outcome:
         started = now()
+        config: dict[str, Any] = {}
         self.service.start()
         try:
             if self.fault.startswith("proxy-"):
@@ -263,12 +268,11 @@ class Run:
             time.sleep(0.01)
 
     def _run_nemesis(self) -> None:
-        stop = threading.Event()
         thread = threading.Thread(
             target=nemesis, args=(self, self.fault, self._stopping), name="nemesis", daemon=True
         )
         thread.start()
-        stop.wait(self.settings.duration)
+        self._stopping.wait(self.settings.duration)  # the run's length, nothing sets it early
         self._stopping.set()
         thread.join(60)
         if thread.is_alive():
