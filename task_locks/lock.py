@@ -91,6 +91,48 @@ def _spawn(awaitable: Any) -> None:
     future.add_done_callback(_background.discard)
 
 
+_flag_guard = threading.Lock()
+
+
+class LostFlag:
+    """``lease.lost``: a ``threading.Event`` look-alike that builds the Event only if waited on.
+
+    Most leases are never waited on; a real Event per lease costs a lock, a condition and
+    about a kilobyte, on every acquire.
+    """
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        with _flag_guard:
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with _flag_guard:
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if self._set:
+            event.set()
+        return event.wait(timeout)
+
+    def __bool__(self) -> bool:
+        return self._set
+
+    def __repr__(self) -> str:
+        return f"<LostFlag {'set' if self._set else 'clear'}>"
+
+
 class _LeaseBase:
     """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
 
@@ -112,7 +154,7 @@ class _LeaseBase:
         self.ttl = ttl
         self.backend = backend
         #: Set when the lease is known lost (expired, taken over, renewal refused).
-        self.lost = threading.Event()
+        self.lost = LostFlag()
         self.lost_reason: str | None = None
         self.acquired_at = time.time()
         self._acquired_mono = sent_at

@@ -36,8 +36,14 @@ def owner_context(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
+_local = threading.local()
+
+
 def current_owner() -> Owner:
     """The owner to record for an acquire made here and now."""
-    base = Owner(host=_host, pid=os.getpid(), thread=threading.current_thread().name)
+    pid, thread = os.getpid(), threading.current_thread().name
+    base: Owner | None = getattr(_local, "owner", None)
+    if base is None or base.pid != pid or base.thread != thread:
+        base = _local.owner = Owner(host=_host, pid=pid, thread=thread)
     extra = _context.get()
     return replace(base, **extra) if extra else base

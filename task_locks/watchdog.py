@@ -185,7 +185,7 @@ class ThreadRenewer:
         due = next_renewal(lease, time.monotonic())
         self.schedule.add(lease, due)
         with self._cond:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:  # _run() clears it, under this lock, as it exits
                 self._thread = threading.Thread(
                     target=self._run, name="task-locks-renewer", daemon=True
                 )
@@ -198,6 +198,17 @@ class ThreadRenewer:
         self.schedule.remove(lease)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("the renewal thread failed; the next acquire starts a new one")
+            raise
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
         idle_since: float | None = None
         while True:
             # Reading the schedule and going to sleep happen under the condition, so an

@@ -131,9 +131,10 @@ RELEASE = """
 local held = redis.call('hmget', KEYS[1], 'token', 'ttl')
 if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then return 0 end
 redis.call('del', KEYS[1])
-redis.call('rpush', KEYS[2], '1')
-redis.call('ltrim', KEYS[2], -1, -1)
-redis.call('pexpire', KEYS[2], held[2] or 60000)
+if redis.call('exists', KEYS[2]) == 0 then
+  redis.call('rpush', KEYS[2], '1')
+  redis.call('pexpire', KEYS[2], held[2] or 60000)
+end
 return 1
 """
 
