@@ -12,6 +12,11 @@ It starts its own ``redis-server`` unless ``--url`` names a backend (any URL wor
 that drift on the machine lands on both alike.
 
     .venv/bin/python bench/coordination_bench.py [--url URL] [--cycles 5000] [--handovers 50]
+    .venv/bin/python bench/coordination_bench.py --quick      # a few seconds
+
+``bench/run.py`` calls :func:`run` (``{"markdown": ..., "targets": [...], ...}``, plus a
+``"status"`` when the measurement failed) and folds the Markdown into
+``bench/results.md``.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -33,6 +40,10 @@ from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own
 from task_locks import Election, Lock, Semaphore, close_all, get_backend  # noqa: E402
 
 TTL = 30.0  # no renewal or expiry inside a sample
+#: (lock/semaphore sample pairs, hand-overs) per mode.
+COUNTS = {"full": (5000, 50), "quick": (1000, 20)}
+SEMAPHORE_TARGET = 1.5  # semaphore cycle / lock cycle, at most
+HANDOVER_TARGET_MS = 10.0  # median resign -> elected, under
 
 
 def paired_us(
@@ -104,7 +115,7 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
         thread = threading.Thread(target=campaign)
         thread.start()
         if not waiting.wait(5):
-            raise SystemExit("the candidate never blocked in campaign()")
+            raise RuntimeError("the candidate never blocked in campaign()")
         time.sleep(0.005)  # let it settle into the blocking read
         backend.wait = original_wait  # type: ignore[method-assign]
         resigned = time.perf_counter()
@@ -116,57 +127,137 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="backend URL (default: a redis-server of our own)")
-    parser.add_argument("--cycles", type=int, default=5000, help="lock/semaphore sample pairs")
-    parser.add_argument("--handovers", type=int, default=50)
-    args = parser.parse_args()
+def measure(url: str, cycles: int, handovers: int) -> dict[str, Any]:
+    """Every figure, in microseconds / milliseconds, from one backend URL."""
+    lock, semaphore = lock_cycle(url), semaphore_cycle(url)
+    paired_us(lock, semaphore, 200)  # warm up connections and scripts
+    lock_us, semaphore_us = paired_us(lock, semaphore, cycles)
+    _, crowded_us = paired_us(lock, semaphore_cycle(url, taken=2), max(1, cycles // 5))
+    handover = sorted(handovers_ms(url, handovers))
+    return {
+        "cycles": cycles,
+        "handovers": handovers,
+        "lock_us": lock_us,
+        "semaphore_us": semaphore_us,
+        "semaphore_ratio": semaphore_us / lock_us,
+        "crowded_semaphore_us": crowded_us,
+        "handover_median_ms": statistics.median(handover),
+        "handover_p95_ms": handover[min(len(handover) - 1, int(len(handover) * 0.95))],
+        "handover_max_ms": handover[-1],
+    }
 
+
+def targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    ratio, handover = figures["semaphore_ratio"], figures["handover_median_ms"]
+    return [
+        {
+            "what": "semaphore(limit=3) cycle / lock cycle (median)",
+            "value": ratio,
+            "threshold": SEMAPHORE_TARGET,
+            "verdict": "PASS" if ratio <= SEMAPHORE_TARGET else "MISS",
+        },
+        {
+            "what": "leader hand-over after a clean resign (median, ms)",
+            "value": handover,
+            "threshold": HANDOVER_TARGET_MS,
+            "verdict": "PASS" if handover < HANDOVER_TARGET_MS else "MISS",
+        },
+    ]
+
+
+def table(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """``(measure, value, target, result)`` rows, for the terminal and for Markdown."""
+    verdicts = {t["what"]: t["verdict"] for t in targets(figures)}
+    ratio = figures["semaphore_ratio"]
+    return [
+        ("lock acquire+release (median)", f"{figures['lock_us']:.0f} µs", "", ""),
+        (
+            "semaphore(limit=3) acquire+release (median)",
+            f"{figures['semaphore_us']:.0f} µs",
+            f"<= {SEMAPHORE_TARGET}x lock",
+            f"{ratio:.2f}x {verdicts['semaphore(limit=3) cycle / lock cycle (median)']}",
+        ),
+        (
+            "semaphore cycle, 2 of 3 permits taken by others",
+            f"{figures['crowded_semaphore_us']:.0f} µs",
+            "",
+            "",
+        ),
+        (
+            "leader hand-over after resign (median)",
+            f"{figures['handover_median_ms']:.2f} ms",
+            f"< {HANDOVER_TARGET_MS:g} ms",
+            verdicts["leader hand-over after a clean resign (median, ms)"],
+        ),
+        ("leader hand-over after resign (p95)", f"{figures['handover_p95_ms']:.2f} ms", "", ""),
+        ("leader hand-over after resign (max)", f"{figures['handover_max_ms']:.2f} ms", "", ""),
+    ]
+
+
+def markdown(figures: dict[str, Any], where: str) -> str:
+    lines = [
+        f"On {where}: {figures['cycles']} alternated lock/semaphore sample pairs (limit 3, "
+        f"uncontended), {figures['handovers']} hand-overs from `resign()` returning to the "
+        "blocked candidate's `campaign()` returning.",
+        "",
+        "| measure | value | target | result |",
+        "|---|---:|---|---|",
+    ]
+    lines += [f"| {' | '.join(row)} |" for row in table(figures)]
+    return "\n".join(lines)
+
+
+def run(
+    quick: bool = False,
+    url: str | None = None,
+    cycles: int | None = None,
+    handovers: int | None = None,
+) -> dict[str, Any]:
+    """Measure on ``url`` (default: a redis-server of our own); ``bench/run.py`` calls it.
+
+    Never raises: a failure comes back as ``{"status": "failed: ...", "markdown": ...}``.
+    """
+    default_cycles, default_handovers = COUNTS["quick" if quick else "full"]
+    cycles, handovers = cycles or default_cycles, handovers or default_handovers
     server = None
-    url = args.url
-    if url is None:
-        server = RedisServer().start()
-        url = server.url()
     try:
-        lock, semaphore = lock_cycle(url), semaphore_cycle(url)
-        paired_us(lock, semaphore, 200)  # warm up connections and scripts
-        lock_us, semaphore_us = paired_us(lock, semaphore, args.cycles)
-        ratio = semaphore_us / lock_us
-        _, crowded_us = paired_us(lock, semaphore_cycle(url, taken=2), args.cycles // 5)
-        handover = sorted(handovers_ms(url, args.handovers))
-        median_ms = statistics.median(handover)
-        p95_ms = handover[min(len(handover) - 1, int(len(handover) * 0.95))]
+        if url is None:
+            server = RedisServer().start()
+            url = server.url()
+        where = f"`{url}`" if server is None else "redis (its own redis-server on loopback)"
+        figures = measure(url, cycles, handovers)
+    except Exception as exc:
+        status = f"failed: {type(exc).__name__}: {exc}"
+        return {"status": status, "markdown": status, "traceback": traceback.format_exc()}
     finally:
         close_all()
         if server is not None:
             server.cleanup()
+    return {
+        **figures,
+        "backend": where,
+        "targets": targets(figures),
+        "markdown": markdown(figures, where),
+    }
 
-    rows = [
-        ("lock acquire+release (median)", f"{lock_us:.0f} us", "", ""),
-        (
-            "semaphore(limit=3) acquire+release",
-            f"{semaphore_us:.0f} us",
-            "<= 1.5x lock",
-            f"{ratio:.2f}x {'ok' if ratio <= 1.5 else 'MISSED'}",
-        ),
-        ("  the same, 2 of 3 permits taken by others", f"{crowded_us:.0f} us", "", ""),
-        (
-            "leader hand-over after resign (median)",
-            f"{median_ms:.2f} ms",
-            "< 10 ms",
-            "ok" if median_ms < 10 else "MISSED",
-        ),
-        ("leader hand-over after resign (p95)", f"{p95_ms:.2f} ms", "", ""),
-        ("leader hand-over after resign (max)", f"{handover[-1]:.2f} ms", "", ""),
-    ]
-    print(f"backend: {url if server is None else 'redis (own redis-server on loopback)'}")
-    widths = [
-        max(len(str(r[i])) for r in [("measure", "value", "target", "result"), *rows])
-        for i in range(4)
-    ]
-    for row in [("measure", "value", "target", "result"), *rows]:
-        print(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="backend URL (default: a redis-server of our own)")
+    parser.add_argument("--quick", action="store_true", help="fewer samples: a few seconds")
+    parser.add_argument("--cycles", type=int, default=None, help="lock/semaphore sample pairs")
+    parser.add_argument("--handovers", type=int, default=None)
+    args = parser.parse_args()
+    result = run(args.quick, args.url, args.cycles, args.handovers)
+    if "status" in result:
+        print(result["traceback"], file=sys.stderr)
+        raise SystemExit(result["status"])
+    print(f"backend: {result['backend']}")
+    header = ("measure", "value", "target", "result")
+    rows = [header, *table(result)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ It hangs off the unmanaged :class:`~django_app.models.LockHolder` model so it si
 admin index like any model, and viewing it needs ``task_locks.view_lockholder``.
 Force release needs ``task_locks.force_release_lock``, asks for confirmation, refuses if
 the lock changed hands meanwhile, and writes a ``forced`` :class:`LockEvent`.
+
+The holders are grouped as ``locks list`` groups them (:func:`task_locks.ops.group_holders`):
+plain locks, then elections (leader, term, since, expiry), then semaphores ("holders /
+limit", each permit on its own row). An election or a permit is one lock, and is
+force-released as one (ending that term, or freeing that permit).
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 
 from task_locks import LockError
-from task_locks.ops import format_duration
+from task_locks.election import LeaderInfo
+from task_locks.ops import (
+    Listing,
+    describe_role,
+    format_duration,
+    group_holders,
+    lock_role,
+    slot_index,
+)
+from task_locks.semaphore import SemaphoreInfo
 from task_locks.types import Holder, Owner
 
 from . import audit, conf
@@ -39,30 +53,50 @@ def _row(holder: Holder) -> dict[str, Any]:
         job = owner.command
     else:
         job = ""
-    acquired = (
-        None
-        if holder.acquired_at is None
-        else dt.datetime.fromtimestamp(holder.acquired_at, tz=dt.UTC)
-    )
     return {
         "name": holder.name,
-        "kind": holder.kind,
         "job": job,
         "worker": owner.worker or "",
         "host": owner.host,
         "pid": owner.pid or "",
         "fence": holder.fence,
-        "acquired": acquired,
+        "acquired": _datetime(holder.acquired_at),
         "held_for": format_duration(holder.held_for),
         "expires_in": format_duration(holder.expires_in),
         "renewals": holder.renewals,
         "description": owner.describe(),
+        "role": describe_role(holder),
+        "role_kind": lock_role(holder),
     }
 
 
-@admin.register(LockHolder)
-class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """The live holders page (a custom changelist) and its force-release view."""
+def _datetime(epoch: float | None) -> dt.datetime | None:
+    return None if epoch is None else dt.datetime.fromtimestamp(epoch, tz=dt.UTC)
+
+
+def _election_row(info: LeaderInfo, holder: Holder) -> dict[str, Any]:
+    return {**_row(holder), "election": info.election, "leader": info.identity, "term": info.term}
+
+
+def _semaphore_row(info: SemaphoreInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "summary": info.summary,
+        "permits": [{**_row(h), "slot": slot_index(h)} for h in info.holders],
+    }
+
+
+def _grouped(listing: Listing) -> dict[str, Any]:
+    return {
+        "rows": [_row(h) for h in listing.locks],
+        "elections": [_election_row(info, h) for info, h in listing.elections],
+        "semaphores": [_semaphore_row(info) for info in listing.semaphores],
+        "total": listing.count,
+    }
+
+
+class _ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Nobody adds, edits or deletes these from the admin (viewing needs ``view_*``)."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -72,6 +106,11 @@ class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(LockHolder)
+class LockHolderAdmin(_ReadOnlyAdmin):
+    """The live holders page (a custom changelist) and its force-release view."""
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm(FORCE_RELEASE_PERMISSION))
@@ -111,7 +150,7 @@ class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         context = {
             **self._context(request, "Lock holders"),
             "prefix": prefix,
-            "rows": [_row(h) for h in holders],
+            **_grouped(group_holders(holders)),
             "error": error,
             "can_force_release": self.has_force_release_permission(request),
             "now": timezone.now(),
@@ -125,8 +164,11 @@ class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         data = request.POST if request.method == "POST" else request.GET
         name = data.get("name", "")
         changelist = reverse("admin:task_locks_lockholder_changelist")
+        if not name:
+            self.message_user(request, "No lock name given to force-release.", messages.WARNING)
+            return HttpResponseRedirect(changelist)
         try:
-            holder = conf.backend().holder(name) if name else None
+            holder = conf.backend().holder(name)
         except LockError as exc:
             self.message_user(request, f"Could not read lock {name!r}: {exc}", messages.ERROR)
             return HttpResponseRedirect(changelist)
@@ -177,7 +219,7 @@ class LockHolderAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(LockEvent)
-class LockEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class LockEventAdmin(_ReadOnlyAdmin):
     """Read-only history: nobody edits the audit trail from the admin."""
 
     list_display = ("created_at", "kind", "name", "fence", "holder", "actor")
@@ -191,12 +233,3 @@ class LockEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="holder")
     def holder(self, event: LockEvent) -> str:
         return Owner.from_json(event.owner).describe() if event.owner_data else "-"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

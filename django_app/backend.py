@@ -293,7 +293,7 @@ class DjangoBackend(Backend):
             wrapper = self._pool.checkout()
             with wrapper.cursor() as cursor:
                 if transaction:
-                    cursor.execute(self._dialect.begin)
+                    cursor.execute(self.dialect.begin)
                     try:
                         yield cursor
                     except BaseException:
@@ -361,7 +361,12 @@ class DjangoBackend(Backend):
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
             row = cursor.fetchone()
             if row is None:  # pragma: no cover - the upsert always leaves a row
-                raise BackendUnavailable(f"lock row {name!r} vanished", name=name)
+                raise BackendUnavailable(
+                    f"lock database {self.server}: the row of lock {name!r} vanished inside "
+                    "its acquire transaction",
+                    name=name,
+                    server=self.server,
+                )
             holder = self._holder(row)
             if holder.token != token:
                 return AcquireResult(
@@ -398,23 +403,20 @@ class DjangoBackend(Backend):
         return results
 
     def release(self, name: str, token: str) -> bool:
-        d = self.dialect
-        with self._cursor(name) as cursor:
-            cursor.execute(
-                f"DELETE FROM {LOCKS} WHERE name = %s AND token = %s AND expires_at > {d.now}",
-                [self.prefix + name, token],
-            )
-            released = bool(cursor.rowcount > 0)
-            if released:
-                self._notify(cursor, name)
-            return released
+        return self._delete(name, token)
 
     def force_release(self, name: str) -> bool:
-        d = self.dialect
+        return self._delete(name, None)
+
+    def _delete(self, name: str, token: str | None) -> bool:
+        """Delete the live row (only if ``token`` holds it, unless ``None``); wake waiters."""
+        where, params = "name = %s", [self.prefix + name]
+        if token is not None:
+            where += " AND token = %s"
+            params.append(token)
         with self._cursor(name) as cursor:
             cursor.execute(
-                f"DELETE FROM {LOCKS} WHERE name = %s AND expires_at > {d.now}",
-                [self.prefix + name],
+                f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}", params
             )
             released = bool(cursor.rowcount > 0)
             if released:

@@ -62,10 +62,9 @@ def _probe(backend: Backend) -> str | None:
 @checks.register("task_locks")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     try:
-        raw = conf.raw()
-    except ImproperlyConfigured as exc:
+        merged = conf.merged()
+    except ImproperlyConfigured as exc:  # TASK_LOCKS is not a dict
         return [_error("E004", str(exc))]
-    merged = {**conf.DEFAULTS, **raw}
     messages: list[checks.CheckMessage] = []
 
     unknown = conf.unknown_keys()

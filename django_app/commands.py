@@ -44,8 +44,6 @@ from task_locks.ops import EX_TEMPFAIL, conflict_holder, conflict_message
 
 from . import audit, conf
 
-_LOCK_OPTIONS = ("lock_wait", "lock_ttl", "no_lock")
-
 
 class CommandLockHeld(LockHeld):
     """Raised out of ``call_command`` when the lock is held; the CLI exits 75 instead."""
@@ -55,7 +53,9 @@ class CommandLockHeld(LockHeld):
 
 def _validate_template(template: object, where: str) -> str:
     if not isinstance(template, str) or not template.strip():
-        raise ImproperlyConfigured(f"{where}: lock name must be a non-empty string")
+        raise ImproperlyConfigured(
+            f"{where}: lock name must be a non-empty string, got {template!r}"
+        )
     try:
         list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -281,7 +281,11 @@ class locked_command:
         return self
 
     def __set_name__(self, owner: type[BaseCommand], attr: str) -> None:
-        assert self.handle is not None, "use @locked_command(...) on handle"
+        if self.handle is None:
+            raise ImproperlyConfigured(
+                f"{owner.__module__}.{owner.__qualname__}.{attr}: locked_command({self.template!r}) "
+                "must decorate handle: @locked_command(...) above def handle(...)"
+            )
         handle, template, ttl = self.handle, self.template, self.ttl
         original_add_arguments = owner.add_arguments
         original_create_parser = owner.create_parser

@@ -71,7 +71,8 @@ def unknown_keys() -> list[str]:
     return sorted(set(raw()) - set(DEFAULTS))
 
 
-def _merged() -> dict[str, Any]:
+def merged() -> dict[str, Any]:
+    """``TASK_LOCKS`` over :data:`DEFAULTS`, values not yet parsed."""
     return {**DEFAULTS, **raw()}
 
 
@@ -143,14 +144,14 @@ def lock_settings() -> LockSettings:
     """The parsed settings; raises ``ImproperlyConfigured`` naming the bad key."""
     global _cache
     if _cache is None:
-        merged = _merged()
-        prefix = parse_prefix(merged["KEY_PREFIX"])
+        values = merged()
+        prefix = parse_prefix(values["KEY_PREFIX"])
         _cache = LockSettings(
-            backend_url=parse_backend_url(merged["BACKEND"], prefix),
-            default_ttl=parse_ttl(merged["DEFAULT_TTL"]),
+            backend_url=parse_backend_url(values["BACKEND"], prefix),
+            default_ttl=parse_ttl(values["DEFAULT_TTL"]),
             key_prefix=prefix,
-            audit=parse_audit(merged["AUDIT"]),
-            event_retention_days=parse_retention(merged["EVENT_RETENTION_DAYS"]),
+            audit=parse_audit(values["AUDIT"]),
+            event_retention_days=parse_retention(values["EVENT_RETENTION_DAYS"]),
         )
     return _cache
 
@@ -230,6 +231,7 @@ __all__ = [
     "backend",
     "default_ttl",
     "lock_settings",
+    "merged",
     "raw",
     "unknown_keys",
 ]

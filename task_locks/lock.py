@@ -1,10 +1,11 @@
 """``Lock`` / ``AsyncLock`` and the ``Lease`` they hand out.
 
 The acquire loop (token, deadline, waiting for the holder) is written once, as a
-generator that *yields* the I/O it needs (``("acquire", ...)``, ``("wait", ...)``) and
-receives the answers. :func:`_drive` runs it against a backend's sync methods and
-:func:`_adrive` against its async ones, so sync and async share every decision and
-differ only in how they talk to the server.
+generator that *yields* the I/O it needs (``("acquire", ...)``, ``("wait", ...)``,
+``("wait_any", ...)``) and receives the answers. :func:`_drive` runs it against a
+backend's sync methods and :func:`_adrive` against its async ones, so sync and async
+share every decision and differ only in how they talk to the server. The semaphore's
+loop (:mod:`task_locks.semaphore`) is driven by the same two functions.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from .backends.base import Backend
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import InvalidArgument, LockHeld, LockLost, MissingCapability, NotOwned
 from .owner import current_owner
 from .types import AcquireResult, Holder
-from .watchdog import async_renewer, thread_renewer
+from .watchdog import AsyncRenewer, ThreadRenewer, async_renewer, thread_renewer
 
 log = logging.getLogger("task_locks.lock")
 
@@ -42,6 +43,7 @@ class _Unset:
 
 _UNSET: Final = _Unset()
 Op = tuple[Any, ...]
+L = TypeVar("L", bound="_LeaseBase")
 
 
 def validate_name(name: object) -> str:
@@ -67,6 +69,13 @@ def validate_timeout(timeout: object, name: str | None = None) -> float | None:
     if timeout < 0:
         raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}", name=name)
     return float(timeout)
+
+
+def _pause(retry_after: float | None, now: float, deadline: float | None) -> float:
+    """How long a waiter waits before it tries again: until the holder's TTL ends (a poll
+    interval when that is unknown), at least :data:`MIN_PAUSE`, never past ``deadline``."""
+    pause = max(MIN_PAUSE, UNKNOWN_TTL_POLL if retry_after is None else retry_after)
+    return pause if deadline is None else min(pause, deadline - now)
 
 
 def _held_message(name: str, result: AcquireResult, waited: float | None) -> LockHeld:
@@ -136,6 +145,9 @@ class LostFlag:
 class _LeaseBase:
     """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
 
+    #: The renewer this lease was handed to (``None``: not renewed in the background).
+    _renewer: ThreadRenewer | AsyncRenewer | None = None
+
     def __init__(
         self,
         name: str,
@@ -158,8 +170,10 @@ class _LeaseBase:
         self.lost_reason: str | None = None
         self.acquired_at = time.time()
         self._acquired_mono = sent_at
-        # The server set the TTL after we sent the request, so this is never late.
-        self._expires_mono = sent_at + ttl
+        # The server set the TTL after we sent the request, so counting from the send is
+        # never late; the backend's clock margin (Redlock's drift) makes it early enough.
+        self._valid_for = ttl - backend.clock_margin(ttl)
+        self._expires_mono = sent_at + self._valid_for
         self._released = False
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
@@ -215,7 +229,7 @@ class _LeaseBase:
     # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
 
     def _renewed(self, sent_at: float) -> None:
-        self._expires_mono = sent_at + self.ttl
+        self._expires_mono = sent_at + self._valid_for
         self.renewals += 1
 
     def _renew_failed(self, now: float, error: BaseException) -> bool:
@@ -254,8 +268,15 @@ class _LeaseBase:
             except Exception:
                 log.exception("on_lost callback for lock %r failed", self.name)
 
-    def _unschedule(self) -> None:
+    def _schedule(self) -> None:
+        """Hand the lease to the renewer of this thread's process or this event loop."""
         raise NotImplementedError
+
+    def _unschedule(self) -> None:
+        # The renewer it was given, not the current thread's or loop's: a lease may be
+        # marked lost from another thread, and must still leave its schedule.
+        if self._renewer is not None:
+            self._renewer.remove(self)
 
     def _begin_release(self) -> bool:
         """``False`` when there is nothing to send (already released, or not ours to send).
@@ -302,8 +323,9 @@ class _LeaseBase:
 class Lease(_LeaseBase):
     """Proof of holding a lock, renewed in the background until released."""
 
-    def _unschedule(self) -> None:
-        thread_renewer().remove(self)
+    def _schedule(self) -> None:
+        self._renewer = thread_renewer()
+        self._renewer.add(self)
 
     def renew(self) -> None:
         """Extend the TTL now (the watchdog also does this on its own)."""
@@ -323,17 +345,20 @@ class Lease(_LeaseBase):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _exit_release(self, exc[0] is not None)
+        try:
+            self.release()
+        except LockLost:
+            if exc[0] is None:
+                raise
+            log.warning("lock %r was lost before the failing block ended", self.name)
 
 
 class AsyncLease(_LeaseBase):
     """The asyncio twin of :class:`Lease`; renewed by a task in its event loop."""
 
-    def _unschedule(self) -> None:
-        try:
-            async_renewer().remove(self)
-        except RuntimeError:  # no running loop (e.g. marked lost from another thread)
-            pass
+    def _schedule(self) -> None:
+        self._renewer = async_renewer()
+        self._renewer.add(self)
 
     async def renew(self) -> None:
         self.check()
@@ -367,15 +392,6 @@ class AsyncLease(_LeaseBase):
             log.warning("lock %r was lost before the failing block ended", self.name)
 
 
-def _exit_release(lease: Lease, failing: bool) -> None:
-    try:
-        lease.release()
-    except LockLost:
-        if not failing:
-            raise
-        log.warning("lock %r was lost before the failing block ended", lease.name)
-
-
 class _LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
@@ -406,12 +422,13 @@ class _LockBase:
     @property
     def backend(self) -> Backend:
         backend = resolve_backend(self._backend)
-        missing = backend.missing(self.require)
-        if missing:
-            raise MissingCapability(
-                f"lock {self.name!r} requires {sorted(missing)}, which {backend!r} lacks",
-                name=self.name,
-            )
+        if self.require:
+            missing = backend.missing(self.require)
+            if missing:
+                raise MissingCapability(
+                    f"lock {self.name!r} requires {sorted(missing)}, which {backend!r} lacks",
+                    name=self.name,
+                )
         return backend
 
     @property
@@ -440,42 +457,76 @@ class _LockBase:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise _held_message(name, result, now - start)
-            pause = UNKNOWN_TTL_POLL if result.retry_after is None else result.retry_after
-            pause = max(pause, MIN_PAUSE)
-            if deadline is not None:
-                pause = min(pause, deadline - now)
-            if pause > 0:
-                yield ("wait", name, pause)
+            yield ("wait", name, _pause(result.retry_after, now, deadline))
+
+    def _lease(
+        self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float
+    ) -> L:
+        """The lease for a granted acquire (not yet renewed: see :meth:`_keep`)."""
+        return cls(
+            name,
+            token,
+            fence,
+            self.effective_ttl,
+            backend,
+            sent_at,
+            on_lost=self.on_lost,
+            max_hold=self.max_hold,
+        )
+
+    def _keep(self, lease: L) -> L:
+        """Hand ``lease`` to its renewer, unless this lock was made with ``renew=False``."""
+        if self.renew:
+            lease._schedule()
+        return lease
+
+    # ``with`` blocks: one stack of leases per thread (sync) or task (asyncio), so one
+    # lock object can be entered again, or by several threads or tasks at once.
+
+    def _push(self, key: object, lease: L) -> L:
+        self._leases.setdefault(key, []).append(lease)
+        return lease
+
+    def _pop(self, key: object) -> Any:
+        stack = self._leases[key]
+        lease = stack.pop()
+        if not stack:
+            del self._leases[key]
+        return lease
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ttl={self.effective_ttl}>"
 
 
 def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    """Run an acquire plan with the backend's blocking calls."""
     answer: Any = None
     while True:
         try:
             op = plan.send(answer)
         except StopIteration as done:
             return done.value
-        if op[0] == "acquire":
+        kind = op[0]
+        if kind == "acquire":
             answer = backend.acquire(*op[1:])
         else:
-            backend.wait(*op[1:])
+            (backend.wait if kind == "wait" else backend.wait_any)(*op[1:])
             answer = None
 
 
 async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
+    """Run an acquire plan with the backend's asyncio calls."""
     answer: Any = None
     while True:
         try:
             op = plan.send(answer)
         except StopIteration as done:
             return done.value
-        if op[0] == "acquire":
+        kind = op[0]
+        if kind == "acquire":
             answer = await backend.aacquire(*op[1:])
         else:
-            await backend.await_release(*op[1:])
+            await (backend.await_release if kind == "wait" else backend.await_any)(*op[1:])
             answer = None
 
 
@@ -490,20 +541,8 @@ class Lock(_LockBase):
     def acquire(self, timeout: float | _Unset | None = _UNSET) -> Lease:
         """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not."""
         backend = self.backend
-        token, fence, sent_at = _drive(self._plan(backend, self._timeout(timeout)), backend)
-        lease = Lease(
-            self.name,
-            token,
-            fence,
-            self.effective_ttl,
-            backend,
-            sent_at,
-            on_lost=self.on_lost,
-            max_hold=self.max_hold,
-        )
-        if self.renew:
-            thread_renewer().add(lease)
-        return lease
+        granted = _drive(self._plan(backend, self._timeout(timeout)), backend)
+        return self._keep(self._lease(Lease, backend, self.name, *granted))
 
     def try_acquire(self) -> Lease | None:
         """One attempt: a :class:`Lease`, or ``None`` if someone else holds the lock."""
@@ -517,9 +556,7 @@ class Lock(_LockBase):
         return self.backend.holder(self.name)
 
     def __enter__(self) -> Lease:
-        lease = self.acquire()
-        self._leases.setdefault(threading.get_ident(), []).append(lease)
-        return lease
+        return self._push(threading.get_ident(), self.acquire())
 
     def __exit__(
         self,
@@ -527,11 +564,7 @@ class Lock(_LockBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        stack = self._leases[threading.get_ident()]
-        lease = stack.pop()
-        if not stack:
-            del self._leases[threading.get_ident()]
-        _exit_release(lease, exc_type is not None)
+        self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
 
 
 class AsyncLock(_LockBase):
@@ -539,20 +572,8 @@ class AsyncLock(_LockBase):
 
     async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncLease:
         backend = self.backend
-        token, fence, sent_at = await _adrive(self._plan(backend, self._timeout(timeout)), backend)
-        lease = AsyncLease(
-            self.name,
-            token,
-            fence,
-            self.effective_ttl,
-            backend,
-            sent_at,
-            on_lost=self.on_lost,
-            max_hold=self.max_hold,
-        )
-        if self.renew:
-            async_renewer().add(lease)
-        return lease
+        granted = await _adrive(self._plan(backend, self._timeout(timeout)), backend)
+        return self._keep(self._lease(AsyncLease, backend, self.name, *granted))
 
     async def try_acquire(self) -> AsyncLease | None:
         try:
@@ -564,9 +585,7 @@ class AsyncLock(_LockBase):
         return await self.backend.aholder(self.name)
 
     async def __aenter__(self) -> AsyncLease:
-        lease = await self.acquire()
-        self._leases.setdefault(asyncio.current_task(), []).append(lease)
-        return lease
+        return self._push(asyncio.current_task(), await self.acquire())
 
     async def __aexit__(
         self,
@@ -574,9 +593,4 @@ class AsyncLock(_LockBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        key = asyncio.current_task()
-        stack = self._leases[key]
-        lease = stack.pop()
-        if not stack:
-            del self._leases[key]
-        await lease.__aexit__(exc_type, exc, tb)
+        await self._pop(asyncio.current_task()).__aexit__(exc_type, exc, tb)

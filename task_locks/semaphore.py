@@ -28,31 +28,30 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld
 from .lock import (
     _UNSET,
-    UNKNOWN_TTL_POLL,
     AsyncLease,
     Lease,
     Op,
-    _exit_release,
+    _adrive,
+    _drive,
     _LockBase,
+    _pause,
     _Unset,
     validate_name,
 )
 from .owner import current_owner
 from .types import AcquireResult, Holder
-from .watchdog import async_renewer, thread_renewer
 
 #: Every slot's lock name starts with this; :func:`describe` recognises them by it.
 PREFIX: Final = "semaphore:"
 #: Separates the semaphore's name from the slot index in a slot's lock name.
 SLOT_SEPARATOR: Final = "#"
 MAX_LIMIT: Final = 1024
-_MIN_PAUSE: Final = 0.001
 
 
 def slot_name(name: str, index: int) -> str:
@@ -138,6 +137,9 @@ class AsyncPermit(_PermitMixin, AsyncLease):
         return self
 
 
+P = TypeVar("P", Permit, AsyncPermit)
+
+
 class _SemaphoreBase(_LockBase):
     """Configuration and the acquire loop shared by both flavours (no I/O here)."""
 
@@ -190,10 +192,7 @@ class _SemaphoreBase(_LockBase):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise self._full(now - start)
-            pause = max(_MIN_PAUSE, UNKNOWN_TTL_POLL if soonest is None else soonest)
-            if deadline is not None:
-                pause = min(pause, deadline - now)
-            yield ("wait_any", names, pause)
+            yield ("wait_any", names, _pause(soonest, now, deadline))
 
     def _full(self, waited: float) -> LockHeld:
         after = f" after waiting {waited:.3g}s" if waited else ""
@@ -210,36 +209,15 @@ class _SemaphoreBase(_LockBase):
     def _info(self, holders: list[Holder]) -> SemaphoreInfo:
         return SemaphoreInfo(self.name, self.limit, self._mine(holders))
 
+    def _permit(
+        self, cls: type[P], backend: Backend, index: int, token: str, fence: int, sent_at: float
+    ) -> P:
+        permit = self._lease(cls, backend, self.slot_names[index], token, fence, sent_at)
+        permit._place(self.name, index, self.limit)
+        return self._keep(permit)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} limit={self.limit} ttl={self.effective_ttl}>"
-
-
-def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
-    answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration as done:
-            return done.value
-        if op[0] == "acquire":
-            answer = backend.acquire(*op[1:])
-        else:
-            backend.wait_any(*op[1:])
-            answer = None
-
-
-async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
-    answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration as done:
-            return done.value
-        if op[0] == "acquire":
-            answer = await backend.aacquire(*op[1:])
-        else:
-            await backend.await_any(*op[1:])
-            answer = None
 
 
 class Semaphore(_SemaphoreBase):
@@ -252,22 +230,8 @@ class Semaphore(_SemaphoreBase):
     def acquire(self, timeout: float | _Unset | None = _UNSET) -> Permit:
         """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
-        plan = self._permit_plan(self._timeout(timeout))
-        index, token, fence, sent_at = _drive(plan, backend)
-        permit = Permit(
-            self.slot_names[index],
-            token,
-            fence,
-            self.effective_ttl,
-            backend,
-            sent_at,
-            on_lost=self.on_lost,
-            max_hold=self.max_hold,
-        )
-        permit._place(self.name, index, self.limit)
-        if self.renew:
-            thread_renewer().add(permit)
-        return permit
+        granted = _drive(self._permit_plan(self._timeout(timeout)), backend)
+        return self._permit(Permit, backend, *granted)
 
     def try_acquire(self) -> Permit | None:
         """One pass over the slots: a :class:`Permit`, or ``None`` if all are taken."""
@@ -284,9 +248,7 @@ class Semaphore(_SemaphoreBase):
         return self._info(self.backend.holders(self._holder_prefix()))
 
     def __enter__(self) -> Permit:
-        permit = self.acquire()
-        self._leases.setdefault(threading.get_ident(), []).append(permit)
-        return permit
+        return self._push(threading.get_ident(), self.acquire())
 
     def __exit__(
         self,
@@ -294,11 +256,7 @@ class Semaphore(_SemaphoreBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        stack = self._leases[threading.get_ident()]
-        permit = stack.pop()
-        if not stack:
-            del self._leases[threading.get_ident()]
-        _exit_release(permit, exc_type is not None)
+        self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
 
 
 class AsyncSemaphore(_SemaphoreBase):
@@ -306,22 +264,8 @@ class AsyncSemaphore(_SemaphoreBase):
 
     async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncPermit:
         backend = self.backend
-        plan = self._permit_plan(self._timeout(timeout))
-        index, token, fence, sent_at = await _adrive(plan, backend)
-        permit = AsyncPermit(
-            self.slot_names[index],
-            token,
-            fence,
-            self.effective_ttl,
-            backend,
-            sent_at,
-            on_lost=self.on_lost,
-            max_hold=self.max_hold,
-        )
-        permit._place(self.name, index, self.limit)
-        if self.renew:
-            async_renewer().add(permit)
-        return permit
+        granted = await _adrive(self._permit_plan(self._timeout(timeout)), backend)
+        return self._permit(AsyncPermit, backend, *granted)
 
     async def try_acquire(self) -> AsyncPermit | None:
         try:
@@ -336,9 +280,7 @@ class AsyncSemaphore(_SemaphoreBase):
         return self._info(await self.backend.aholders(self._holder_prefix()))
 
     async def __aenter__(self) -> AsyncPermit:
-        permit = await self.acquire()
-        self._leases.setdefault(asyncio.current_task(), []).append(permit)
-        return permit
+        return self._push(asyncio.current_task(), await self.acquire())
 
     async def __aexit__(
         self,
@@ -346,12 +288,7 @@ class AsyncSemaphore(_SemaphoreBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        key = asyncio.current_task()
-        stack = self._leases[key]
-        permit = stack.pop()
-        if not stack:
-            del self._leases[key]
-        await permit.__aexit__(exc_type, exc, tb)
+        await self._pop(asyncio.current_task()).__aexit__(exc_type, exc, tb)
 
 
 __all__ = [

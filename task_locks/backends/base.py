@@ -7,18 +7,28 @@ API live in :mod:`task_locks.lock` and are shared by every backend.
 Each operation is atomic and token-checked on the server (one Lua script, one etcd
 transaction, one SQL statement). Sync methods are required; the ``a``-prefixed async
 methods default to running the sync one in a worker thread, and backends whose client
-speaks asyncio natively override them.
+speaks asyncio natively override them. The adapter's *waits* (``await_release``,
+``await_any``) block a thread for as long as the holder's TTL, so they run in a bounded
+pool of their own (:data:`ASYNC_WAIT_THREADS`), never in the event loop's default
+executor: there, a few waiters would hold up the holder's renewal and release queued
+behind them, until its lease expired.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import math
+import os
 import re
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from ..errors import InvalidArgument
 from ..types import AcquireResult, Holder, Owner, RenewItem
 
 #: Capabilities a backend may declare; ``Lock(..., require={...})`` checks them.
@@ -30,6 +40,48 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 CAPABILITIES = frozenset({"fencing", "consensus", "multiprocess", "wakeup", "holders"})
 #: Longest sleep of the default :meth:`Backend.wait_any` before it looks again.
 WAIT_ANY_SLICE = 0.1
+#: Threads (per process, shared by every backend) for the asyncio adapter's blocking
+#: waits. Beyond this many concurrent waiters, a wait starts when a thread frees up and
+#: keeps its original deadline: a release is noticed later, never a deadline missed.
+ASYNC_WAIT_THREADS = 32
+
+_wait_pool: ThreadPoolExecutor | None = None
+_wait_pool_guard = threading.Lock()
+
+
+def _wait_executor() -> ThreadPoolExecutor:
+    global _wait_pool
+    with _wait_pool_guard:
+        if _wait_pool is None:
+            _wait_pool = ThreadPoolExecutor(
+                ASYNC_WAIT_THREADS, thread_name_prefix="task-locks-wait"
+            )
+        return _wait_pool
+
+
+def _forget_wait_pool() -> None:
+    """A forked child has none of its parent's threads: it starts a pool of its own."""
+    global _wait_pool, _wait_pool_guard
+    _wait_pool = None
+    _wait_pool_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_wait_pool)
+
+
+async def _wait_in_thread(wait: Callable[[float], None], timeout: float) -> None:
+    """Run the blocking ``wait(seconds)`` in the wait pool, ending ``timeout`` from now.
+
+    The deadline is fixed here: a wait that queued for a thread only waits what is left.
+    """
+    deadline = time.monotonic() + timeout
+
+    def run() -> None:
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            wait(remaining)
+
+    await asyncio.get_running_loop().run_in_executor(_wait_executor(), run)
 
 
 def redact_url(url: str) -> str:
@@ -55,6 +107,41 @@ class Backend(abc.ABC):
     def __init__(self, url: str) -> None:
         self.url = url
         self.server = redact_url(url)
+
+    # -- URL options, read the same way by every backend -----------------------------
+
+    def _options(self, known: Collection[str]) -> dict[str, str]:
+        """The URL's query options; an option this backend does not know is refused."""
+        query = dict(parse_qsl(urlsplit(self.url).query, keep_blank_values=True))
+        unknown = set(query) - set(known)
+        if unknown:
+            raise InvalidArgument(
+                f"{self.server}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        return query
+
+    def _number(
+        self,
+        options: Mapping[str, str],
+        key: str,
+        default: float,
+        *,
+        minimum: float = 0.0,
+        positive: bool = False,
+    ) -> float:
+        """Option ``key`` as a finite number ``>= minimum`` (``> 0`` if ``positive``)."""
+        if key not in options:
+            return default
+        try:
+            value = float(options[key])
+        except ValueError:
+            raise InvalidArgument(
+                f"{self.server}: option {key}={options[key]!r} is not a number"
+            ) from None
+        if not math.isfinite(value) or value < minimum or (positive and value <= 0):
+            bound = "> 0" if positive else f">= {minimum:g}"
+            raise InvalidArgument(f"{self.server}: option {key} must be {bound}, got {value}")
+        return value
 
     # -- required ------------------------------------------------------------------
 
@@ -88,10 +175,8 @@ class Backend(abc.ABC):
         """Block until ``name`` is probably released, or ``timeout`` seconds pass.
 
         A spurious early return is fine (the caller retries the acquire); sleeping past
-        a release is what costs. The default just sleeps a short, growing interval.
+        a release is what costs. The default polls: it sleeps at most 50 ms.
         """
-        import time
-
         time.sleep(min(timeout, 0.05))
 
     def wait_any(self, names: Sequence[str], timeout: float) -> None:
@@ -107,6 +192,15 @@ class Backend(abc.ABC):
     def holder(self, name: str) -> Holder | None:
         """The holder of exactly ``name``, if any."""
         return next((h for h in self.holders(name) if h.name == name), None)
+
+    def clock_margin(self, ttl: float) -> float:
+        """How much sooner than ``ttl`` after its request a lease must be taken as over.
+
+        ``0`` when one server's TTL is the only clock: it starts after our request was
+        sent, so counting from the send is already early. Redlock overrides it with its
+        allowance for clock drift between the masters.
+        """
+        return 0.0
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to close by default
         """Release client resources (connections, threads)."""
@@ -126,10 +220,10 @@ class Backend(abc.ABC):
         return await asyncio.to_thread(self.release, name, token)
 
     async def await_release(self, name: str, timeout: float) -> None:
-        await asyncio.to_thread(self.wait, name, timeout)
+        await _wait_in_thread(lambda remaining: self.wait(name, remaining), timeout)
 
     async def await_any(self, names: Sequence[str], timeout: float) -> None:
-        await asyncio.to_thread(self.wait_any, names, timeout)
+        await _wait_in_thread(lambda remaining: self.wait_any(names, remaining), timeout)
 
     async def aholders(self, prefix: str = "") -> list[Holder]:
         return await asyncio.to_thread(self.holders, prefix)

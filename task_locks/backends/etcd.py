@@ -37,6 +37,11 @@ leader restarts every lease's TTL, so a leader change can lengthen (never shorte
 dead holder's lock. ``renewals`` is not tracked (a keep-alive leaves no trace in the
 key) and ``acquired_at`` is the acquiring client's clock. No TLS or authentication.
 
+asyncio: every call runs the sync one in a worker thread (``Backend``'s adapter); a
+waiting :class:`~task_locks.AsyncLock` holds one thread of the adapter's wait pool
+(:data:`~task_locks.backends.base.ASYNC_WAIT_THREADS` per process) for its watch, so
+waiters never hold up the renewals and releases queued in the loop's default executor.
+
 Options: ``prefix`` (default ``task_locks/``), ``timeout`` (seconds per request).
 """
 
@@ -51,7 +56,7 @@ from base64 import b64decode, b64encode
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import etcd3gw
 import requests
@@ -113,6 +118,13 @@ class _Held:
     revision: int  # the key's create_revision: our fence
     value: bytes
 
+    def compare(self, key: str) -> list[dict[str, Any]]:
+        """Txn conditions: ``key`` (base64) is still this lock, created by us, our value."""
+        return [
+            {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": self.revision},
+            {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(self.value)},
+        ]
+
 
 class EtcdBackend(Backend):
     schemes = ("etcd",)
@@ -121,12 +133,7 @@ class EtcdBackend(Backend):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        unknown = set(query) - _OPTIONS
-        if unknown:
-            raise InvalidArgument(
-                f"{self.server}: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}"
-            )
+        query = self._options(_OPTIONS)
         if "@" in parts.netloc:
             raise InvalidArgument(f"{self.server}: etcd authentication is not supported")
         if parts.path.strip("/"):
@@ -134,14 +141,7 @@ class EtcdBackend(Backend):
                 f"{self.server}: an etcd URL has no path; use ?prefix= to pick a key prefix"
             )
         self.prefix = query.get("prefix", "task_locks/").encode()
-        try:
-            self.timeout = float(query.get("timeout", "2"))
-        except ValueError:
-            raise InvalidArgument(
-                f"{self.server}: timeout must be seconds, got {query['timeout']!r}"
-            ) from None
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise InvalidArgument(f"{self.server}: timeout must be > 0 seconds, got {self.timeout}")
+        self.timeout = self._number(query, "timeout", 2.0, positive=True)
         self.endpoints = self._endpoints(parts.netloc)
         self._current = 0
         self._pid = -1
@@ -393,20 +393,7 @@ class EtcdBackend(Backend):
 
     def _still_ours(self, keys: list[tuple[str, _Held]]) -> bool:
         """One transaction: does every key still have our create_revision and value?"""
-        compare = []
-        for name, held in keys:
-            key = _b64(self._key(name))
-            compare.append(
-                {
-                    "key": key,
-                    "result": "EQUAL",
-                    "target": "CREATE",
-                    "create_revision": held.revision,
-                }
-            )
-            compare.append(
-                {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(held.value)}
-            )
+        compare = [c for name, held in keys for c in held.compare(_b64(self._key(name)))]
         answer = self._txn(keys[0][0], {"compare": compare, "success": [], "failure": []}, True)
         return bool(answer.get("succeeded"))
 
@@ -416,15 +403,7 @@ class EtcdBackend(Backend):
             return False
         key = _b64(self._key(name))
         txn = {
-            "compare": [
-                {
-                    "key": key,
-                    "result": "EQUAL",
-                    "target": "CREATE",
-                    "create_revision": held.revision,
-                },
-                {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(held.value)},
-            ],
+            "compare": held.compare(key),
             "success": [{"request_delete_range": {"key": key}}],
             "failure": [],
         }

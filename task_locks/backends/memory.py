@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..types import AcquireResult, Holder, Owner, RenewItem
+from ..types import AcquireResult, Holder, Owner
 from .base import Backend
 
 log = logging.getLogger("task_locks.backends.memory")
@@ -70,9 +69,6 @@ class MemoryBackend(Backend):
             entry.deadline = now + ttl_ms / 1000
             entry.renewals += 1
             return True
-
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
-        return [self.renew(i.name, i.token, i.ttl_ms) for i in items]
 
     def release(self, name: str, token: str) -> bool:
         with self._cond:

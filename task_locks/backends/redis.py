@@ -26,8 +26,8 @@ Cluster: ``redis+cluster://host:port[,host:port]``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import math
 import os
 import re
 import threading
@@ -93,20 +93,10 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 return fence
 """
 
-# KEYS[1] lock hash; ARGV[1] token, ARGV[2] ttl ms
-# Returns 1 if the TTL was extended, 0 if the token is not ours (the lease is lost).
-RENEW = """
-if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
-  redis.call('pexpire', KEYS[1], ARGV[2])
-  redis.call('hincrby', KEYS[1], 'renewals', 1)
-  return 1
-end
-return 0
-"""
-
 # KEYS[i] lock hashes; ARGV[2i-1] the token and ARGV[2i] the ttl ms for KEYS[i]
-# Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours.
-# The watchdog's batches: one command for many leases is far cheaper than one each.
+# Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours
+# (that lease is lost). The watchdog's batches: one command for many leases is far
+# cheaper than one each; a single renew is a batch of one.
 RENEW_MANY = """
 local renewed = {}
 for i, key in ipairs(KEYS) do
@@ -167,21 +157,37 @@ def _text(value: Any) -> str:
 
 
 class _Scripts:
-    """SHA1s of our scripts, computed once; NOSCRIPT is answered by loading them."""
+    """Our scripts by name, with SHA1s computed once; NOSCRIPT is answered by loading them."""
 
     def __init__(self) -> None:
-        import hashlib
+        self.source: dict[str, str] = {}
+        self.sha: dict[str, str] = {}
+        self.register("acquire", ACQUIRE)
+        self.register("renew_many", RENEW_MANY)
+        self.register("release", RELEASE)
 
-        self.source = {
-            "acquire": ACQUIRE,
-            "renew": RENEW,
-            "renew_many": RENEW_MANY,
-            "release": RELEASE,
-        }
-        self.sha = {k: hashlib.sha1(v.encode()).hexdigest() for k, v in self.source.items()}
+    def register(self, name: str, source: str) -> None:
+        """Add a script (backends built on this one bring their own)."""
+        self.source[name] = source
+        self.sha[name] = hashlib.sha1(source.encode()).hexdigest()
 
 
 SCRIPTS = _Scripts()
+
+#: Script calls shaped once: ``commands(by_sha)`` gives EVALSHA commands, or EVAL ones
+#: (with the source) to resend after NOSCRIPT.
+Commands = Callable[[bool], list[tuple[Any, ...]]]
+
+
+def script_command(which: str, by_sha: bool, args: Sequence[Any]) -> tuple[Any, ...]:
+    """One script call as a raw command, for a pipeline.
+
+    ``execute_command``, not ``pipe.evalsha()``: redis-py refuses the latter in cluster
+    mode, although every key of one script call shares a slot here.
+    """
+    if by_sha:
+        return ("EVALSHA", SCRIPTS.sha[which], *args)
+    return ("EVAL", SCRIPTS.source[which], *args)
 
 
 class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
@@ -259,22 +265,6 @@ class RedisBackend(Backend):
         self._async_pid = os.getpid()
 
     # -- construction -----------------------------------------------------------------
-
-    def _number(
-        self, options: dict[str, str], key: str, default: float, *, positive: bool = False
-    ) -> float:
-        if key not in options:
-            return default
-        try:
-            value = float(options[key])
-        except ValueError:
-            raise InvalidArgument(
-                f"{self.server}: option {key}={options[key]!r} is not a number"
-            ) from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            bound = "> 0" if positive else ">= 0"
-            raise InvalidArgument(f"{self.server}: option {key} must be {bound}, got {value}")
-        return value
 
     def _hosts(self) -> list[tuple[str, int]]:
         default_port = 26379 if self.scheme == "redis+sentinel" else 6379
@@ -376,6 +366,10 @@ class RedisBackend(Backend):
     def _name(self, key: Any) -> str:
         return _text(key)[len(self.prefix) + 1 : -1]
 
+    def _signals(self, names: Sequence[str]) -> list[str]:
+        """The lists a release pushes to, one per name: waiters BLPOP them."""
+        return [self._key(name) + ":signal" for name in names]
+
     # -- errors -------------------------------------------------------------------------
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
@@ -424,19 +418,14 @@ class RedisBackend(Backend):
         size = 1 if self.cluster else RENEW_CHUNK
         return [items[start : start + size] for start in range(0, len(items), size)]
 
-    def _renew_commands(
-        self, chunks: Sequence[Sequence[RenewItem]], by_sha: bool
-    ) -> list[tuple[Any, ...]]:
-        # execute_command, not pipe.evalsha(): redis-py refuses the latter in cluster mode,
-        # although every key of one script call shares a slot here.
-        script = ("EVALSHA", SCRIPTS.sha["renew_many"]) if by_sha else ("EVAL", RENEW_MANY)
-        commands = []
+    def _renew_commands(self, chunks: Sequence[Sequence[RenewItem]]) -> Commands:
+        calls = []
         for chunk in chunks:
-            arguments: list[Any] = []
+            arguments: list[Any] = [len(chunk), *(self._key(i.name) for i in chunk)]
             for item in chunk:
                 arguments += (item.token, item.ttl_ms)
-            commands.append((*script, len(chunk), *(self._key(i.name) for i in chunk), *arguments))
-        return commands
+            calls.append(("renew_many", arguments))
+        return lambda by_sha: [script_command(w, by_sha, a) for w, a in calls]
 
     @staticmethod
     def _missing_scripts(replies: list[Any]) -> list[int]:
@@ -451,6 +440,9 @@ class RedisBackend(Backend):
                 self._fail(chunk[0].name, reply)
             results.extend(bool(renewed) for renewed in reply)
         return results
+
+    def _renew_args(self, name: str, token: str, ttl_ms: int) -> list[Any]:
+        return [1, self._key(name), token, ttl_ms]
 
     def _block_for(self, timeout: float) -> float | None:
         """Seconds to block in BLPOP, or ``None``: sleep ``_nap(timeout)`` locally instead.
@@ -510,6 +502,24 @@ class RedisBackend(Backend):
             pipe.execute_command(*command)
         return list(pipe.execute(raise_on_error=False))
 
+    def _scripts(self, name: str, commands: Commands) -> list[Any]:
+        """Script calls in one pipeline by SHA; a second one resends those NOSCRIPT refused.
+
+        Each reply is the script's answer or the error it raised (for the caller to judge).
+        """
+        try:
+            client = self.client
+            replies = self._pipeline(client, commands(True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                source = commands(False)
+                again = self._pipeline(client, [source[i] for i in missing])
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
+            return replies
+        except _CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         args = self._acquire_args(name, token, ttl_ms, owner)
         try:
@@ -523,8 +533,9 @@ class RedisBackend(Backend):
             self._fail(name, exc)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
+        args = self._renew_args(name, token, ttl_ms)
         try:
-            return bool(self._eval(self.client, "renew", [1, self._key(name), token, ttl_ms]))
+            return bool(self._eval(self.client, "renew_many", args)[0])
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
@@ -533,16 +544,7 @@ class RedisBackend(Backend):
         if not items:
             return []
         chunks = self._renew_chunks(items)
-        try:
-            client = self.client
-            replies = self._pipeline(client, self._renew_commands(chunks, by_sha=True))
-            missing = self._missing_scripts(replies)
-            if missing:
-                retried = self._renew_commands([chunks[i] for i in missing], by_sha=False)
-                for index, reply in zip(missing, self._pipeline(client, retried), strict=True):
-                    replies[index] = reply
-        except _CLIENT_ERRORS as exc:
-            self._fail(items[0].name, exc)
+        replies = self._scripts(items[0].name, self._renew_commands(chunks))
         return self._renew_results(chunks, replies)
 
     def release(self, name: str, token: str) -> bool:
@@ -554,29 +556,23 @@ class RedisBackend(Backend):
     def force_release(self, name: str) -> bool:
         return self._forced(name, self.release(name, ""))
 
-    def wait(self, name: str, timeout: float) -> None:
+    def _blpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)
         if block is None:
             time.sleep(self._nap(timeout))
             return
         try:
-            self.client.blpop([self._key(name) + ":signal"], block)
+            self.client.blpop(self._signals(names), block)
         except _CLIENT_ERRORS as exc:
-            self._fail(name, exc)
+            self._fail(names[0], exc)
+
+    def wait(self, name: str, timeout: float) -> None:
+        self._blpop([name], timeout)
 
     def wait_any(self, names: Sequence[str], timeout: float) -> None:
         if self.cluster:  # the signal lists live in different hash slots
             return super().wait_any(names, timeout)
-        keys = [self._key(name) + ":signal" for name in names]
-        block = self._block_for(timeout)
-        if block is None:
-            time.sleep(self._nap(timeout))
-            return None
-        try:
-            self.client.blpop(keys, block)
-        except _CLIENT_ERRORS as exc:
-            self._fail(names[0], exc)
-        return None
+        return self._blpop(names, timeout)
 
     def holders(self, prefix: str = "") -> list[Holder]:
         """Live locks by SCAN (never KEYS); in a cluster, SCAN visits every primary."""
@@ -633,6 +629,22 @@ class RedisBackend(Backend):
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
+    async def _ascripts(self, name: str, commands: Commands) -> list[Any]:
+        """The asyncio twin of :meth:`_scripts`."""
+        client = self._async_client()
+
+        async def run() -> list[Any]:
+            replies = await self._apipeline(client, commands(True))
+            missing = self._missing_scripts(replies)
+            if missing:
+                source = commands(False)
+                again = await self._apipeline(client, [source[i] for i in missing])
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
+            return replies
+
+        return await self._acall(name, run)
+
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         client = self._async_client()
         args = self._acquire_args(name, token, ttl_ms, owner)
@@ -649,26 +661,15 @@ class RedisBackend(Backend):
 
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
         client = self._async_client()
-        args = [1, self._key(name), token, ttl_ms]
-        return bool(await self._acall(name, lambda: self._aeval(client, "renew", args)))
+        args = self._renew_args(name, token, ttl_ms)
+        return bool((await self._acall(name, lambda: self._aeval(client, "renew_many", args)))[0])
 
     async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
         if not items:
             return []
-        client = self._async_client()
         chunks = self._renew_chunks(items)
-
-        async def run() -> list[Any]:
-            replies = await self._apipeline(client, self._renew_commands(chunks, by_sha=True))
-            missing = self._missing_scripts(replies)
-            if missing:
-                retried = self._renew_commands([chunks[i] for i in missing], by_sha=False)
-                again = await self._apipeline(client, retried)
-                for index, reply in zip(missing, again, strict=True):
-                    replies[index] = reply
-            return replies
-
-        return self._renew_results(chunks, await self._acall(items[0].name, run))
+        replies = await self._ascripts(items[0].name, self._renew_commands(chunks))
+        return self._renew_results(chunks, replies)
 
     async def arelease(self, name: str, token: str) -> bool:
         client = self._async_client()
@@ -678,25 +679,21 @@ class RedisBackend(Backend):
     async def aforce_release(self, name: str) -> bool:
         return self._forced(name, await self.arelease(name, ""))
 
-    async def await_release(self, name: str, timeout: float) -> None:
+    async def _ablpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)
         if block is None:
             await asyncio.sleep(self._nap(timeout))
             return
         client = self._async_client()
-        await self._acall(name, lambda: client.blpop([self._key(name) + ":signal"], block))
+        await self._acall(names[0], lambda: client.blpop(self._signals(names), block))
+
+    async def await_release(self, name: str, timeout: float) -> None:
+        await self._ablpop([name], timeout)
 
     async def await_any(self, names: Sequence[str], timeout: float) -> None:
         if self.cluster:
             return await super().await_any(names, timeout)
-        block = self._block_for(timeout)
-        if block is None:
-            await asyncio.sleep(self._nap(timeout))
-            return None
-        client = self._async_client()
-        keys = [self._key(name) + ":signal" for name in names]
-        await self._acall(names[0], lambda: client.blpop(keys, block))
-        return None
+        return await self._ablpop(names, timeout)
 
     async def aholders(self, prefix: str = "") -> list[Holder]:
         client = self._async_client()

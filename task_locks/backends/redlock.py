@@ -51,9 +51,9 @@ Limits (also in the README's safety table):
   the masters' clocks, like a single Redis restarted without persistence.
 - A paused or partitioned client can still act after its lease ran out: pass the fence
   to the resource.
-- A local lease's expiry is estimated as ``ttl`` after the request was sent; the
-  Redlock validity is shorter by ``drift`` (1 % + 2 ms), which the renewal at ttl/3
-  covers in practice.
+- A local lease's expiry is ``ttl - drift`` after the request was sent (the Redlock
+  validity, :meth:`RedlockBackend.clock_margin`), after an acquire and after each
+  renewal alike.
 - A grant that reaches a paused master after the client gave up on it (and after its
   cleanup release timed out) stays there, with our token, until its TTL runs out: it
   cannot form a majority for anyone, but it can delay the next acquire while another
@@ -71,7 +71,6 @@ restarted master gets no vote, at least the longest TTL used; default 0), ``fenc
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 import threading
@@ -85,7 +84,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, TypeVar
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import quote, urlsplit
 
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -93,7 +92,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
-from .redis import SCRIPTS, RedisBackend
+from .redis import SCRIPTS, Commands, RedisBackend, script_command
 
 T = TypeVar("T")
 
@@ -108,7 +107,7 @@ if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
 end
 return 1
 """
-_BUMP_SHA: Final = hashlib.sha1(BUMP_FENCE.encode()).hexdigest()
+SCRIPTS.register("bump_fence", BUMP_FENCE)
 
 _OPTIONS: Final = {
     "prefix",
@@ -121,6 +120,8 @@ _OPTIONS: Final = {
 }
 #: After a master failed, waiters prefer other masters for this long.
 _DOWN_FOR: Final = 1.0
+#: Added to ``ttl * drift_factor``: the clocks' resolution (as in the Redlock algorithm).
+_DRIFT_FLOOR: Final = 0.002
 
 
 class _Silence:
@@ -173,52 +174,32 @@ class _MasterBackend(RedisBackend):
 
     # -- requests shaped once, sent by the sync or the async client --------------------
 
-    def _grant_commands(
-        self, name: str, token: str, ttl_ms: int, owner: Owner
-    ) -> Callable[[bool], list[tuple[Any, ...]]]:
+    def _grant_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
         # ACQUIRE then RENEW in one round trip: a grant that was already ours (left by a
         # straggler of an earlier attempt) gets its TTL restarted, so every vote lasts
         # ttl from now.
         acquire = self._acquire_args(name, token, ttl_ms, owner)
-        renew = [1, self._key(name), token, ttl_ms]
-
-        def commands(by_sha: bool) -> list[tuple[Any, ...]]:
-            return [_script("acquire", by_sha, acquire), _script("renew", by_sha, renew)]
-
-        return commands
+        renew = self._renew_args(name, token, ttl_ms)
+        return lambda by_sha: [
+            script_command("acquire", by_sha, acquire),
+            script_command("renew_many", by_sha, renew),
+        ]
 
     def _grant_result(self, name: str, replies: list[Any]) -> AcquireResult:
         for reply in replies:
             if isinstance(reply, Exception):
                 self._fail(name, reply)
         result = self._acquire_result(replies[0])
-        if result.acquired and not replies[1]:
+        if result.acquired and not replies[1][0]:
             return AcquireResult(None, retry_after=0.0)  # taken away between the two scripts
         return result
 
-    def _bump_commands(
-        self, name: str, token: str, fence: int
-    ) -> Callable[[bool], list[tuple[Any, ...]]]:
+    def _bump_commands(self, name: str, token: str, fence: int) -> Commands:
         key = self._key(name)
         args = [2, key, key + ":fence", token, fence, self.fence_ttl_ms]
-        return lambda by_sha: [_script("bump", by_sha, args)]
+        return lambda by_sha: [script_command("bump_fence", by_sha, args)]
 
     # -- sync ----------------------------------------------------------------------------
-
-    def _scripts(self, name: str, commands: Callable[[bool], list[tuple[Any, ...]]]) -> list[Any]:
-        """Run script calls pipelined by SHA; resend the ones the server did not know."""
-        try:
-            client = self.client
-            replies = self._pipeline(client, commands(True))
-            missing = self._missing_scripts(replies)
-            if missing:
-                source = commands(False)
-                again = self._pipeline(client, [source[i] for i in missing])
-                for index, reply in zip(missing, again, strict=True):
-                    replies[index] = reply
-            return replies
-        except RedisError as exc:
-            self._fail(name, exc)
 
     def grant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         replies = self._scripts(name, self._grant_commands(name, token, ttl_ms, owner))
@@ -248,23 +229,6 @@ class _MasterBackend(RedisBackend):
 
     # -- async ---------------------------------------------------------------------------
 
-    async def _ascripts(
-        self, name: str, commands: Callable[[bool], list[tuple[Any, ...]]]
-    ) -> list[Any]:
-        client = self._async_client()
-
-        async def run() -> list[Any]:
-            replies = await self._apipeline(client, commands(True))
-            missing = self._missing_scripts(replies)
-            if missing:
-                source = commands(False)
-                again = await self._apipeline(client, [source[i] for i in missing])
-                for index, reply in zip(missing, again, strict=True):
-                    replies[index] = reply
-            return replies
-
-        return await self._acall(name, run)
-
     async def agrant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         replies = await self._ascripts(name, self._grant_commands(name, token, ttl_ms, owner))
         return self._grant_result(name, replies)
@@ -288,14 +252,6 @@ class _MasterBackend(RedisBackend):
             self._fail(name, exc)
         finally:
             await pool.release(conn)
-
-
-def _script(which: str, by_sha: bool, args: list[Any]) -> tuple[Any, ...]:
-    if which == "bump":
-        return ("EVALSHA", _BUMP_SHA, *args) if by_sha else ("EVAL", BUMP_FENCE, *args)
-    return (
-        ("EVALSHA", SCRIPTS.sha[which], *args) if by_sha else ("EVAL", SCRIPTS.source[which], *args)
-    )
 
 
 class _Master:
@@ -365,19 +321,14 @@ class RedlockBackend(Backend):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        unknown = set(query) - _OPTIONS
-        if unknown:
-            raise InvalidArgument(
-                f"{self.server}: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}"
-            )
+        query = self._options(_OPTIONS)
         self.prefix = query.get("prefix", "task_locks:")
         self.node_timeout = self._number(query, "node_timeout", 0.25, minimum=0.001)
         self.retry_delay = self._number(query, "retry_delay", 0.2)
         self.drift_factor = self._number(query, "drift_factor", 0.01)
         self.restart_delay = self._number(query, "restart_delay", 0.0)
         self.fence_sync = query.get("fence_sync", "1") not in ("0", "false", "no")
-        fence_ttl = self._number(query, "fence_ttl", 7 * 86400)
+        fence_ttl = self._number(query, "fence_ttl", 7 * 86400, positive=True)
         self._longest_ttl = 0.0
         self.masters = self._masters(parts, fence_ttl)
         self.quorum = len(self.masters) // 2 + 1
@@ -401,21 +352,6 @@ class RedlockBackend(Backend):
         self._background = set()
 
     # -- construction -------------------------------------------------------------------
-
-    def _number(
-        self, query: dict[str, str], key: str, default: float, minimum: float = 0.0
-    ) -> float:
-        if key not in query:
-            return default
-        try:
-            value = float(query[key])
-        except ValueError:
-            raise InvalidArgument(
-                f"{self.server}: option {key}={query[key]!r} is not a number"
-            ) from None
-        if not value >= minimum:
-            raise InvalidArgument(f"{self.server}: option {key} must be >= {minimum}, got {value}")
-        return value
 
     def _masters(self, parts: Any, fence_ttl: float) -> list[_Master]:
         userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -444,6 +380,10 @@ class RedlockBackend(Backend):
             )
             masters.append(_Master(self, address, f"redis://{auth}{address}/{db}?{options}"))
         return masters
+
+    def clock_margin(self, ttl: float) -> float:
+        """Redlock's drift allowance: a lock is valid ``ttl`` less this after the request."""
+        return ttl * self.drift_factor + _DRIFT_FLOOR
 
     def restart_quarantine(self) -> float:
         """How long a restarted master may have held a lock it forgot: no vote for that long."""
@@ -531,7 +471,7 @@ class RedlockBackend(Backend):
 
         answers = yield _Call("grant", (name, token, ttl_ms, owner), enough, (name, token))
         elapsed = time.monotonic() - started
-        validity = ttl - elapsed - (ttl * self.drift_factor + 0.002)
+        validity = ttl - elapsed - self.clock_margin(ttl)
         voters = self._voters(answers)
         won = granted(voters)
         if len(won) >= self.quorum and validity > 0:
@@ -589,7 +529,8 @@ class RedlockBackend(Backend):
         results: list[bool] = []
         for index, item in enumerate(items):
             yes, no = self._tally(answers, index)
-            validity = item.ttl_ms / 1000 * (1 - self.drift_factor) - 0.002 - elapsed
+            ttl = item.ttl_ms / 1000
+            validity = ttl - elapsed - self.clock_margin(ttl)
             if yes >= self.quorum and validity > 0:
                 results.append(True)
             elif no > len(self.masters) - self.quorum:
@@ -764,28 +705,48 @@ class RedlockBackend(Backend):
         now = time.monotonic()
         return sorted(order, key=lambda m: m.down_until > now or not m.votes(now))
 
-    def wait(self, name: str, timeout: float) -> None:
-        if timeout <= self.retry_delay:
-            time.sleep(max(0.0, timeout))  # a (random) back-off, not a wait for a holder
-            return
+    def _signal_waits(
+        self, name: str, timeout: float
+    ) -> Generator[tuple[_Master, float], LockError | None, None]:
+        """Which master to block on, and for how long, until one wait works.
+
+        Written once for :meth:`wait` and :meth:`await_release`, which send back each
+        wait's error (``None``: it worked).
+        """
         deadline = time.monotonic() + timeout
         errors: list[str] = []
         for master in self._signal_masters(name):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            try:
-                master.backend.block_on_signal(name, remaining)
+            error = yield master, remaining
+            if error is None:
                 return
-            except LockError as exc:
-                master.down_until = time.monotonic() + _DOWN_FOR
-                errors.append(f"{master.address}: {exc.__cause__ or exc}")
+            master.down_until = time.monotonic() + _DOWN_FOR
+            errors.append(f"{master.address}: {error.__cause__ or error}")
         raise BackendUnavailable(
             f"lock {name!r}: cannot wait for its release, no Redis master answered: "
             + "; ".join(errors),
             name=name,
             server=self.server,
         )
+
+    def wait(self, name: str, timeout: float) -> None:
+        if timeout <= self.retry_delay:
+            time.sleep(max(0.0, timeout))  # a (random) back-off, not a wait for a holder
+            return
+        waits = self._signal_waits(name, timeout)
+        error: LockError | None = None
+        while True:
+            try:
+                master, remaining = waits.send(error)
+            except StopIteration:
+                return
+            try:
+                master.backend.block_on_signal(name, remaining)
+                error = None
+            except LockError as exc:
+                error = exc
 
     def close(self) -> None:
         if self._pool is not None and self._pool_pid == os.getpid():
@@ -883,24 +844,18 @@ class RedlockBackend(Backend):
         if timeout <= self.retry_delay:
             await asyncio.sleep(max(0.0, timeout))
             return
-        deadline = time.monotonic() + timeout
-        errors: list[str] = []
-        for master in self._signal_masters(name):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        waits = self._signal_waits(name, timeout)
+        error: LockError | None = None
+        while True:
+            try:
+                master, remaining = waits.send(error)
+            except StopIteration:
                 return
             try:
                 await master.backend.ablock_on_signal(name, remaining)
-                return
+                error = None
             except LockError as exc:
-                master.down_until = time.monotonic() + _DOWN_FOR
-                errors.append(f"{master.address}: {exc.__cause__ or exc}")
-        raise BackendUnavailable(
-            f"lock {name!r}: cannot wait for its release, no Redis master answered: "
-            + "; ".join(errors),
-            name=name,
-            server=self.server,
-        )
+                error = exc
 
 
 __all__ = ["BUMP_FENCE", "RedlockBackend"]

@@ -134,6 +134,25 @@ def test_fences_grow_when_masters_disagree(
     second.release()
 
 
+def test_local_lease_ends_by_the_redlock_validity(masters_factory: MastersFactory) -> None:
+    """A lease counts ``ttl - drift`` from its request, as Redlock's validity does.
+
+    The masters' TTLs run the full ``ttl``; the holder must stop believing in its lease
+    ``drift`` earlier, after the acquire and after each renewal.
+    """
+    masters = masters_factory(3)
+    ttl, drift_factor = 5.0, 0.1
+    drift = ttl * drift_factor + 0.002
+    lease = Lock("validity", ttl=ttl, backend=masters.url(drift_factor=drift_factor)).acquire(
+        timeout=0
+    )
+    assert ttl - drift - 0.5 < lease.remaining <= ttl - drift
+    lease.renew()
+    assert ttl - drift - 0.5 < lease.remaining <= ttl - drift
+    assert lease.expires_at <= time.time() + ttl - drift
+    lease.release()
+
+
 def test_async_lock_with_one_master_down(masters_factory: MastersFactory) -> None:
     masters = masters_factory(3)
     url = masters.url()

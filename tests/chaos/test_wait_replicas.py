@@ -44,7 +44,8 @@ def _replica_fence(replica: RedisServer, name: str) -> int | None:
 
 def test_an_acquire_returns_only_once_the_replica_has_the_lock(master_and_replica) -> None:
     master, replica = master_and_replica
-    with Lock("report", ttl=5, backend=master.url(**WAIT)).acquire(timeout=1) as lease:
+    patient = {"wait_replicas": 1, "wait_timeout": 2000}  # a just-synced replica may lag
+    with Lock("report", ttl=5, backend=master.url(**patient)).acquire(timeout=1) as lease:
         assert _replica_fence(replica, "report") == lease.fence  # no need to wait: WAIT did
 
 
@@ -129,11 +130,15 @@ def test_a_timed_out_sentinel_connection_is_not_reused(sentinel_cluster) -> None
 
     backend = get_backend(sentinel_cluster.url([]))
     backend.acquire("warm-up", "t0", 5000, Owner())
-    sentinel_cluster.master.pause()
-    threading.Timer(0.6, sentinel_cluster.master.resume).start()
+    master = sentinel_cluster.master
+    master.pause()
+    resume = threading.Timer(0.6, master.resume)
+    resume.start()
     with pytest.raises(BackendUnavailable):
         backend.acquire("a", "token-a", 5000, Owner())  # its reply arrives after the timeout
-    time.sleep(0.5)
+    resume.join()
+    direct = redis.Redis(port=master.port)
+    wait_until(lambda: direct.exists("task_locks:{a}"), 5, "the late acquire to be applied")
     answer = backend.acquire("b", "token-b", 5000, Owner())
     holder = backend.holder("b")
     assert holder is not None and holder.fence == answer.fence  # not "a"'s stale reply

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,60 @@ def test_async_lock_hands_over_and_fences_grow(deployment: Deployment) -> None:
         await second.release()
         with pytest.raises(LockLost):
             await second.renew()
+        await backend.aclose()
+
+    asyncio.run(scenario())
+
+
+async def eventually(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """``wait_until`` for code running in the event loop (bounded polling, no thread)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_async_waiters_do_not_hold_up_the_holder(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More waiting AsyncLocks than the loop's default executor has threads: the holder
+    is still renewed, and its release goes through at once.
+
+    (A backend whose asyncio calls run its sync ones in threads used to wait in that
+    executor as well: the holder's renewal queued behind the waits until its lease ran
+    out, and its release raised ``NotOwned``.)
+    """
+    waiters, ttl = 12, 0.6  # the default executor has min(32, cpus + 4) threads
+    backend = get_backend(deployment.url)
+    waiting: set[object] = set()
+    real_await_release = backend.await_release
+
+    async def spy_await_release(name: str, timeout: float) -> None:  # the real wait, observed
+        waiting.add(asyncio.current_task())
+        await real_await_release(name, timeout)
+
+    monkeypatch.setattr(backend, "await_release", spy_await_release)
+
+    async def scenario() -> None:
+        holder = await AsyncLock("crowd", ttl=ttl, backend=deployment.url).acquire(timeout=0)
+        fences: list[int] = []
+
+        async def wait_for_it() -> None:
+            lease = await AsyncLock("crowd", ttl=10, backend=deployment.url).acquire(timeout=30)
+            fences.append(lease.fence)
+            await lease.release()
+
+        tasks = [asyncio.create_task(wait_for_it()) for _ in range(waiters)]
+        await eventually(lambda: len(waiting) == waiters, 10, f"{waiters} waiters to wait")
+        renewals = holder.renewals
+        await eventually(lambda: holder.renewals >= renewals + 2, 5 * ttl, "two renewals")
+        assert holder.held and not holder.lost.is_set()
+        started = time.monotonic()
+        await holder.release()
+        assert time.monotonic() - started < 1.0  # sanity bound: not queued behind the waits
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert len(fences) == waiters
+        assert fences == sorted(set(fences)) and fences[0] > holder.fence
         await backend.aclose()
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -71,3 +72,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, 
         out, err = proc.communicate()
         raise AssertionError(f"{proc.args} did not finish in {timeout}s: {out}\n{err}") from None
     return proc.returncode, out, err
+
+
+def staff(username: str, *codenames: str) -> Any:
+    """A staff user (password ``pw``) with exactly the permissions ``codenames``."""
+    from django.contrib.auth.models import Permission, User
+
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(codename__in=codenames))
+    return user

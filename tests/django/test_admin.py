@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
-from django_helpers import cli, finish
+from django_helpers import cli, finish, staff
 from servers import wait_until
 
 from django_app.models import LockEvent
@@ -20,12 +20,6 @@ from task_locks import get_backend
 
 HOLDERS = "/admin/task_locks/lockholder/"
 FORCE = "/admin/task_locks/lockholder/force-release/"
-
-
-def staff(username: str, *codenames: str) -> User:
-    user = User.objects.create_user(username, password="pw", is_staff=True)
-    user.user_permissions.set(Permission.objects.filter(codename__in=codenames))
-    return user
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -246,12 +247,12 @@ def test_bad_urls_fail_at_definition() -> None:
 
 
 def test_database_errors_become_backend_unavailable(
-    django_db_blocker: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    django_db_blocker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = DjangoBackend("django://default")
     broken = {**connections["default"].settings_dict, "NAME": "/nonexistent/dir/locks.sqlite3"}
     monkeypatch.setattr(backend._pool, "_settings", lambda: dict(broken))
-    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+    with django_db_blocker.unblock():
         with pytest.raises(BackendUnavailable) as failed:
             Lock("x", ttl=1, backend=backend).acquire(timeout=0)
     assert failed.value.name == "x" and failed.value.server == "django://default"

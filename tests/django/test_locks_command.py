@@ -7,10 +7,12 @@ import json
 import signal
 import socket
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 from django_helpers import cli, finish, manage
 from servers import wait_until
 
@@ -128,11 +130,7 @@ def test_list_show_release_in_process(redis_settings: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_prune_deletes_old_events(settings: object) -> None:
-    from datetime import timedelta
-
-    from django.utils import timezone
-
+def test_prune_deletes_old_events() -> None:
     old = LockEvent.objects.create(kind="lost", name="a")
     LockEvent.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(days=40))
     LockEvent.objects.create(kind="lost", name="b")

@@ -39,15 +39,6 @@ def _audit(
     )
 
 
-def _split(args: list[str]) -> tuple[list[str], list[str]]:
-    """Everything after the first ``--`` is ``run``'s program (argparse mishandles
-    ``--`` under subcommands)."""
-    if "--" not in args:
-        return args, []
-    cut = args.index("--")
-    return args[:cut], args[cut + 1 :]
-
-
 class Command(BaseCommand):
     help = "See and steer distributed locks: list, show, release, run; prune lock events."
     requires_system_checks: list[str] = []
@@ -67,13 +58,8 @@ class Command(BaseCommand):
         parse = parser.parse_args
 
         def parse_args(args: Any = None, namespace: Any = None) -> Any:
-            head, program = _split(list(args) if args is not None else [])
-            options = parse(head, namespace)
-            if program:
-                if getattr(options, "verb", None) != "run":
-                    parser.error("only `run` takes a program after --")
-                options.command = [*options.command, *program]
-            return options
+            # Everything after ``--`` is ``run``'s program, as for ``task-locks``.
+            return ops.parse_args(parser, args or [], namespace, parse=parse)
 
         parser.parse_args = parse_args  # type: ignore[assignment,method-assign]
         return parser
