@@ -134,7 +134,7 @@ class _LeadershipBase(Generic[L]):
 
     @property
     def lost(self) -> Any:
-        """Set (a ``threading.Event``) when the leadership is known lost."""
+        """Set (``threading.Event``-like: ``is_set()``, ``wait()``) when the leadership is lost."""
         return self.lease.lost
 
     def check(self) -> None:

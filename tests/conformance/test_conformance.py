@@ -225,7 +225,6 @@ def test_release_wakes_a_waiter_at_once(
     waiter = threading.Thread(target=wait_for_it)
     waiter.start()
     assert waiting.wait(10), "the waiter never started waiting"
-    time.sleep(0.05)  # let it settle into its blocking call; the bound below is generous
     released = time.perf_counter()
     holder.release()
     waiter.join(timeout=20)
@@ -338,15 +337,26 @@ def test_acquire_times_out_with_the_holder_named(deployment: Deployment) -> None
     held.release()
 
 
-def test_async_lock_hands_over_and_fences_grow(deployment: Deployment) -> None:
+def test_async_lock_hands_over_and_fences_grow(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend(deployment.url)
+    waiting: list[str] = []
+    real_await_release = backend.await_release
+
+    async def spy_await_release(name: str, timeout: float) -> None:  # the real wait, observed
+        waiting.append(name)
+        await real_await_release(name, timeout)
+
+    monkeypatch.setattr(backend, "await_release", spy_await_release)
+
     async def scenario() -> None:
-        backend = get_backend(deployment.url)
         first = await AsyncLock("async", ttl=10, backend=deployment.url).acquire(timeout=0)
         assert await AsyncLock("async", ttl=10, backend=deployment.url).try_acquire() is None
         waiter = asyncio.create_task(
             AsyncLock("async", ttl=10, backend=deployment.url).acquire(timeout=10)
         )
-        await asyncio.sleep(0.1)  # let the waiter block; the bound below is generous
+        await eventually(lambda: waiting, 10, "the waiter to wait")
         released = time.perf_counter()
         await first.release()
         second = await asyncio.wait_for(waiter, 10)
