@@ -23,7 +23,14 @@ from typing import Any, Final, TypeVar
 
 from .backends.base import Backend
 from .config import default_ttl, resolve_backend, validate_ttl
-from .errors import InvalidArgument, LockHeld, LockLost, MissingCapability, NotOwned
+from .errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    LockHeld,
+    LockLost,
+    MissingCapability,
+    NotOwned,
+)
 from .owner import current_owner
 from .types import AcquireResult, Holder
 from .watchdog import AsyncRenewer, ThreadRenewer, async_renewer, thread_renewer
@@ -452,8 +459,21 @@ class _LockBase:
             sent_at = time.monotonic()
             result: AcquireResult = yield ("acquire", name, token, ttl_ms, owner)
             if result.fence is not None:
-                log.debug("acquired lock %r (fence %s)", name, result.fence)
-                return token, result.fence, sent_at
+                if time.monotonic() < sent_at + ttl - backend.clock_margin(ttl):
+                    log.debug("acquired lock %r (fence %s)", name, result.fence)
+                    return token, result.fence, sent_at
+                # The grant arrived after its TTL: it may be someone else's lock by now.
+                # Give it back (token-checked) rather than hand out a dead lease.
+                log.warning("lock %r: the acquire's reply came after the TTL; retrying", name)
+                yield ("release", name, token)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BackendUnavailable(
+                        f"lock {name!r}: the acquire's reply took longer than the TTL "
+                        f"({ttl}s) at {backend.server}",
+                        name=name,
+                        server=backend.server,
+                    )
+                continue
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise _held_message(name, result, now - start)
@@ -509,6 +529,8 @@ def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
         kind = op[0]
         if kind == "acquire":
             answer = backend.acquire(*op[1:])
+        elif kind == "release":
+            answer = backend.release(*op[1:])
         else:
             (backend.wait if kind == "wait" else backend.wait_any)(*op[1:])
             answer = None
@@ -525,6 +547,8 @@ async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
         kind = op[0]
         if kind == "acquire":
             answer = await backend.aacquire(*op[1:])
+        elif kind == "release":
+            answer = await backend.arelease(*op[1:])
         else:
             await (backend.await_release if kind == "wait" else backend.await_any)(*op[1:])
             answer = None

@@ -26,6 +26,7 @@ Cluster: ``redis+cluster://host:port[,host:port]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -527,7 +528,14 @@ class RedisBackend(Backend):
             result = self._acquire_result(self._eval(client, "acquire", args))
             if result.acquired and self.wait_replicas:
                 acked = client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-                self._check_replicas(name, acked)
+                try:
+                    self._check_replicas(name, acked)
+                except BackendUnavailable:
+                    # Granted on the master only: give it back rather than block every
+                    # other client until its TTL. A failover may already have lost it.
+                    with contextlib.suppress(LockError):
+                        self.release(name, token)
+                    raise
             return result
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
@@ -656,7 +664,12 @@ class RedisBackend(Backend):
                 name,
                 lambda: client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms),
             )
-            self._check_replicas(name, acked)
+            try:
+                self._check_replicas(name, acked)
+            except BackendUnavailable:
+                with contextlib.suppress(LockError):
+                    await self.arelease(name, token)
+                raise
         return result
 
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:

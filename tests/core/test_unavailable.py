@@ -79,3 +79,35 @@ def test_service_resumes_after_the_outage(driver: SyncDriver, redis_factory) -> 
     server.restart()
     handle = driver.acquire("outage:after", timeout=0, backend=url, ttl=5)
     handle.release()
+
+
+def test_a_grant_that_arrives_after_its_ttl_is_given_back(redis_factory) -> None:
+    """A reply slower than the TTL must not become a lease: the lock may be another's.
+
+    Redis is paused while the acquire is in flight, so the grant (PX 300 ms) is sent only
+    after the client has waited longer than the TTL.
+    """
+    import threading
+
+    from task_locks import Lock
+
+    server = redis_factory()
+    url = server.url(socket_timeout=5)
+    lock = Lock("slow-grant", ttl=0.3, backend=url)
+    assert lock.holder() is None  # connection made before the pause
+
+    def resume_later() -> None:
+        time.sleep(0.6)  # the fault's length, not synchronisation
+        server.resume()
+
+    server.pause()
+    threading.Thread(target=resume_later, daemon=True).start()
+    with pytest.raises(BackendUnavailable, match="longer than the TTL"):
+        lock.acquire(timeout=0)
+    assert lock.holder() is None  # given back, nobody waits for its TTL
+
+    server.pause()
+    threading.Thread(target=resume_later, daemon=True).start()
+    lease = lock.acquire(timeout=5)  # the retry after the late grant succeeds
+    assert lease.held
+    lease.release()
