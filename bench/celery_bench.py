@@ -11,10 +11,21 @@ run-time lock), and, when ``bench/.peers`` has them, ``celery-singleton`` and
 ``celery-once`` (both lock at publish and unlock when the task ends). Results are not
 stored (``task_ignore_result``) for any variant, which makes the ratio stricter.
 
+Duplicate suppression (issue 8): after the throughput rounds, a burst of identical calls
+(``--burst-calls``, default 200, same argument) is published as fast as possible to one
+worker per library (threads pool, 4 threads, so duplicates can meet while one runs; the
+task sleeps ``BURST_HOLD`` s). Reported per library: calls accepted by the publisher
+(the rest were dropped as duplicates at publish), how many ran, and how many were
+delivered but not run (skipped by a run-time lock). Ours runs three ways:
+``on_conflict="skip"`` with the default run-time lock (drops only overlapping runs),
+``lock_on="enqueue"`` (one queued message per key; the key frees when it starts) and
+``lock_on="both"`` (one queued-or-running).
+
     .venv/bin/python bench/celery_bench.py              # its own redis-server, N=1000
     .venv/bin/python bench/celery_bench.py --n 200 --rounds 1
 
-``bench/run.py`` calls :func:`run` and reads ``throughput`` (tasks/s per variant).
+``bench/run.py`` calls :func:`run` and reads ``throughput`` (tasks/s per variant) and
+``burst`` (duplicate suppression per library).
 This file is also the worker's app module (``celery -A celery_bench worker``).
 """
 
@@ -31,12 +42,28 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VARIANTS = ("plain", "singleton_task", "celery-singleton", "celery-once")
-PEER_VARIANTS = {"celery-singleton": "celery_singleton", "celery-once": "celery_once"}
+#: Duplicate-suppression workers: variant -> what the results call it.
+BURST_VARIANTS = {
+    "burst-skip": "singleton_task (skip, run-time lock)",
+    "burst-enqueue": 'singleton_task (lock_on="enqueue")',
+    "burst-both": 'singleton_task (lock_on="both")',
+    "burst-celery-singleton": "celery-singleton",
+    "burst-celery-once": "celery-once (graceful)",
+}
+PEER_VARIANTS = {
+    "celery-singleton": "celery_singleton",
+    "celery-once": "celery_once",
+    "burst-celery-singleton": "celery_singleton",
+    "burst-celery-once": "celery_once",
+}
+#: Seconds each burst task runs (sleeps), so identical calls overlap on 4 threads.
+BURST_HOLD = 0.05
+BURST_THREADS = 4
 
 BROKER = os.environ.get("TL_BENCH_BROKER", "redis://127.0.0.1:6379/10")
 LOCKS = os.environ.get("TL_BENCH_LOCKS", "redis://127.0.0.1:6379/11")
@@ -56,8 +83,56 @@ def _done() -> None:
     counter.incr(f"bench:done:{VARIANT}")
 
 
+def _burst_ran() -> None:
+    time.sleep(BURST_HOLD)
+    counter.incr(f"bench:burst:ran:{VARIANT}")
+
+
+def _define_burst(variant: str) -> Any:
+    """The burst task of ``variant``: one key for every call (the argument is the same)."""
+    if variant in ("burst-skip", "burst-enqueue", "burst-both"):
+        from task_locks.celery import singleton_task
+
+        lock_on = variant.removeprefix("burst-").replace("skip", "run")
+
+        @singleton_task(
+            app=app, name=f"bench.{variant}", key="burst:{i}", ttl=30, backend=LOCKS,
+            lock_on=lock_on, on_conflict="skip",
+        )  # fmt: skip
+        def ours(i: str) -> None:
+            _burst_ran()
+
+        return ours
+    if variant == "burst-celery-singleton":
+        from celery_singleton import Singleton
+
+        app.conf.singleton_backend_url = LOCKS
+
+        @app.task(name=f"bench.{variant}", base=Singleton)
+        def peer_singleton(i: str) -> None:
+            _burst_ran()
+
+        return peer_singleton
+    if variant == "burst-celery-once":
+        from celery_once import QueueOnce
+
+        app.conf.ONCE = {
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": LOCKS, "default_timeout": 60},
+        }
+
+        @app.task(name=f"bench.{variant}", base=QueueOnce, once={"graceful": True})
+        def peer_once(i: str) -> None:
+            _burst_ran()
+
+        return peer_once
+    raise ValueError(f"unknown variant {variant!r}")
+
+
 def _define(variant: str) -> Any:
     """The task of ``variant`` (imports only that variant's library)."""
+    if variant in BURST_VARIANTS:
+        return _define_burst(variant)
     if variant == "plain":
 
         @app.task(name="bench.plain")
@@ -104,6 +179,15 @@ def _define(variant: str) -> Any:
 task = _define(VARIANT)
 
 
+def _finished(**_: Any) -> None:
+    """Every delivery a burst worker finished, run or skipped (the burst's end marker)."""
+    counter.incr(f"bench:burst:finished:{VARIANT}")
+
+
+if VARIANT in BURST_VARIANTS:  # only there: a receiver would cost the throughput workers
+    signals.task_postrun.connect(_finished, weak=False)
+
+
 # -- driver: runs in the variant's interpreter, prints one JSON line ---------------------------
 
 
@@ -122,6 +206,39 @@ def drive(n: int, tag: str, timeout: float = 120.0) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     return {"variant": VARIANT, "n": n, "seconds": elapsed, "publish_seconds": published,
             "rate": n / elapsed}  # fmt: skip
+
+
+def drive_burst(n: int, tag: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Publish ``n`` identical calls at once; wait until every accepted one was delivered."""
+    ran_key, finished_key = f"bench:burst:ran:{VARIANT}", f"bench:burst:finished:{VARIANT}"
+    counter.delete(ran_key, finished_key)
+    start = time.perf_counter()
+    accepted: set[str] = set()
+    for _ in range(n):
+        handle = task.delay(f"same-{tag}")
+        # A duplicate returns the queued task's handle (ours, celery-singleton) or one
+        # without an id (celery-once, graceful).
+        if handle is not None and handle.id is not None:
+            accepted.add(handle.id)
+    published = time.perf_counter() - start
+    deadline = time.monotonic() + timeout
+    while int(counter.get(finished_key) or 0) < len(accepted):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{VARIANT}: {counter.get(finished_key)} of {len(accepted)} delivered in {timeout}s"
+            )
+        time.sleep(0.01)
+    ran = int(counter.get(ran_key) or 0)
+    return {
+        "variant": VARIANT,
+        "calls": n,
+        "accepted": len(accepted),
+        "dropped_at_publish": n - len(accepted),
+        "ran": ran,
+        "skipped_at_run": len(accepted) - ran,
+        "publish_seconds": published,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 # -- orchestration: workers, rounds, summary ---------------------------------------------------
@@ -152,8 +269,10 @@ def _env(variant: str, broker: str, locks: str) -> dict[str, str]:
 
 def _start_worker(python: str, variant: str, broker: str, locks: str, log_dir: Path) -> Any:
     log = log_dir / f"celery-bench-{variant}.log"
+    pool = ["-P", "threads", "-c", str(BURST_THREADS)] if variant in BURST_VARIANTS else [
+        "-P", "solo"]  # fmt: skip
     proc = subprocess.Popen(
-        [python, "-m", "celery", "-A", "celery_bench", "worker", "-P", "solo", "-l", "WARNING",
+        [python, "-m", "celery", "-A", "celery_bench", "worker", *pool, "-l", "WARNING",
          "-Q", f"bench_{variant}", "-n", f"bench-{variant}@%h", "--logfile", str(log),
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
         cwd=BENCH, env=_env(variant, broker, locks), stdout=subprocess.DEVNULL,
@@ -176,9 +295,11 @@ def _wait_consuming(
     time.sleep(0.5)  # the binding is written just before the consumer starts polling
 
 
-def _drive(python: str, variant: str, broker: str, locks: str, n: int, tag: str) -> dict[str, Any]:
+def _drive(
+    python: str, variant: str, broker: str, locks: str, n: int, tag: str, mode: str = "--drive"
+) -> dict[str, Any]:
     out = subprocess.run(
-        [python, str(BENCH / "celery_bench.py"), "--drive", "--n", str(n), "--tag", tag],
+        [python, str(BENCH / "celery_bench.py"), mode, "--n", str(n), "--tag", tag],
         cwd=BENCH, env=_env(variant, broker, locks), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if out.returncode != 0:
@@ -204,6 +325,53 @@ def _db_url(redis_url: str, db: int) -> str:
     return urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}", query=""))
 
 
+def _stop(procs: dict[str, Any]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def measure_burst(
+    broker: str, locks: str, peers_python: str | None, calls: int, log_dir: Path, log: Any
+) -> dict[str, Any]:
+    """Duplicate suppression: ``calls`` identical calls per library, one worker each."""
+    client = redis.Redis.from_url(broker)
+    pythons = {v: _python_for(v, peers_python) for v in BURST_VARIANTS}
+    available = [v for v in BURST_VARIANTS if pythons[v]]
+    procs: dict[str, Any] = {}
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for variant in available:
+            python = pythons[variant]
+            assert python is not None
+            procs[variant] = _start_worker(python, variant, broker, locks, log_dir)
+        for variant in available:
+            _wait_consuming(client, variant, procs, 60)
+        for variant in available:
+            python = pythons[variant]
+            assert python is not None
+            sample = _drive(python, variant, broker, locks, calls, "burst", "--drive-burst")
+            label = BURST_VARIANTS[variant]
+            results[label] = sample
+            log(f"celery burst: {label:38} {sample['accepted']:4} of {calls} accepted, "
+                f"{sample['ran']:4} ran, {sample['skipped_at_run']:4} skipped at run")  # fmt: skip
+    finally:
+        _stop(procs)
+    return {
+        "calls": calls,
+        "hold_seconds": BURST_HOLD,
+        "pool": f"threads x{BURST_THREADS}",
+        "variants": results,
+        "not_measured": [BURST_VARIANTS[v] for v in BURST_VARIANTS if v not in available],
+    }
+
+
 def run(
     redis_url: str,
     quick: bool = False,
@@ -211,9 +379,13 @@ def run(
     peers: Any = None,
     n: int = 1000,
     rounds: int | None = None,
+    burst_calls: int = 200,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Measure every available variant; ``throughput`` maps variant -> median tasks/s."""
+    """Measure every available variant; ``throughput`` maps variant -> median tasks/s.
+
+    ``burst`` holds the duplicate-suppression measurement (:func:`measure_burst`).
+    """
     rounds = rounds or (3 if quick else 5)
     broker, locks = _db_url(redis_url, 10), _db_url(redis_url, 11)
     client = redis.Redis.from_url(broker)
@@ -248,15 +420,8 @@ def run(
                     f"{sample['rate']:8.0f} tasks/s, worker CPU "
                     f"{sample['worker_cpu_us_per_task']:5.0f} us/task")  # fmt: skip
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        _stop(procs)
+    burst = measure_burst(broker, locks, peers_python, burst_calls, log_dir, log)
     throughput = {v: statistics.median(s["rate"] for s in samples[v]) for v in available}
     cpu = {v: statistics.median(s["worker_cpu_us_per_task"] for s in samples[v]) for v in available}
     # Plain and ours ran back to back in every round: the median of per-round ratios
@@ -276,20 +441,26 @@ def run(
         "loadavg": os.getloadavg(),
         "samples": samples,
         "not_measured": [v for v in VARIANTS if v not in available],
+        "burst": burst,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--drive-burst", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tag", default="t", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=1000, help="tasks per round (default 1000)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--burst-calls", type=int, default=200, help="identical calls per burst")
     parser.add_argument("--redis-url", help="an existing server (default: start one)")
     parser.add_argument("--peers-python", default=str(BENCH / ".peers" / "bin" / "python"))
     args = parser.parse_args()
     if args.drive:
         print(json.dumps(drive(args.n, args.tag)))
+        return
+    if args.drive_burst:
+        print(json.dumps(drive_burst(args.n, args.tag)))
         return
     server = None
     url = args.redis_url
@@ -300,7 +471,13 @@ def main() -> None:
         server = RedisServer().start()
         url = server.url()
     try:
-        result = run(url, peers_python=args.peers_python, n=args.n, rounds=args.rounds)
+        result = run(
+            url,
+            peers_python=args.peers_python,
+            n=args.n,
+            rounds=args.rounds,
+            burst_calls=args.burst_calls,
+        )
     finally:
         if server is not None:
             server.cleanup()
@@ -314,6 +491,14 @@ def main() -> None:
     print(f"singleton_task / plain throughput: {result['ratio_singleton_to_plain']:.2f}x "
           f"(median of per-round ratios {rounds}; target >= 0.8x); "
           f"load average {result['loadavg'][0]:.1f}")  # fmt: skip
+    burst = result["burst"]
+    print(f"\nduplicate suppression: {burst['calls']} identical calls, worker pool "
+          f"{burst['pool']}, each run {burst['hold_seconds']}s")  # fmt: skip
+    for label, sample in burst["variants"].items():
+        print(f"  {label:38} {sample['accepted']:4} accepted, {sample['ran']:4} ran, "
+              f"{sample['skipped_at_run']:4} skipped at run")  # fmt: skip
+    for label in burst["not_measured"]:
+        print(f"  {label:38} not measured (not installed in {args.peers_python})")
 
 
 if __name__ == "__main__":

@@ -903,6 +903,29 @@ def celery_markdown(celery: dict[str, Any]) -> list[str]:
     if celery.get("markdown"):
         lines += ["", celery["markdown"]]
     lines.append("")
+    lines.extend(burst_markdown(celery.get("burst")))
+    return lines
+
+
+def burst_markdown(burst: Any) -> list[str]:
+    """Duplicate suppression (``celery_bench.measure_burst``): identical calls per library."""
+    if not isinstance(burst, dict) or not burst.get("variants"):
+        return []
+    lines = [
+        f"Duplicate suppression: {burst.get('calls', '?')} identical calls (same arguments) "
+        f"published at once to one worker per library (pool {burst.get('pool', '?')}, each "
+        f"run {burst.get('hold_seconds', '?')} s). Without suppression all of them run.\n",
+        "| library | accepted at publish | ran | delivered, not run |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, sample in burst["variants"].items():
+        lines.append(
+            f"| {label} | {sample.get('accepted', 'n/a')} | {sample.get('ran', 'n/a')} "
+            f"| {sample.get('skipped_at_run', 'n/a')} |"
+        )
+    for label in burst.get("not_measured") or []:
+        lines.append(f"| {label} | not measured: does not import in bench/.peers | | |")
+    lines.append("")
     return lines
 
 

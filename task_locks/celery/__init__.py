@@ -11,6 +11,15 @@
   ``.state``), ``"retry"`` (``self.retry`` with a jittered countdown, ``max_retries``
   applies, then fails with ``LockHeld``), ``"wait"`` (up to ``wait_timeout``, woken by
   the release), ``"raise"`` (fails with ``LockHeld`` naming the holder).
+- ``limit=N`` (default 1): at most N runs of one key at once, through a
+  :class:`~task_locks.Semaphore` named by the key (``current_lease()`` is the run's
+  :class:`~task_locks.semaphore.Permit`); ``on_conflict`` applies when all N permits are
+  taken. Run-time locking only (``lock_on="enqueue"``/``"both"`` with N > 1 is refused
+  at definition time). A second delivery of a running message is not recognised under
+  N > 1: it may take a second permit.
+- Beat ticks sent by :class:`~task_locks.celery.beat.LeaderScheduler` carry the leader's
+  term; a tick whose term is older than the current leader's is refused (state
+  ``STALE_TICK``, logged at WARNING), at the cost of one read for beat messages only.
 - ``lock_on``: ``"run"`` (default), ``"enqueue"`` (at most one *queued* message per key;
   the key is freed when it starts), ``"both"`` (at most one queued-or-running). See
   :mod:`task_locks.celery.publish`.
@@ -33,6 +42,7 @@ from .task import (
     LOCK_ON,
     ON_CONFLICT,
     SKIPPED,
+    STALE_TICK,
     TOKEN_HEADER,
     DuplicateTask,
     SingletonTask,
@@ -46,6 +56,7 @@ __all__ = [
     "LOCK_ON",
     "ON_CONFLICT",
     "SKIPPED",
+    "STALE_TICK",
     "TOKEN_HEADER",
     "DuplicateTask",
     "SingletonTask",

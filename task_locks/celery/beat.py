@@ -21,6 +21,10 @@ default, keeps doing the scheduling.
 3. stamps the message headers ``task_locks_election``, ``task_locks_term`` (the
    leader's term, a fencing token) and ``task_locks_tick`` (the tick's id), so a worker
    can refuse a message sent under an old term (:func:`beat_tick` reads them back).
+   Singleton tasks do: before running a beat-sent message they read the election's
+   leader (one round trip, only for beat messages) and refuse the message, in state
+   ``STALE_TICK``, when its term is older than the leader's (:func:`stale_tick_term`).
+   Other tasks can do the same with :func:`beat_tick` and :func:`election_holder`.
 
 A tick's id is ``<entry name>@<epoch ms of the entry's next run after this one>``: every
 candidate computes the same id for the same tick without sharing any state. For that,
@@ -59,9 +63,13 @@ from celery.schedules import schedstate
 from celery.schedules import schedule as interval_schedule
 from celery.utils.imports import symbol_by_name
 
+from ..backends.base import Backend
+from ..config import resolve_backend
 from ..election import Election, Leadership
+from ..election import lock_name as election_lock_name
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld
 from ..lock import Lock
+from ..types import Holder
 
 log = logging.getLogger("task_locks.celery.beat")
 
@@ -111,8 +119,8 @@ class BeatTick:
 def beat_tick(request: Any) -> BeatTick | None:
     """The beat tick a task message carries (``task.request`` or its headers), if any.
 
-    A worker can refuse a tick whose ``term`` is older than one it has already seen,
-    e.g. with a fencing guard keyed by the election.
+    Compare its ``term`` with the election's current one (:func:`election_holder`,
+    :func:`stale_tick_term`) to refuse a tick a deposed leader sent.
     """
     sources: list[Any] = [request]
     headers = request.get("headers") if isinstance(request, Mapping) else None
@@ -134,6 +142,31 @@ def beat_tick(request: Any) -> BeatTick | None:
         return BeatTick(str(election), int(term), str(tick))
     except (TypeError, ValueError):
         return None  # not a term we stamped
+
+
+def beat_backend(app: Any) -> Backend:
+    """The backend the beat election of ``app`` lives on (``task_locks_beat_backend``)."""
+    return resolve_backend(_setting(app, "task_locks_beat_backend"))
+
+
+def election_holder(app: Any, election: str) -> Holder | None:
+    """The current leader's lock of ``election`` (its ``fence`` is the term): one round trip."""
+    return beat_backend(app).holder(election_lock_name(election))
+
+
+async def aelection_holder(app: Any, election: str) -> Holder | None:
+    return await beat_backend(app).aholder(election_lock_name(election))
+
+
+def stale_tick_term(tick: BeatTick, leader: Holder | None) -> int | None:
+    """The current term if ``tick`` was sent under an older one, else ``None``.
+
+    No leader right now (it died, none elected yet) refuses nothing: the message may
+    well come from the last leader, and the per-tick claim already kept it unique.
+    """
+    if leader is None or leader.fence <= tick.term:
+        return None
+    return leader.fence
 
 
 class LeaderMixin:
@@ -346,6 +379,10 @@ __all__ = [
     "BeatTick",
     "LeaderMixin",
     "LeaderScheduler",
+    "aelection_holder",
+    "beat_backend",
     "beat_tick",
+    "election_holder",
     "leader_scheduler",
+    "stale_tick_term",
 ]

@@ -61,7 +61,7 @@ class LiveLeases:
 
     def pop(self, task_id: str | None) -> list[Lease | AsyncLease]:
         """What the run of ``task_id`` in this thread still holds."""
-        if task_id is None:
+        if task_id is None or not self._by_task:  # the usual case after a clean run
             return []
         with self._guard:
             return self._by_task.pop((task_id, threading.get_ident()), [])
@@ -136,11 +136,13 @@ def recover_task_locks(
     """Main process: free what a task that will never reach its ``finally`` holds.
 
     ``token`` (from the message headers) frees the lock taken at publish; ``pid`` is the
-    child that ran the task, whose run lock is released once the child is gone and only
-    if the lock's owner metadata still names that task and that pid.
+    child that ran the task, whose run lock (with ``limit`` > 1: its permit) is released
+    once the child is gone and only if the lock's owner metadata still names that task
+    and that pid.
     """
     try:
         name = task._lock_name(args, kwargs)
+        held_names = task._held_names(name)
         backend = task._lock_backend()
     except LockError as exc:
         log.warning("cannot recover the lock of %s[%s]: %s", task.name, task_id, exc)
@@ -167,10 +169,11 @@ def recover_task_locks(
                 )
                 return
             time.sleep(0.02)
-        try:
-            _release_if_ours(backend, name, task_id, pid, why)
-        except LockError as exc:
-            log.warning("releasing lock %r of dead pid %s failed: %s", name, pid, exc)
+        for held in held_names:
+            try:
+                _release_if_ours(backend, held, task_id, pid, why)
+            except LockError as exc:
+                log.warning("releasing lock %r of dead pid %s failed: %s", held, pid, exc)
 
     if process_gone(pid):
         release_when_gone()  # now, before the message can be redelivered

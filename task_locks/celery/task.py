@@ -31,6 +31,17 @@ from ..config import resolve_backend, validate_ttl
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
+from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
+from ..types import Holder
+from .beat import (
+    ELECTION_HEADER,
+    BeatTick,
+    aelection_holder,
+    beat_backend,
+    beat_tick,
+    election_holder,
+    stale_tick_term,
+)
 from .keys import KeySpec, TaskKey
 from .registry import live_leases
 
@@ -38,6 +49,8 @@ log = logging.getLogger("task_locks.celery")
 
 #: The state a skipped run finishes in (``AsyncResult(id).state``); not a success.
 SKIPPED: Final = "SKIPPED"
+#: The state of a beat tick refused because it was sent under an old leader's term.
+STALE_TICK: Final = "STALE_TICK"
 ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
 LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
@@ -86,6 +99,7 @@ def check_options(
     wait_timeout: object,
     retry_countdown: object,
     enqueue_ttl: object,
+    limit: object = 1,
 ) -> TaskKey:
     """Validate a singleton task's lock options; the compiled key, or InvalidArgument."""
     if on_conflict not in ON_CONFLICT:
@@ -106,6 +120,16 @@ def check_options(
         validate_timeout(wait_timeout)
     except InvalidArgument as exc:
         raise InvalidArgument(f"task {task_name}: wait_timeout: {exc}") from None
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise InvalidArgument(
+            f"task {task_name}: limit must be a whole number of runs from 1 to {MAX_LIMIT}, "
+            f"got {limit!r}"
+        )
+    if limit > 1 and lock_on != "run":
+        raise InvalidArgument(
+            f"task {task_name}: limit={limit} needs lock_on='run', got {lock_on!r}: "
+            "enqueue-time de-duplication keeps one queued message per key, not N"
+        )
     return TaskKey(key, function, task_name, bound=bound)
 
 
@@ -143,6 +167,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     retry_countdown: float = 1.0
     #: Seconds a lock taken at publish outlives an unconsumed message (``None``: ``lock_ttl``).
     enqueue_ttl: float | None = None
+    #: Runs of one key allowed at once: 1 is a :class:`~task_locks.Lock` named by the
+    #: key; N > 1 a :class:`~task_locks.Semaphore` of that name (``lock_on="run"`` only).
+    lock_limit: int = 1
 
     #: The worker's main process recovers locks of killed children through this class.
     Request = "task_locks.celery.request:SingletonRequest"
@@ -169,6 +196,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             wait_timeout=cls.wait_timeout,
             retry_countdown=cls.retry_countdown,
             enqueue_ttl=cls.enqueue_ttl,
+            limit=cls.lock_limit,
         )
         cls._is_async = inspect.iscoroutinefunction(function)
 
@@ -188,7 +216,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return current_lease()
 
     def lock_name(self, *args: Any, **kwargs: Any) -> str:
-        """The lock a call with these arguments takes: ``sync_account.lock_name(42)``."""
+        """The lock a call with these arguments takes: ``sync_account.lock_name(42)``.
+
+        With ``limit`` > 1 it is the name of the :class:`~task_locks.Semaphore`.
+        """
         return self._lock_name(args, kwargs)
 
     def apply_async(
@@ -226,6 +257,22 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _lock_options(self) -> dict[str, Any]:
         return {"ttl": self.lock_ttl, "backend": self.lock_backend, "max_hold": self.max_hold}
 
+    def _run_lock(self, name: str) -> Lock | Semaphore:
+        if self.lock_limit == 1:
+            return Lock(name, **self._lock_options())
+        return Semaphore(name, self.lock_limit, **self._lock_options())
+
+    def _async_run_lock(self, name: str) -> AsyncLock | AsyncSemaphore:
+        if self.lock_limit == 1:
+            return AsyncLock(name, **self._lock_options())
+        return AsyncSemaphore(name, self.lock_limit, **self._lock_options())
+
+    def _held_names(self, name: str) -> list[str]:
+        """The lock names a run of key ``name`` may hold (the semaphore's slots if limit > 1)."""
+        if self.lock_limit == 1:
+            return [name]
+        return [slot_name(name, index) for index in range(self.lock_limit)]
+
     def _attempts(self) -> tuple[float | None, ...]:
         """Acquire timeouts to try in turn: once, then (``wait``) for up to wait_timeout."""
         return (0.0, self.wait_timeout) if self.on_conflict == "wait" else (0.0,)
@@ -250,12 +297,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         handed = None if direct else getattr(request, TOKEN_HEADER, None)
         with owner_context(**self._owner(request)):
             if self._is_async:
-                return asyncio.run(self._arun(body, name, handed, args, kwargs))
+                return asyncio.run(self._arun_in_own_loop(body, name, handed, args, kwargs))
             if handed:
                 self._drop_queued_lock(name, handed)
+            tick = _beat_tick(request)
+            if tick is not None and self._refuse_stale(tick, self._election_holder(tick)):
+                return None
             if self.lock_on == "enqueue":
                 return body(*args, **kwargs)
-            lock = Lock(name, **self._lock_options())
+            lock = self._run_lock(name)
             attempts = self._attempts()
             for number, timeout in enumerate(attempts, 1):
                 try:
@@ -282,7 +332,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         return result
 
     def _release(self, lease: Lease, task_id: str | None, *, failing: bool) -> None:
-        keep = _parked_for_retry.pop(lease, None)
+        keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
         try:
             if keep is not None:
                 lease._unschedule()
@@ -294,15 +344,38 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             live_leases.discard(task_id, lease)
 
+    async def _arun_in_own_loop(
+        self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
+    ) -> Any:
+        """``_arun`` in the loop ``asyncio.run`` made for this run, closing its client after.
+
+        The backend keeps one async client per event loop; this loop ends with the run, so
+        its sockets are closed now instead of being left to the garbage collector.
+        """
+        try:
+            return await self._arun(body, name, handed, args, kwargs)
+        finally:
+            used = [self._lock_backend()]
+            if _beat_tick(self.request) is not None:
+                used.append(beat_backend(self.app))
+            for backend in dict.fromkeys(used):
+                try:
+                    await backend.aclose()
+                except Exception as exc:  # closing must not hide the run's own outcome
+                    log.debug("closing %r's client of this run failed: %s", backend, exc)
+
     async def _arun(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
     ) -> Any:
         """The async twin of ``__call__``'s body: same decisions, awaited I/O."""
         if handed:
             await self._adrop_queued_lock(name, handed)
+        tick = _beat_tick(self.request)
+        if tick is not None and self._refuse_stale(tick, await self._aelection_holder(tick)):
+            return None
         if self.lock_on == "enqueue":
             return await body(*args, **kwargs)
-        lock = AsyncLock(name, **self._lock_options())
+        lock = self._async_run_lock(name)
         attempts = self._attempts()
         for number, timeout in enumerate(attempts, 1):
             try:
@@ -326,7 +399,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         return result
 
     async def _arelease(self, lease: AsyncLease, task_id: str | None, *, failing: bool) -> None:
-        keep = _parked_for_retry.pop(lease, None)
+        keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
         try:
             if keep is not None:
                 lease._unschedule()
@@ -372,6 +445,49 @@ class SingletonTask(Task):  # type: ignore[misc]
     async def _adrop_queued_lock(self, name: str, token: str) -> None:
         await self._lock_backend().arelease(name, token)
 
+    # -- beat ticks sent under an old term (issue: HA beat) ------------------------------
+
+    def _election_holder(self, tick: BeatTick) -> Holder | None:
+        return election_holder(self.app, tick.election)
+
+    async def _aelection_holder(self, tick: BeatTick) -> Holder | None:
+        return await aelection_holder(self.app, tick.election)
+
+    def _refuse_stale(self, tick: BeatTick, leader: Holder | None) -> bool:
+        """Refuse a beat message sent under a term older than the current leader's.
+
+        A deposed beat leader (paused, partitioned) may still publish a tick after a new
+        leader was elected; this layer runs it only if its term is still current.
+        ``True`` to return without running (direct calls); else ends the run, ignored.
+        """
+        current = stale_tick_term(tick, leader)
+        if current is None:
+            return False
+        request = self.request
+        log.warning(
+            "task %s[%s] refused: beat tick %s of %r was sent under term %s, but the "
+            "current leader's term is %s",
+            self.name,
+            request.id,
+            tick.tick,
+            tick.election,
+            tick.term,
+            current,
+        )
+        if request.called_directly or request.id is None:
+            return True
+        self.update_state(
+            task_id=request.id,
+            state=STALE_TICK,
+            meta={
+                "election": tick.election,
+                "tick": tick.tick,
+                "term": tick.term,
+                "current_term": current,
+            },
+        )
+        raise Ignore()
+
     # -- conflicts (no I/O except Celery's own) ------------------------------------------
 
     def _conflict(self, name: str, held: LockHeld, *, final: bool) -> bool:
@@ -382,15 +498,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         request = self.request
         holder_id = held.holder.owner.task_id if held.holder is not None else None
-        who = held.holder.describe() if held.holder is not None else "another holder"
+        if held.holder is not None:
+            who = held.holder.describe()
+        elif self.lock_limit > 1:
+            who = f"others (all {self.lock_limit} permits are taken)"
+        else:
+            who = "another holder"
         if (
             request.id is not None
             and holder_id == request.id
-            and self.on_conflict
-            in (
-                "skip",
-                "raise",
-            )
+            and self.on_conflict in ("skip", "raise")
         ):
             # The same task id holds the key: this is a second delivery of a message that
             # is still running (acks_late redelivery). Record nothing: the id's state
@@ -429,11 +546,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         if request.called_directly or request.id is None:
             return True
-        self.update_state(
-            task_id=request.id,
-            state=SKIPPED,
-            meta={"lock": name, "holder_task_id": holder_id, "holder": who},
-        )
+        meta: dict[str, Any] = {"lock": name, "holder_task_id": holder_id, "holder": who}
+        if self.lock_limit > 1:
+            meta["limit"] = self.lock_limit
+        self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
         raise Ignore()
 
 
@@ -449,12 +565,15 @@ def singleton_task(
     backend: str | Backend | None = None,
     retry_countdown: float = 1.0,
     enqueue_ttl: float | None = None,
+    limit: int = 1,
     app: Any = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
 ) -> Any:
     """Register a Celery task whose runs hold the lock ``key`` (see ``README``).
 
+    ``limit=N`` allows up to N runs of one key at once (a :class:`~task_locks.Semaphore`
+    named by the key; ``on_conflict`` applies when all N permits are taken).
     Usable bare (``@singleton_task``) or with options; with ``app=`` it registers on that
     app (``app.task``), else it is a ``shared_task``. Other keyword arguments are ordinary
     task options (``bind``, ``max_retries``, ``acks_late``, ``soft_time_limit``...). Bad
@@ -479,6 +598,7 @@ def singleton_task(
             wait_timeout=wait_timeout,
             retry_countdown=retry_countdown,
             enqueue_ttl=enqueue_ttl,
+            limit=limit,
         )
         options: dict[str, Any] = {
             **task_options,
@@ -492,6 +612,7 @@ def singleton_task(
             "lock_backend": backend,
             "retry_countdown": retry_countdown,
             "enqueue_ttl": enqueue_ttl,
+            "lock_limit": limit,
         }
         register = shared_task if app is None else app.task
         return register(**options)(function)
@@ -522,6 +643,15 @@ def park_for_retry(lease: AnyLease, countdown: float, ttl: float) -> None:
     _parked_for_retry[lease] = max(0.0, countdown) + ttl
 
 
+def _beat_tick(request: Any) -> BeatTick | None:
+    """The beat tick a running message carries; one attribute look-up for the others."""
+    if getattr(request, ELECTION_HEADER, None) is None:
+        headers = getattr(request, "headers", None)
+        if not headers or ELECTION_HEADER not in headers:
+            return None
+    return beat_tick(request)
+
+
 def _message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
     """``(args, kwargs)`` of a task message body (protocol 2 tuple or protocol 1 dict)."""
     if isinstance(body, dict):
@@ -533,6 +663,7 @@ __all__ = [
     "LOCK_ON",
     "ON_CONFLICT",
     "SKIPPED",
+    "STALE_TICK",
     "TOKEN_HEADER",
     "DuplicateTask",
     "SingletonTask",

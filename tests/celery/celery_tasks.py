@@ -39,6 +39,8 @@ app.conf.update(
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },
+    # Where a beat election lives: singleton tasks read its term to refuse stale ticks.
+    task_locks_beat_backend=LOCKS,
 )
 store = redis.Redis.from_url(LOCKS)
 
@@ -167,6 +169,32 @@ def both_retrying_task(self: Any, key: str, log: str, countdown: float) -> str:
 def redelivered_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
     """Runs past the broker's visibility_timeout, so Redis delivers it a second time."""
     return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=60, limit=2)
+def limited_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """At most two runs of one key at once; records its interval and its permit."""
+    permit = current_lease()
+    start = time.time()
+    time.sleep(seconds)
+    fields = {
+        "start": start,
+        "end": time.time(),
+        "task_id": self.request.id,
+        "lease_type": type(permit).__name__,
+        "slot": getattr(permit, "slot", None),
+        "fence": permit.fence if permit else None,
+    }
+    record(log, **fields)
+    return fields
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise", limit=2)
+def limited_hold_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """Holds one of two permits for a long time (ttl=60): killing it must free it sooner."""
+    record(log, event="started", task_id=self.request.id)
+    time.sleep(seconds)
+    return "finished"
 
 
 @singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=60)

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from task_locks import InvalidArgument, Lock, LockHeld
+from task_locks import InvalidArgument, Lease, Lock, LockHeld, Semaphore
 from task_locks.celery import SingletonTask, current_lease, singleton_task
+from task_locks.semaphore import Permit
 
 
 @pytest.fixture
@@ -49,6 +50,14 @@ def app() -> Iterator[Celery]:
         ({"max_hold": 0}, "max_hold must be a finite number of seconds > 0"),
         ({"wait_timeout": -1}, "wait_timeout"),
         ({"retry_countdown": 0}, "retry_countdown"),
+        ({"limit": 0}, "limit must be a whole number of runs from 1 to 1024, got 0"),
+        ({"limit": -2}, "limit must be a whole number of runs from 1 to 1024, got -2"),
+        ({"limit": 2.5}, "limit must be a whole number of runs from 1 to 1024, got 2.5"),
+        ({"limit": True}, "limit must be a whole number of runs from 1 to 1024, got True"),
+        ({"limit": "3"}, "limit must be a whole number of runs from 1 to 1024, got '3'"),
+        ({"limit": 5000}, "limit must be a whole number of runs from 1 to 1024, got 5000"),
+        ({"limit": 2, "lock_on": "enqueue"}, "limit=2 needs lock_on='run', got 'enqueue'"),
+        ({"limit": 3, "lock_on": "both"}, "limit=3 needs lock_on='run', got 'both'"),
     ],
 )
 def test_bad_definitions_raise_at_definition_time(
@@ -186,3 +195,66 @@ def test_bare_decorator_registers_a_shared_task() -> None:
     assert isinstance(nightly._get_current_object(), SingletonTask)
     assert nightly.lock_name("mon").startswith(f"{nightly.name}:")
     assert nightly.on_conflict == "skip" and nightly.lock_on == "run"
+
+
+# -- limit=N (issue 9) ------------------------------------------------------------------------
+
+
+def test_limit_one_is_a_plain_lock_named_by_the_key(app: Celery, redis_url: str) -> None:
+    seen: dict[str, Any] = {}
+
+    @singleton_task(app=app, shared=False, key="one:{n}", ttl=5, backend=redis_url, limit=1)
+    def job(n: int) -> None:
+        seen["lease"] = current_lease()
+        seen["holder"] = Lock("one:1", backend=redis_url).holder()
+
+    job(1)
+    assert type(seen["lease"]) is Lease and seen["lease"].name == "one:1"
+    assert seen["holder"] is not None and seen["holder"].fence == seen["lease"].fence
+    assert job.lock_limit == 1 and job.lock_name(1) == "one:1"
+
+
+@pytest.mark.parametrize("on_conflict", ["skip", "raise"])
+def test_limit_n_runs_beside_n_minus_one_holders_and_not_beside_n(
+    app: Celery, redis_url: str, on_conflict: str
+) -> None:
+    """Direct calls take a permit of the semaphore named by the key, as a worker would."""
+
+    @singleton_task(
+        app=app, shared=False, key="exports:{tenant}", ttl=5, backend=redis_url,
+        limit=3, on_conflict=on_conflict,
+    )  # fmt: skip
+    def export(tenant: str) -> tuple[str, int]:
+        permit = current_lease()
+        assert isinstance(permit, Permit)
+        return permit.semaphore, permit.limit
+
+    others = Semaphore("exports:acme", limit=3, ttl=5, backend=redis_url)
+    first, second = others.acquire(timeout=0), others.acquire(timeout=0)
+    try:
+        assert export("acme") == ("exports:acme", 3)  # the third permit was free
+        third = others.acquire(timeout=0)
+        if on_conflict == "raise":
+            with pytest.raises(LockHeld, match="all 3 permits are taken"):
+                export("acme")
+        else:
+            assert export("acme") is None  # skipped
+        assert export("globex") == ("exports:globex", 3)  # another key, its own permits
+        third.release()
+    finally:
+        first.release()
+        second.release()
+    assert others.holders() == []
+
+
+def test_async_task_with_a_limit_runs_under_an_async_permit(app: Celery, redis_url: str) -> None:
+    @singleton_task(app=app, shared=False, key="render:{n}", ttl=5, backend=redis_url, limit=2)
+    async def render(n: int) -> tuple[str, str, int]:
+        permit = current_lease()
+        assert permit is not None
+        held = Semaphore("render:1", limit=2, backend=redis_url).holders()
+        return type(permit).__name__, permit.name, len(held)
+
+    kind, name, held = render(1)
+    assert kind == "AsyncPermit" and name.startswith("semaphore:render:1#") and held == 1
+    assert Semaphore("render:1", limit=2, backend=redis_url).holders() == []

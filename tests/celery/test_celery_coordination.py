@@ -1,0 +1,129 @@
+"""Issue 9 in real ``celery worker`` processes: ``limit=N`` and stale beat ticks.
+
+- ``@singleton_task(..., limit=2)``: at most two runs of one key at once (interval log),
+  every call runs, and a killed holder's permit comes back within seconds.
+- A message stamped by the HA beat scheduler (``task_locks_election``/``_term``/``_tick``
+  headers) runs only if its term is still the current leader's; an older term is refused
+  in state ``STALE_TICK``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+from servers import wait_until
+
+from task_locks import Election, get_backend
+from task_locks.celery import SKIPPED, STALE_TICK
+from task_locks.celery.beat import ELECTION_HEADER, TERM_HEADER, TICK_HEADER
+from task_locks.semaphore import slot_name
+
+pytestmark = pytest.mark.slow
+
+
+def most_inside_at_once(runs: list[dict[str, Any]]) -> int:
+    """The largest number of recorded ``[start, end)`` intervals that overlap."""
+    events = sorted(
+        [(run["start"], 1) for run in runs] + [(run["end"], -1) for run in runs],
+        key=lambda event: (event[0], event[1]),  # an end before a start at the same instant
+    )
+    inside = most = 0
+    for _when, step in events:
+        inside += step
+        most = max(most, inside)
+    return most
+
+
+def permits_held(cluster: Any, key: str, limit: int) -> list[Any]:
+    backend = get_backend(cluster.locks_url)
+    found = (backend.holder(slot_name(key, index)) for index in range(limit))
+    return [holder for holder in found if holder is not None]
+
+
+# -- limit=N: at most N of a key at once ---------------------------------------------------------
+
+
+def test_limit_two_runs_all_calls_never_more_than_two_inside(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any
+) -> None:
+    """8 calls with ``on_conflict="wait"`` on 6 worker processes: two at a time, all run."""
+    log = f"log:{key}"
+    results = [cluster.tasks.limited_task.delay(key, log, 0.3) for _ in range(8)]
+    for result in results:
+        assert result.get(timeout=60)["task_id"] == result.id
+    runs = intervals(log)
+    assert len(runs) == 8
+    assert most_inside_at_once(runs) == 2  # the limit is reached, and never passed
+    assert {run["lease_type"] for run in runs} == {"Permit"}  # current_lease() is the permit
+    assert {run["slot"] for run in runs} == {0, 1}
+    assert permits_held(cluster, f"t:{key}", 2) == []  # every permit came back
+
+
+def test_a_killed_permit_holder_frees_its_permit_within_3s(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any
+) -> None:
+    """``revoke(terminate=True, signal="SIGKILL")``: the child never reaches its ``finally``;
+    the worker's main process frees the permit (ttl=60) and the other one stays held."""
+    log = f"log:{key}"
+    tasks = cluster.tasks
+    first = tasks.limited_hold_task.delay(key, log, 30)
+    second = tasks.limited_hold_task.delay(key, log, 30)
+    wait_until(
+        lambda: len(permits_held(cluster, f"t:{key}", 2)) == 2, 10, "both permits to be held"
+    )
+    third = tasks.limited_hold_task.delay(key, log, 0)  # on_conflict="raise": no permit left
+    with pytest.raises(Exception, match="all 2 permits"):
+        third.get(timeout=20)
+    began = time.monotonic()
+    first.revoke(terminate=True, signal="SIGKILL")
+    wait_until(
+        lambda: {h.owner.task_id for h in permits_held(cluster, f"t:{key}", 2)} == {second.id},
+        3.0,
+        "the killed task's permit to come back",
+    )
+    assert time.monotonic() - began < 3.0
+    second.revoke(terminate=True, signal="SIGKILL")
+    wait_until(lambda: not permits_held(cluster, f"t:{key}", 2), 3.0, "all permits free")
+
+
+# -- stale beat ticks: a message sent under an old term is refused ------------------------------
+
+
+def beat_headers(election: str, term: int) -> dict[str, Any]:
+    return {ELECTION_HEADER: election, TERM_HEADER: term, TICK_HEADER: f"test@{term}"}
+
+
+def test_a_tick_sent_under_an_old_term_is_refused_and_the_current_term_runs(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any
+) -> None:
+    """Two terms of one election: the deposed leader's tick is refused (not run, state
+    ``STALE_TICK``); the current leader's tick runs; with no leader nothing is refused."""
+    name = f"beat-{uuid.uuid4().hex[:8]}"
+    election = Election(name, ttl=10, backend=cluster.locks_url)
+    old = election.campaign(timeout=5)
+    old_term = old.term
+    old.resign()
+    current = election.campaign(timeout=5)
+    assert current.term > old_term
+    task, log = cluster.tasks.skip_task, f"log:{key}"
+    try:
+        stale = task.apply_async((key, log, 0), headers=beat_headers(name, old_term))
+        fresh = task.apply_async((f"{key}b", log, 0), headers=beat_headers(name, current.term))
+        assert fresh.get(timeout=20)["task_id"] == fresh.id
+        wait_until(lambda: stale.state == STALE_TICK, 20, "the stale tick to be refused")
+        assert stale.info == {
+            "election": name,
+            "tick": f"test@{old_term}",
+            "term": old_term,
+            "current_term": current.term,
+        }
+        assert not stale.successful() and stale.state != SKIPPED
+    finally:
+        current.resign()
+    # No leader now (the last one resigned): a tick from the last term is not refused.
+    leaderless = task.apply_async((f"{key}c", log, 0), headers=beat_headers(name, current.term))
+    assert leaderless.get(timeout=20)["task_id"] == leaderless.id
+    assert sorted(run["task_id"] for run in intervals(log)) == sorted([fresh.id, leaderless.id])
