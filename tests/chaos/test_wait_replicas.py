@@ -63,7 +63,14 @@ def test_an_acquire_no_replica_acknowledged_fails_instead_of_counting(master_and
         assert Lock("report", backend=master.url()).holder() is None
     finally:
         replica.resume()
-    with Lock("report", ttl=5, backend=master.url(**WAIT)).acquire(timeout=0) as lease:
+
+    def acquire_once_acknowledged():
+        try:
+            return Lock("report", ttl=5, backend=master.url(**WAIT)).acquire(timeout=0)
+        except BackendUnavailable:  # the resumed replica is still catching up
+            return None
+
+    with wait_until(acquire_once_acknowledged, 10, "the resumed replica to acknowledge") as lease:
         assert lease.fence > 0
 
 
