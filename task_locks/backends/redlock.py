@@ -286,8 +286,9 @@ class _Master:
         return now >= self.vote_after
 
     def describe(self, answer: object, now: float) -> str:
-        if not self.votes(now):
-            return f"{self.address}: restarted, no vote for {self.vote_after - now:.1f}s more"
+        if answer is NO_VOTE or not self.votes(now):
+            more = max(0.0, self.vote_after - now)
+            return f"{self.address}: restarted, no vote for {more:.1f}s more"
         if isinstance(answer, BaseException):
             return f"{self.address}: {answer.__cause__ or answer}"
         return f"{self.address}: {answer!r}"
@@ -409,11 +410,15 @@ class RedlockBackend(Backend):
         return [a if m.votes(now) else NO_VOTE for m, a in zip(self.masters, answers, strict=True)]
 
     def _unavailable(self, name: str | None, what: str, answers: list[Any]) -> BackendUnavailable:
+        """The error for a failed majority; pass the voters the decision was made on, so a
+        quarantine that ended in between is still named."""
         now = time.monotonic()
         failed = [
             m.describe(a, now)
             for m, a in zip(self.masters, answers, strict=True)
-            if not m.votes(now) or (a is not PENDING and isinstance(a, _Silence | BaseException))
+            if a is NO_VOTE
+            or not m.votes(now)
+            or (a is not PENDING and isinstance(a, _Silence | BaseException))
         ]
         subject = f"lock {name!r}" if name else "listing locks"
         return BackendUnavailable(
@@ -491,7 +496,7 @@ class RedlockBackend(Backend):
         yield _Call("release", (name, token), undone, (name, token))
         refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
         if len(won) + len(refused) < self.quorum:
-            raise self._unavailable(name, "cannot acquire", answers)
+            raise self._unavailable(name, "cannot acquire", voters)
         return self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
 
     def _refusal(self, refused: list[AcquireResult], complete: bool) -> AcquireResult:
@@ -565,7 +570,7 @@ class RedlockBackend(Backend):
             lists = yield _Call("holders", (prefix,), self._all_answered)
         voters = self._voters(lists)
         if sum(1 for a in voters if isinstance(a, list)) < self.quorum:
-            raise self._unavailable(prefix or None, "cannot list holders", lists)
+            raise self._unavailable(prefix or None, "cannot list holders", voters)
         seen: dict[tuple[str, str], list[Holder]] = defaultdict(list)
         for answer in voters:
             if isinstance(answer, list):
