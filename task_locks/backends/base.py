@@ -147,7 +147,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        """Take ``name`` for ``token`` if free (or already ours); never wait."""
+        """Take ``name`` for ``token`` if free (or already ours); never wait.
+
+        An acquire for the token that already holds ``name`` (a retry after a lost reply,
+        or a publish-time lock becoming the run lock) must answer the same fence *and*
+        reset the TTL to ``ttl_ms`` and the owner to ``owner``, in the same atomic step:
+        the caller counts its lease from this request's send time, so the server's TTL
+        must not end sooner than that.
+        """
 
     @abc.abstractmethod
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
@@ -162,8 +169,15 @@ class Backend(abc.ABC):
         """The live locks whose name starts with ``prefix``."""
 
     @abc.abstractmethod
-    def force_release(self, name: str) -> bool:
-        """Operator override: delete the lock whoever holds it. ``True`` if one was held."""
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        """Operator override: delete the lock of a holder that is not us.
+
+        ``fence`` is the fence of the holder the operator saw: the lock is deleted only
+        if that holder still holds it, atomically on the server (a lock that changed hands
+        meanwhile is left alone, and ``False`` is returned). ``fence=None`` deletes
+        whoever holds it; no front end does that, since the holder may have changed
+        while the operator was asked. ``True`` if a lock was deleted.
+        """
 
     # -- optional, with a correct default ------------------------------------------
 
@@ -228,8 +242,8 @@ class Backend(abc.ABC):
     async def aholders(self, prefix: str = "") -> list[Holder]:
         return await asyncio.to_thread(self.holders, prefix)
 
-    async def aforce_release(self, name: str) -> bool:
-        return await asyncio.to_thread(self.force_release, name)
+    async def aforce_release(self, name: str, fence: int | None = None) -> bool:
+        return await asyncio.to_thread(self.force_release, name, fence)
 
     async def aholder(self, name: str) -> Holder | None:
         return await asyncio.to_thread(self.holder, name)
