@@ -153,6 +153,23 @@ _OUR_OPTIONS = {
 _GLOB = re.compile(r"([*?\[\]\\])")
 
 
+def _tag(name: str) -> str:
+    """``name`` as a Redis Cluster hash tag: the tag ends at the first ``}``, so a ``}``
+    in a name (or an empty tag) would scatter one lock's keys over several slots.
+
+    ``%`` and ``}`` are percent-encoded; names without them keep their plain keys.
+    """
+    if "%" not in name and "}" not in name:
+        return name
+    return name.replace("%", "%25").replace("}", "%7D")
+
+
+def _untag(tag: str) -> str:
+    if "%" not in tag:
+        return tag
+    return tag.replace("%7D", "}").replace("%25", "%")
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -238,6 +255,11 @@ class RedisBackend(Backend):
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options = {k: query.pop(k) for k in list(query) if k in _OUR_OPTIONS}
         self.prefix = options.get("prefix", "task_locks:")
+        if "{" in self.prefix or "}" in self.prefix:
+            raise InvalidArgument(
+                f"{self.server}: option prefix={self.prefix!r} must not contain '{{' or '}}' "
+                "(the lock name is the key's cluster hash tag)"
+            )
         self.socket_timeout = self._number(options, "socket_timeout", 5.0, positive=True)
         self.connect_timeout = self._number(options, "connect_timeout", 2.0, positive=True)
         self.wait_replicas = int(self._number(options, "wait_replicas", 0))
@@ -362,10 +384,10 @@ class RedisBackend(Backend):
     # -- keys ---------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}{{{name}}}"
+        return f"{self.prefix}{{{_tag(name)}}}"
 
     def _name(self, key: Any) -> str:
-        return _text(key)[len(self.prefix) + 1 : -1]
+        return _untag(_text(key)[len(self.prefix) + 1 : -1])
 
     def _signals(self, names: Sequence[str]) -> list[str]:
         """The lists a release pushes to, one per name: waiters BLPOP them."""
@@ -481,7 +503,7 @@ class RedisBackend(Backend):
         return sorted((h for h in found if h is not None), key=lambda h: h.name)
 
     def _match(self, prefix: str) -> str:
-        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{prefix}") + "*"
+        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{_tag(prefix)}") + "*"
 
     def _forced(self, name: str, released: bool) -> bool:
         if released:

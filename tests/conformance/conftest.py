@@ -25,8 +25,9 @@ from task_locks.backends import get_backend
 
 KINDS = ["memory", "redis", "redlock", "etcd", "etcd-cluster"]
 #: django:// on these DATABASES aliases of tests/django/settings.py (pytest-django's
-#: settings for the whole suite): SQLite always, PostgreSQL when its port answers.
-DJANGO_KINDS = {"django-sqlite": "default", "django-postgres": "pg"}
+#: settings for the whole suite): SQLite always, PostgreSQL and MariaDB/MySQL when their
+#: ports answer.
+DJANGO_KINDS = {"django-sqlite": "default", "django-postgres": "pg", "django-mysql": "mysql"}
 
 
 def _django_params() -> list[object]:
@@ -138,7 +139,11 @@ def etcd_cluster() -> Iterator[EtcdCluster]:
 @pytest.fixture(params=[*KINDS, *_django_params()])
 def deployment(request: pytest.FixtureRequest) -> Deployment:
     """A backend on the session's servers, in a namespace of its own."""
-    kind: str = request.param
+    return build_deployment(request, request.param)
+
+
+def build_deployment(request: pytest.FixtureRequest, kind: str) -> Deployment:
+    """The deployment of ``kind`` (for fixtures that add kinds of their own)."""
     prefix = f"conf-{_unique()}:"
     if kind == "memory":
         url = f"memory://{_unique()}"
@@ -164,6 +169,8 @@ def _django(kind: str) -> Deployment:
     env["TASK_LOCKS_TEST_SQLITE"] = str(connections["default"].settings_dict["NAME"])
     if "pg" in connections.settings:
         env["TASK_LOCKS_TEST_PG"] = str(connections["pg"].settings_dict["NAME"])
+    if "mysql" in connections.settings:
+        env["TASK_LOCKS_TEST_MYSQL"] = str(connections["mysql"].settings_dict["NAME"])
     bad = ["django://no-such-alias", "django://default?bogus=1"]
     return Deployment(kind, f"django://{DJANGO_KINDS[kind]}", bad_urls=bad, env=env)
 
