@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -38,6 +39,7 @@ from .watchdog import AsyncRenewer, ThreadRenewer, async_renewer, thread_renewer
 log = logging.getLogger("task_locks.lock")
 
 MAX_NAME_LENGTH: Final = 512
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
 UNKNOWN_TTL_POLL: Final = 0.5
 #: Shortest wait between attempts: a TTL reported as "0 ms left" must not spin.
@@ -63,6 +65,23 @@ def validate_name(name: object) -> str:
             f"a lock name must be at most {MAX_NAME_LENGTH} characters, got {len(name)}",
             name=name[:40] + "...",
         )
+    # Every backend must store the name as given: no database text column holds NUL, no
+    # server takes a lone surrogate, and control characters would garble listings and logs.
+    control = _CONTROL.search(name)
+    if control:
+        raise InvalidArgument(
+            f"a lock name must not contain control characters, got {control.group()!r} "
+            f"at position {control.start()}",
+            name=name.encode("unicode_escape").decode(),
+        )
+    try:
+        name.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"a lock name must be valid unicode text (UTF-8 encodable): {exc.reason} at "
+            f"position {exc.start}",
+            name=name.encode("unicode_escape").decode(),
+        ) from None
     return name
 
 
