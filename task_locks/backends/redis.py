@@ -331,7 +331,11 @@ class RedisBackend(Backend):
             )
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
-            sentinel = flavour.sentinel.Sentinel(self._hosts(), **common)
+            # The sentinels get the same single quick retry: redis-py's default (three
+            # retries with backoff) made an unreachable sentinel take 8 s to report.
+            sentinel = flavour.sentinel.Sentinel(
+                self._hosts(), sentinel_kwargs=dict(common, retry=retry), **common
+            )
             master = sentinel.master_for(path[0], **kwargs)
             master.task_locks_sentinels = sentinel.sentinels  # closed with the client
             return master
