@@ -189,7 +189,7 @@ class MisconfiguredBackend(Backend):
     def holders(self, prefix: str = "") -> list[Holder]:
         raise self._fail()
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, fence: int | None = None) -> bool:
         raise self._fail(name)
 
 
