@@ -34,6 +34,7 @@ from task_locks.election import LeaderInfo
 from task_locks.ops import (
     Listing,
     changed_hands_message,
+    describe_backend,
     describe_holder,
     describe_role,
     format_duration,
@@ -138,7 +139,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             "opts": self.opts,
             "app_label": self.opts.app_label,
             "title": title,
-            "backend": conf.backend().server,
+            "backend": describe_backend(conf.backend()),
         }
 
     def changelist_view(

@@ -124,6 +124,29 @@ def holder_to_dict(holder: Holder) -> dict[str, Any]:
     }
 
 
+def backend_namespace(backend: Backend) -> str | None:
+    """The prefix ``backend`` puts before every lock name (its URL's ``prefix`` option,
+    else the backend's default); ``None`` for a backend without namespaces (memory)."""
+    prefix = getattr(backend, "prefix", None)
+    if isinstance(prefix, bytes):
+        return prefix.decode(errors="replace")
+    return prefix if isinstance(prefix, str) else None
+
+
+def describe_backend(backend: Backend) -> str:
+    """``redis://127.0.0.1:6379/0 (namespace 'task_locks:')``: where the verbs look.
+
+    Without the password. One lock name is one lock only within one server and namespace,
+    so every listing says which it read.
+    """
+    problem = getattr(backend, "problem", None)
+    if isinstance(problem, str):  # django_app.conf.MisconfiguredBackend
+        return f"misconfigured ({problem})"
+    namespace = backend_namespace(backend)
+    where = "no namespace" if namespace is None else f"namespace {namespace!r}"
+    return f"{backend.server} ({where})"
+
+
 # -- elections and semaphores among the holders ----------------------------------------
 
 
@@ -369,15 +392,22 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def add_verbs(parser: argparse.ArgumentParser) -> Any:
-    """Add the ``list``/``show``/``release``/``run`` subcommands; returns the subparsers."""
+def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
+    """Add the ``list``/``show``/``release``/``run`` subcommands; returns the subparsers.
+
+    ``where`` (:func:`describe_backend`'s line) ends every ``--help``, so the operator
+    sees which server and namespace the verbs act on before running them.
+    """
+    epilog = f"backend: {where}" if where else None
+    if epilog:
+        parser.epilog = epilog
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    p = verbs.add_parser("list", help="list the live locks (a table, or --json)")
+    p = verbs.add_parser("list", help="list the live locks (a table, or --json)", epilog=epilog)
     p.add_argument("prefix", nargs="?", default="", metavar="PREFIX")
     p.add_argument("--json", action="store_true", dest="as_json", help="one JSON array")
 
-    p = verbs.add_parser("show", help="show who holds one lock")
+    p = verbs.add_parser("show", help="show who holds one lock", epilog=epilog)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--json", action="store_true", dest="as_json")
 
@@ -389,6 +419,7 @@ def add_verbs(parser: argparse.ArgumentParser) -> Any:
         f"{EX_NOT_HELD} when not held or not confirmed, {EX_CHANGED_HANDS} when the lock "
         "changed hands meanwhile (nothing released: look again), "
         f"{EX_UNAVAILABLE} when the backend cannot be reached.",
+        epilog=epilog,
     )
     p.add_argument("name", metavar="NAME")
     p.add_argument("--force", action="store_true", help="required: says you mean it")
@@ -399,6 +430,7 @@ def add_verbs(parser: argparse.ArgumentParser) -> Any:
         help="run a program under the lock, like flock(1) for the whole cluster",
         description="Take the lock, run CMD while renewing it, release it when CMD ends, "
         f"and exit with CMD's status ({EX_TEMPFAIL} if the lock is held elsewhere).",
+        epilog=epilog,
     )
     p.add_argument("name", metavar="NAME")
     p.add_argument("--ttl", type=_positive_seconds, default=None, help="seconds")
@@ -695,6 +727,8 @@ def run_verb(
 ) -> int:
     """Dispatch one parsed verb; backend errors become a message and status 69."""
     verb = options["verb"]
+    if verb in ("list", "show"):  # on stderr: stdout stays the table or the JSON
+        err.write(f"backend: {describe_backend(backend)}\n")
     try:
         if verb == "list":
             return cmd_list(backend, options.get("prefix") or "", options["as_json"], out)
@@ -742,6 +776,7 @@ __all__ = [
     "Listing",
     "add_verbs",
     "ask",
+    "backend_namespace",
     "changed_hands_message",
     "cmd_list",
     "cmd_release",
@@ -749,6 +784,7 @@ __all__ = [
     "cmd_show",
     "conflict_holder",
     "conflict_message",
+    "describe_backend",
     "describe_holder",
     "describe_role",
     "election_to_dict",
