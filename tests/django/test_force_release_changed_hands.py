@@ -6,7 +6,7 @@ release must then be refused, atomically on the server (``force_release(name, fe
 the new holder keep its lock, and the refusal be reported and audited, never a "forced"
 event naming someone who was not freed.
 
-The hand-over happens for real (holder A releases, holder B acquires on the real server)
+Every test runs on Redis and on the ``django://`` backend. The hand-over happens for real (holder A releases, holder B acquires on the real server)
 at the moment the question is asked: on a terminal (a pty) for the subprocess tests, in
 the confirm callback in-process, and between the admin's read and its release through a
 thin wrapper around the real backend (the only way to place an HTTP request's two backend
@@ -60,11 +60,22 @@ class HandOver:
         return None if holder is None else holder.fence
 
 
+#: Every test runs on Redis and on the database (the ``django://`` backend, SQLite).
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(params=["redis", "django"])
+def backend_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    return "django://default"
+
+
 @pytest.fixture
-def hand_over(redis_url: str) -> Iterator[HandOver]:
+def hand_over(backend_url: str) -> Iterator[HandOver]:
     with owner_context(command="holder A"):
-        a = Lock(NAME, ttl=30, backend=redis_url).acquire()
-    handing = HandOver(redis_url, a)
+        a = Lock(NAME, ttl=30, backend=backend_url).acquire()
+    handing = HandOver(backend_url, a)
     yield handing
     for lease in (handing.a, handing.b):
         if lease is not None and lease.held:
@@ -172,7 +183,6 @@ def test_cli_release_on_a_terminal_refuses_a_lock_that_changed_hands(
     assert hand_over.holder_fence() == hand_over.b.fence, "B still holds"
 
 
-@pytest.mark.django_db(transaction=True)
 def test_manage_py_release_on_a_terminal_refuses_a_lock_that_changed_hands(
     hand_over: HandOver,
 ) -> None:
@@ -192,7 +202,6 @@ def test_manage_py_release_on_a_terminal_refuses_a_lock_that_changed_hands(
     assert f"fence {hand_over.a.fence}" in refused.detail and "refused" in refused.detail
 
 
-@pytest.mark.django_db(transaction=True)
 def test_manage_py_release_frees_and_audits_the_holder_it_showed(hand_over: HandOver) -> None:
     status, output = on_a_terminal(
         [sys.executable, str(MANAGE), "locks", "release", NAME, "--force"],
@@ -205,10 +214,10 @@ def test_manage_py_release_frees_and_audits_the_holder_it_showed(hand_over: Hand
     assert (forced.fence, forced.owner_data["command"]) == (hand_over.a.fence, "holder A")
 
 
-def test_manage_py_help_documents_the_changed_hands_status(redis_url: str) -> None:
+def test_manage_py_help_documents_the_changed_hands_status() -> None:
     proc = subprocess.run(
         [sys.executable, str(MANAGE), "locks", "release", "--help"],
-        env=subprocess_env(redis_url),
+        env=subprocess_env("django://default"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -221,12 +230,12 @@ def test_manage_py_help_documents_the_changed_hands_status(redis_url: str) -> No
 
 
 @pytest.fixture
-def operator(client: Client, redis_settings: str) -> Client:
+def operator(client: Client, backend_url: str, settings: Any) -> Client:
+    settings.TASK_LOCKS = {"BACKEND": backend_url}
     client.force_login(staff("ops", "view_lockholder", "force_release_lock", "view_lockevent"))
     return client
 
 
-@pytest.mark.django_db(transaction=True)
 def test_admin_confirmation_carries_the_fence_not_the_token_and_refuses_a_new_holder(
     operator: Client, hand_over: HandOver
 ) -> None:
@@ -267,7 +276,6 @@ class _HandsOverAfterReading:
         return getattr(self.real, attribute)
 
 
-@pytest.mark.django_db(transaction=True)
 def test_admin_release_is_conditional_on_the_server_not_only_on_a_prior_read(
     operator: Client, hand_over: HandOver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,7 +289,6 @@ def test_admin_release_is_conditional_on_the_server_not_only_on_a_prior_read(
     assert not LockEvent.objects.filter(kind="forced").exists()
 
 
-@pytest.mark.django_db(transaction=True)
 def test_admin_refuses_a_post_without_a_fence(operator: Client, hand_over: HandOver) -> None:
     done = operator.post(FORCE, {"name": NAME}, follow=True)
     assert done.status_code == 200
