@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
-from django_helpers import ROOT, finish, manage
+from django.test import Client
+from django_helpers import ROOT, finish, manage, staff
 from servers import wait_until
 
 from django_app import conf
@@ -218,3 +219,14 @@ def test_manage_py_locks_help_and_list_name_backend_and_namespace(
     err_buffer = io.StringIO()
     call_command("locks", "list", stdout=io.StringIO(), stderr=err_buffer)
     assert "namespace 'shop:'" in err_buffer.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_holders_page_names_backend_and_namespace(
+    client: Client, redis_settings: str, settings: object
+) -> None:
+    settings.TASK_LOCKS = {"BACKEND": redis_settings, "KEY_PREFIX": "shop:"}  # type: ignore[attr-defined]
+    client.force_login(staff("viewer", "view_lockholder"))
+    page = client.get("/admin/task_locks/lockholder/")
+    assert page.status_code == 200
+    assert "namespace &#x27;shop:&#x27;" in page.text and redis_settings in page.text
