@@ -214,11 +214,12 @@ def namespace_problem(url: str) -> str | None:
     if not env or env == url:
         return None
     try:
-        if lock_space(env) == lock_space(url) and _namespace(env) == _namespace(url):
-            return None
-        ours, theirs = _namespace(url), _namespace(env)
+        theirs = _namespace(env)
     except (LockError, ValueError) as exc:
         return f"${ENV_URL} ({redact_url(env)}) is not a usable backend URL: {exc}"
+    ours = _namespace(url)  # a bad url raises InvalidArgument, as get_backend(url) would
+    if lock_space(env) == lock_space(url) and theirs == ours:
+        return None
     return (
         f"{SETTING} locks on {redact_url(url)} (namespace {ours!r}) but ${ENV_URL}, which "
         f"the task-locks CLI uses, is {redact_url(env)} (namespace {theirs!r}): the same "
@@ -305,10 +306,11 @@ def backend() -> Backend:
     """
     try:
         url = lock_settings().backend_url
+        chosen = get_backend(url)
         problem = namespace_problem(url)
         if problem is not None:
             return MisconfiguredBackend(problem)
-        return get_backend(url)
+        return chosen
     except (ImproperlyConfigured, InvalidArgument) as exc:
         return MisconfiguredBackend(str(exc))
 

@@ -144,6 +144,20 @@ def test_django_refuses_a_namespace_other_than_task_locks_url(
     assert not isinstance(conf.backend(), MisconfiguredBackend)
 
 
+def test_an_unusable_task_locks_url_is_blamed_and_a_bad_backend_is_e001(
+    settings: object, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASK_LOCKS_URL", "nosuch://x")
+    settings.TASK_LOCKS = {"BACKEND": redis_url}  # type: ignore[attr-defined]
+    [message] = check_settings()
+    assert message.id == "task_locks.E005" and "$TASK_LOCKS_URL (nosuch://x)" in message.msg
+    monkeypatch.setenv("TASK_LOCKS_URL", redis_url)
+    settings.TASK_LOCKS = {"BACKEND": "nosuch://y"}  # type: ignore[attr-defined]
+    assert check_ids() == ["task_locks.E001"]
+    problem = getattr(conf.backend(), "problem", "")
+    assert "unknown lock backend scheme" in problem and "TASK_LOCKS_URL" not in problem
+
+
 def test_django_backend_defaults_to_task_locks_url(
     settings: object, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
