@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,10 +267,21 @@ def _run_blocks(spec: Path, results_file: Path) -> None:
     app.conf.task_always_eager = True
     app.conf.task_eager_propagates = True
 
+    @contextlib.contextmanager
+    def without_env_url() -> Iterator[None]:
+        saved = os.environ.pop("TASK_LOCKS_URL", None)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.environ["TASK_LOCKS_URL"] = saved
+
     def exercise(namespace: dict[str, Any], out: io.StringIO) -> None:
         module = namespace["__name__"]
         if isinstance(namespace.get("TASK_LOCKS"), dict):
-            with override_settings(TASK_LOCKS=namespace["TASK_LOCKS"]):
+            # Checked as written, in a project without TASK_LOCKS_URL: with the variable
+            # set, a BACKEND that differs from it is refused (task_locks.E005).
+            with override_settings(TASK_LOCKS=namespace["TASK_LOCKS"]), without_env_url():
                 problems = checks.check_settings()
             assert not problems, f"TASK_LOCKS fails the system checks: {problems}"
         if isinstance(namespace.get("LOGGING"), dict):
