@@ -10,14 +10,25 @@ when the acquire failed, so the protocol below is ours.
 
 - **acquire**: grant a lease of ``ceil(ttl)`` seconds, then one transaction: if the key's
   ``create_revision == 0`` (absent), put our value (token, owner, lease) with that lease;
-  else read the holder. A failed acquire revokes its lease at once instead of leaking
-  it, and reports the holder's remaining lease TTL so the caller knows how long to wait.
+  else read the holder. Held by someone else: the attempt revokes its lease at once
+  instead of leaking it, and reports the holder's remaining lease TTL so the caller
+  knows how long to wait. Held by our own token with *our* lease: our write went through
+  and only its reply was lost (the transaction was retried on another endpoint), so the
+  lease is kept, never revoked. Held by our token with another lease (a publish-time
+  lock becoming the run lock): a compare-and-swap on create_revision and value moves the
+  key onto the fresh lease with the new owner, which resets the TTL and keeps the fence.
+  Every put carries a lease, so no key is ever left without an expiry.
 - **renew**: lease keep-alive; an answer without a TTL (or TTL 0) means the lease is
   gone. A keep-alive alone proves nothing about the key, so ownership is then checked by
   a transaction comparing the key's ``create_revision`` with ours before the renewal is
   reported (one transaction for a whole batch; a batch that fails is read back per key).
 - **release**: a transaction deleting the key only if its ``create_revision`` and value
-  are still ours, then a lease revoke.
+  are still ours, then a lease revoke. A lost reply is retried on the next endpoint; a
+  retry that finds the key gone cannot tell our delete from an expiry, and raises
+  :class:`~task_locks.errors.BackendUnavailable` rather than guess.
+- **force release**: a transaction deleting the key only if its ``create_revision`` is
+  the fence the operator saw; the holder's lease (from the delete's ``prev_kv``) is
+  revoked only when that delete happened. Lost replies as for release.
 - **wait**: a watch on the key (DELETE events only) from the revision at which we saw it
   held, so a release between our failed acquire and the watch is not missed; it ends at
   the first event or after the timeout.
@@ -25,12 +36,15 @@ when the acquire failed, so the protocol below is ours.
 
 Every request has a short timeout (``timeout``, default 2 s). A request that could not
 even be delivered (connection refused) moves on to the next endpoint; reads, lease
-calls and the acquire transaction (idempotent: a retry finds our own token) also move on
-after other transport errors. Errors from ``requests``/``etcd3gw`` become
+calls, the acquire transaction (a retry finds our own token and lease) and the deletes
+of release and force release (a retry that finds nothing to delete says it cannot
+tell) also move on after other transport errors. Errors from ``requests``/``etcd3gw`` become
 :class:`~task_locks.errors.BackendUnavailable` (or :class:`~task_locks.errors.LockError`
 for a refused request) here.
 
-Limits: lease TTLs are whole seconds (rounded up) and the server enforces a minimum
+Limits: lease TTLs are whole seconds (rounded up), at most :data:`MAX_LEASE_SECONDS`
+(etcd's own maximum, about 285 years: a longer TTL is refused before anything is
+written), and the server enforces a minimum
 (1.5 election timeouts rounded up: 2 s with etcd's defaults); the leader checks expiry
 about every 500 ms, so a dead holder's lock ends within ``ceil(ttl)`` + 0.5 s; a new
 leader restarts every lease's TTL, so a leader change can lengthen (never shorten) a
@@ -612,4 +626,4 @@ class EtcdBackend(Backend):
         self._pid = -1
 
 
-__all__ = ["EtcdBackend"]
+__all__ = ["MAX_LEASE_SECONDS", "EtcdBackend"]
