@@ -329,6 +329,7 @@ def test_acquire_whose_reply_is_lost_is_retried_and_really_held(rig: Rig) -> Non
 TARGETS = [
     ("acquire", "/lease/grant"),
     ("acquire", "/kv/txn"),
+    ("acquire_held", "/kv/txn"),  # the lock is someone else's: refused, theirs untouched
     ("renew", "/lease/keepalive"),
     ("renew", "/kv/txn"),
     ("release", "/kv/txn"),
@@ -373,6 +374,11 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
         lease = granted(Lock(name, ttl=TTL, backend=client, renew=False).acquire(timeout=5))
         # Every cell leaves two endpoints up: the acquire must end up really held.
         subject = lease
+    elif operation == "acquire_held":
+        subject = granted(Lock(name, ttl=TTL, backend=direct, renew=False).acquire(timeout=2))
+        fired = aim_fault(client, rig.proxy, path, fault, delay)
+        told = _outcome(Lock(name, ttl=TTL, backend=client, renew=False).try_acquire)
+        assert told == "None", f"try_acquire of a held lock answered {told}"
     elif operation in ("renew", "release"):
         lease = granted(Lock(name, ttl=TTL, backend=client, renew=False).acquire(timeout=2))
         fired = aim_fault(client, rig.proxy, path, fault, delay)
