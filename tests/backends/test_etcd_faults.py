@@ -317,7 +317,7 @@ def test_acquire_whose_reply_is_lost_is_retried_and_really_held(rig: Rig) -> Non
     assert kv is not None, "acquire() returned a lease, but etcd has no key"
     assert rig.token_of(kv) == lease.token
     assert int(kv["create_revision"]) == lease.fence
-    rival = Lock("lost-reply", ttl=30, backend=rig.backend(proxied=False))
+    rival = Lock("lost-reply", ttl=30, backend=rig.backend(proxied=False, timeout=2.0))
     assert rival.try_acquire() is None, "a second client acquired the lock at once"
     lease.release()
     assert rig.key("lost-reply") is None
@@ -357,7 +357,7 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
     timeout = DELAYED + 1.0 if fault == "delay_reply" else TIMEOUT
     delay = {"delay_reply": DELAYED, "late_request": LATE}.get(fault, 0.0)
     client = rig.backend(proxied=True, timeout=timeout)
-    direct = rig.backend(proxied=False)
+    direct = rig.backend(proxied=False, timeout=2.0)  # no fault here: patient
     name = "cell"
     rival = Lock(name, ttl=TTL, backend=direct)
     fences: list[int] = []
