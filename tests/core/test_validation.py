@@ -94,7 +94,7 @@ def test_a_lock_without_any_configured_backend_says_how_to_configure_one(
     from task_locks.errors import NotConfigured
 
     monkeypatch.delenv("TASK_LOCKS_URL", raising=False)
-    lock = driver.lock("nightly", ttl=5)  # made at import time, configured later: fine
+    lock = driver.lock_class("nightly", ttl=5)  # made at import, configured later: fine
     with pytest.raises(NotConfigured) as caught:
         driver.call(lock.acquire, timeout=0)
     assert isinstance(caught.value, LockError) and caught.value.name == "nightly"
