@@ -102,7 +102,8 @@ def test_a_lock_without_any_configured_backend_says_how_to_configure_one(
     for hint in ("configure(backend=", "TASK_LOCKS_URL", "TASK_LOCKS['BACKEND']"):
         assert hint in message
     configure(backend="memory://configured-later")
-    driver.call(lock.acquire, timeout=0).release()
+    lease = driver.call(lock.acquire, timeout=0)
+    driver.call(lease.release)
 
 
 def test_an_empty_task_locks_url_is_not_a_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
