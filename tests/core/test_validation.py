@@ -126,3 +126,12 @@ def test_require_refuses_unknown_capability_names_at_construction(driver: SyncDr
     assert "['consenus', 'x']" in message
     assert str(sorted(CAPABILITIES)) in message
     driver.lock_class("valid", ttl=5, backend=NOWHERE, require={"fencing", "consensus"})
+
+
+def test_semaphore_require_refuses_unknown_capability_names_at_construction() -> None:
+    from task_locks.semaphore import AsyncSemaphore, Semaphore
+
+    for semaphore in (Semaphore, AsyncSemaphore):
+        with pytest.raises(InvalidArgument, match=r"unknown capabilities.*\['teleport'\]"):
+            semaphore("valid", 2, ttl=5, backend=NOWHERE, require={"fencing", "teleport"})
+        semaphore("valid", 2, ttl=5, backend=NOWHERE, require={"fencing"})
