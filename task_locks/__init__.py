@@ -15,6 +15,7 @@ from .errors import (
     LockHeld,
     LockLost,
     MissingCapability,
+    NotConfigured,
     NotOwned,
     StaleFence,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "LockHeld",
     "LockLost",
     "MissingCapability",
+    "NotConfigured",
     "NotOwned",
     "Owner",
     "Semaphore",

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Generator
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
-from .backends.base import Backend
+from .backends.base import CAPABILITIES, Backend
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
@@ -440,6 +440,13 @@ class _LockBase:
         self.on_lost = on_lost
         self.renew = renew
         self.require = frozenset(require)
+        unknown = self.require - CAPABILITIES  # a typo must not pass as "nothing required"
+        if unknown:
+            raise InvalidArgument(
+                f"lock {self.name!r}: unknown capabilities in require=: {sorted(unknown)}; "
+                f"known: {sorted(CAPABILITIES)}",
+                name=self.name,
+            )
         if isinstance(backend, str):
             backend = resolve_backend(backend)  # a bad URL fails here, not at acquire
         self._backend = backend
@@ -447,7 +454,7 @@ class _LockBase:
 
     @property
     def backend(self) -> Backend:
-        backend = resolve_backend(self._backend)
+        backend = resolve_backend(self._backend, name=self.name)
         if self.require:
             missing = backend.missing(self.require)
             if missing:

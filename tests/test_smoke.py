@@ -21,6 +21,7 @@ def test_public_surface_is_sorted_and_complete() -> None:
         "NotOwned",
         "StaleFence",
         "BackendUnavailable",
+        "NotConfigured",
     ]:
         assert name in task_locks.__all__
         assert hasattr(task_locks, name)
