@@ -20,7 +20,6 @@ import logging
 import random
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
-from contextvars import ContextVar
 from typing import Any, Final
 
 from celery import Task, shared_task
@@ -28,6 +27,7 @@ from celery.exceptions import Ignore
 
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
+from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
@@ -56,19 +56,8 @@ LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
 TOKEN_HEADER: Final = "task_locks_token"
 
-AnyLease = Lease | AsyncLease
-_current: ContextVar[AnyLease | None] = ContextVar("task_locks_current_lease", default=None)
 #: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
 _parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
-
-
-def current_lease() -> AnyLease | None:
-    """The lease of the singleton task running in this thread / asyncio task, if any.
-
-    Pass ``lease.fence`` to the resources the task writes; check ``lease.lost`` (or call
-    ``lease.check()``) before acting when the work is long.
-    """
-    return _current.get()
 
 
 class DuplicateTask(LockHeld):
