@@ -40,6 +40,7 @@ PUBLIC_MODULES = [
     "task_locks.errors",
     "task_locks.fencing",
     "task_locks.keys",
+    "task_locks.peers",
     "task_locks.semaphore",
     "django_app.commands",
     "django_app.fencing",
