@@ -43,6 +43,7 @@ from .beat import (
     stale_tick_term,
 )
 from .keys import KeySpec, TaskKey
+from .options import call_options, for_this_call, with_lock_options
 from .registry import live_leases
 
 log = logging.getLogger("task_locks.celery")
@@ -222,13 +223,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         shadow: Any = None,
         **options: Any,
     ) -> Any:
-        """Publish; a duplicate dropped at enqueue returns the queued task's result handle."""
+        """Publish; a duplicate dropped at enqueue returns the queued task's result handle.
+
+        ``lock_options={...}``: this call's lock options (:mod:`task_locks.celery.options`).
+        """
+        lock_options = options.pop("lock_options", None)
+        if lock_options is not None:
+            options["headers"] = with_lock_options(self.name, lock_options, options.get("headers"))
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         except DuplicateTask as duplicate:
-            if self.on_conflict == "raise" or duplicate.existing is None:
+            on_conflict = (lock_options or {}).get("on_conflict", self.on_conflict)
+            if on_conflict == "raise" or duplicate.existing is None:
                 raise
             return duplicate.existing
 
@@ -277,6 +285,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     # -- the run -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        per_call = call_options(self)  # apply_async(lock_options=...): run on a copy
+        if per_call is not None:
+            return for_this_call(self, per_call)(*args, **kwargs)
         # In a worker the tracer has pushed the request; a direct call has none, and
         # Task.__call__ pushes one for it.
         direct = self.request_stack.top is None
