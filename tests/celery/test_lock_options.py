@@ -110,7 +110,9 @@ def test_already_queued_is_caught_at_a_real_publish(cluster: Any, key: str) -> N
         get_backend(cluster.locks_url).force_release(f"t:{key}")
 
 
-def test_lock_options_reach_a_real_worker(cluster: Any, solo_worker: Any, key: str) -> None:
+def test_lock_options_reach_a_real_worker(
+    cluster: Any, solo_worker: Any, key: str, intervals: Any
+) -> None:
     tasks = cluster.tasks
     log = f"log:{key}"
     result = tasks.options_task.apply_async(
@@ -119,6 +121,14 @@ def test_lock_options_reach_a_real_worker(cluster: Any, solo_worker: Any, key: s
     assert result.get(timeout=30) == {"ttl": 7.0, "on_conflict": "skip", "wait_timeout": 2.5}
     plain = tasks.options_task.apply_async((key, log), queue="tl_solo")
     assert plain.get(timeout=30) == {"ttl": 10.0, "on_conflict": "skip", "wait_timeout": None}
+
+    # The task's own retries carry the call's options.
+    retried = tasks.options_task.apply_async(
+        (key, f"{log}:retried", 2), queue="tl_solo", lock_options={"ttl": 6}
+    )
+    assert retried.get(timeout=30)["ttl"] == 6.0
+    attempts = intervals(f"{log}:retried")
+    assert [(a["attempt"], a["ttl"]) for a in attempts] == [(0, 6.0), (1, 6.0), (2, 6.0)]
 
     with Lock(f"t:{key}", ttl=30, backend=cluster.locks_url):
         raised = tasks.options_task.apply_async(
