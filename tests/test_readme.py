@@ -301,7 +301,8 @@ def test_docs_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
     outputs = run_python_blocks(blocks, redis_url, tmp_path)
     printed = "\n".join(outputs.values())
     # What the guide's blocks say they do, they did.
-    assert printed.count("celery result: SUCCESS") >= 2  # celery-singleton, celery-once
+    # celery-singleton, celery-once, PeerCheckedTask
+    assert printed.count("celery result: SUCCESS") >= 3
     assert "report under fence" in printed and "report 2026-12-01 under fence" in printed
     assert "exporting under fence" in printed
     assert "printing under fence" in printed and "nightly run" in printed

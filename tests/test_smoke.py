@@ -34,6 +34,8 @@ PUBLIC_MODULES = [
     "task_locks.celery",
     "task_locks.celery.beat",
     "task_locks.celery.keys",
+    "task_locks.celery.options",
+    "task_locks.celery.peers",
     "task_locks.context",
     "task_locks.decorators",
     "task_locks.election",

@@ -136,3 +136,38 @@ def test_lock_options_reach_a_real_worker(
         )
         with pytest.raises(LockHeld):
             raised.get(timeout=30)
+
+
+def test_peer_checked_task_meets_an_old_celery_singleton_key(
+    eager: tuple[Celery, Any], redis_url: str
+) -> None:
+    """Rolling deploy: the new task's run waits out celery-singleton's key (its real
+    layout, SETNX'd by hand) for the same call."""
+    import redis
+
+    from task_locks.celery.peers import PeerCheckedTask
+    from task_locks.peers import PeerKeys, celery_singleton_key
+
+    app, _job = eager
+    old = redis.Redis.from_url(redis_url)
+
+    def old_key(name: str) -> str:
+        return celery_singleton_key("tasks.sync_account", [int(name.split(":")[1])])
+
+    @singleton_task(
+        app=app,
+        key="sync:{account_id}",
+        backend=redis_url,
+        on_conflict="raise",
+        base=PeerCheckedTask,
+        lock_peers=PeerKeys(old, old_key),
+    )
+    def sync_account(account_id: int) -> str:
+        return f"synced {account_id}"
+
+    assert old.setnx(old_key("sync:42"), "old-task-id")
+    with pytest.raises(LockHeld, match="SINGLETONLOCK_"):
+        sync_account.apply_async((42,))
+    assert sync_account.apply_async((7,)).get() == "synced 7"  # another account is free
+    old.delete(old_key("sync:42"))  # the old worker's on_success
+    assert sync_account.apply_async((42,)).get() == "synced 42"
