@@ -86,6 +86,10 @@ def locked(
 ) -> Callable[[F], F]:
     """Decorate a function so each call holds the lock named by ``key`` (see module doc).
 
+    ``on_conflict="skip"`` returns ``None`` without calling the function; ``"raise"``
+    and ``"wait"`` (after ``timeout``) raise :class:`~task_locks.LockHeld`. Use
+    parentheses even without options (``@locked()``): a bare ``@locked`` would take the
+    function for a key callable.
     ``ttl``/``backend``/``max_hold`` are :class:`~task_locks.Lock`'s. Bad options, and a
     template naming an argument the function does not take, raise
     :class:`~task_locks.InvalidArgument` here, when the function is decorated. The
