@@ -25,7 +25,13 @@ def eager(redis_url: str) -> Iterator[tuple[Celery, Any]]:
     app.conf.task_always_eager = True
     app.conf.task_eager_propagates = True
 
-    @singleton_task(app=app, key="opt:{n}", ttl=10, backend=redis_url, on_conflict="skip")
+    # Unique task names: these apps outlive the test, and Celery warns (an error here)
+    # when a later shared task is registered beside a same-named one.
+    name = f"opt_job_{uuid.uuid4().hex[:8]}"
+
+    @singleton_task(
+        app=app, name=name, key="opt:{n}", ttl=10, backend=redis_url, on_conflict="skip"
+    )
     def job(n: int) -> dict[str, Any]:
         lease = current_lease()
         assert lease is not None
@@ -156,6 +162,7 @@ def test_peer_checked_task_meets_an_old_celery_singleton_key(
 
     @singleton_task(
         app=app,
+        name=f"sync_account_{uuid.uuid4().hex[:8]}",
         key="sync:{account_id}",
         backend=redis_url,
         on_conflict="raise",
