@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import re
 import secrets
@@ -200,6 +201,10 @@ class _LeaseBase:
         # never late; the backend's clock margin (Redlock's drift) makes it early enough.
         self._valid_for = ttl - backend.clock_margin(ttl)
         self._expires_mono = sent_at + self._valid_for
+        # renew(ttl=...): the smallest validity any TTL this lease has had gives, and when
+        # the TTL last changed (a watchdog renewal sent before that used an older TTL).
+        self._ttl_since = -math.inf
+        self._valid_before = self._valid_for
         self._released = False
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
@@ -255,8 +260,36 @@ class _LeaseBase:
     # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
 
     def _renewed(self, sent_at: float) -> None:
-        self._expires_mono = sent_at + self._valid_for
+        valid = self._valid_for
+        if sent_at < self._ttl_since:
+            # Sent before renew(ttl=...) changed the TTL: it may have carried the old TTL
+            # and reached the server last, so count the shortest TTL this lease has had.
+            valid = min(valid, self._valid_before)
+        self._expires_mono = sent_at + valid
         self.renewals += 1
+
+    def _begin_renew(self, ttl: object) -> tuple[float, int]:
+        """Check the lease and put ``ttl`` (if given) in force: ``(sent_at, ttl_ms)``.
+
+        The new TTL is in force before the request leaves, so every later watchdog batch
+        carries it too. A shorter TTL shortens the local deadline at once: if the request
+        fails, the server may hold either TTL, and the shorter one is the safe guess.
+        """
+        self.check()
+        sent_at = time.monotonic()
+        if ttl is not None:
+            new_ttl = validate_ttl(ttl, name=self.name)
+            new_valid = new_ttl - self.backend.clock_margin(new_ttl)
+            self._valid_before = min(self._valid_before, self._valid_for, new_valid)
+            self._ttl_since = sent_at
+            self.ttl, self._valid_for = new_ttl, new_valid
+            self._expires_mono = min(self._expires_mono, sent_at + new_valid)
+        return sent_at, max(1, int(self.ttl * 1000))
+
+    def _reschedule(self) -> None:
+        """After renew(ttl=...): the watchdog's next renewal is a third of the new TTL on."""
+        if self._renewer is not None and not self._released and not self.lost.is_set():
+            self._renewer.add(self)
 
     def _renew_failed(self, now: float, error: BaseException) -> bool:
         """A renewal could not reach the server: retry (``True``) while time remains."""
@@ -353,11 +386,17 @@ class Lease(_LeaseBase):
         self._renewer = thread_renewer()
         self._renewer.add(self)
 
-    def renew(self) -> None:
-        """Extend the TTL now (the watchdog also does this on its own)."""
-        self.check()
-        sent_at = time.monotonic()
-        self._finish_renew(self.backend.renew(self.name, self.token, int(self.ttl * 1000)), sent_at)
+    def renew(self, ttl: float | None = None) -> None:
+        """Extend the TTL now (the watchdog also does this on its own), token-checked.
+
+        ``ttl`` (seconds) replaces the lease's TTL: the server's expiry becomes ``ttl``
+        from now, and the watchdog renews to ``ttl`` (every ``ttl/3``) from then on.
+        Raises :class:`NotOwned` if the lock is no longer ours.
+        """
+        sent_at, ttl_ms = self._begin_renew(ttl)
+        self._finish_renew(self.backend.renew(self.name, self.token, ttl_ms), sent_at)
+        if ttl is not None:
+            self._reschedule()
 
     def release(self) -> None:
         """Free the lock if it is still ours; raise :class:`NotOwned` if it was lost.
@@ -386,11 +425,12 @@ class AsyncLease(_LeaseBase):
         self._renewer = async_renewer()
         self._renewer.add(self)
 
-    async def renew(self) -> None:
-        self.check()
-        sent_at = time.monotonic()
-        ok = await self.backend.arenew(self.name, self.token, int(self.ttl * 1000))
-        self._finish_renew(ok, sent_at)
+    async def renew(self, ttl: float | None = None) -> None:
+        """The asyncio twin of :meth:`Lease.renew` (same ``ttl``)."""
+        sent_at, ttl_ms = self._begin_renew(ttl)
+        self._finish_renew(await self.backend.arenew(self.name, self.token, ttl_ms), sent_at)
+        if ttl is not None:
+            self._reschedule()
 
     def _release_in_background(self) -> None:
         # Called from the loop's renewal task: release without blocking the loop.

@@ -148,6 +148,20 @@ class _Held:
         ]
 
 
+def _seconds(ttl_ms: int) -> int:
+    """The whole-second TTL etcd grants for ``ttl_ms``."""
+    return max(1, math.ceil(ttl_ms / 1000))
+
+
+def _granted_seconds(held: _Held) -> int | None:
+    """The TTL ``held``'s lease was granted with, from the value acquire/relet wrote."""
+    try:
+        ttl_ms = json.loads(held.value).get("ttl_ms")
+    except (ValueError, AttributeError):
+        return None
+    return _seconds(ttl_ms) if isinstance(ttl_ms, int) else None
+
+
 class EtcdBackend(Backend):
     schemes = ("etcd",)
     capabilities = frozenset({"consensus", "fencing", "holders", "multiprocess", "wakeup"})
@@ -468,6 +482,8 @@ class EtcdBackend(Backend):
         for index, item in enumerate(items):
             held = self._ours(item.name, item.token)
             ok = False
+            if held is not None and _granted_seconds(held) != _seconds(item.ttl_ms):
+                held = self._relet(item, held)  # renew(ttl=...) with a different TTL
             if held is not None:
                 answer = self._post(item.name, "/lease/keepalive", {"ID": held.lease}, True)
                 ok = int(answer.get("result", {}).get("TTL", 0)) > 0
@@ -483,6 +499,37 @@ class EtcdBackend(Backend):
                 if not results[index]:
                     self._held.pop((item.name, item.token), None)
         return results
+
+    def _relet(self, item: RenewItem, held: _Held) -> _Held | None:
+        """Move our key onto a new lease of ``item.ttl_ms``: an etcd lease's TTL is fixed.
+
+        One transaction puts the same value (new lease id and TTL) under the same
+        conditions as a release (our create_revision, our value), so the fence is kept.
+        ``None`` if the key is no longer ours. A reply lost in transit is settled by
+        reading the key back by token.
+        """
+        name, token = item.name, item.token
+        lease = int(self._post(name, "/lease/grant", {"TTL": _seconds(item.ttl_ms)}, True)["ID"])
+        try:
+            data = json.loads(held.value)
+        except ValueError:
+            data = {}
+        value = json.dumps(
+            {**data, "lease": lease, "ttl_ms": item.ttl_ms}, separators=(",", ":")
+        ).encode()
+        key = _b64(self._key(name))
+        put = {"request_put": {"key": key, "value": _b64(value), "lease": lease}}
+        self._held.pop((name, token), None)  # from now on, read it back if unsure
+        answer = self._txn(name, {"compare": held.compare(key), "success": [put], "failure": []})
+        if not answer.get("succeeded"):
+            current = self._ours(name, token)
+            if current is None or current.lease != lease:  # not ours any more
+                self._revoke_quietly(name, lease)
+                return None
+        self._revoke_quietly(name, held.lease)
+        relet = _Held(lease, held.revision, value)
+        self._held[(name, token)] = relet
+        return relet
 
     def _still_ours(self, keys: list[tuple[str, _Held]]) -> bool:
         """One transaction: does every key still have our create_revision and value?"""

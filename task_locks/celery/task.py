@@ -20,7 +20,6 @@ import logging
 import random
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
-from contextvars import ContextVar
 from typing import Any, Final
 
 from celery import Task, shared_task
@@ -28,6 +27,7 @@ from celery.exceptions import Ignore
 
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
+from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
@@ -43,6 +43,7 @@ from .beat import (
     stale_tick_term,
 )
 from .keys import KeySpec, TaskKey
+from .options import call_options, for_this_call, with_lock_options
 from .registry import live_leases
 
 log = logging.getLogger("task_locks.celery")
@@ -56,19 +57,8 @@ LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
 TOKEN_HEADER: Final = "task_locks_token"
 
-AnyLease = Lease | AsyncLease
-_current: ContextVar[AnyLease | None] = ContextVar("task_locks_current_lease", default=None)
 #: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
 _parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
-
-
-def current_lease() -> AnyLease | None:
-    """The lease of the singleton task running in this thread / asyncio task, if any.
-
-    Pass ``lease.fence`` to the resources the task writes; check ``lease.lost`` (or call
-    ``lease.check()``) before acting when the work is long.
-    """
-    return _current.get()
 
 
 class DuplicateTask(LockHeld):
@@ -233,13 +223,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         shadow: Any = None,
         **options: Any,
     ) -> Any:
-        """Publish; a duplicate dropped at enqueue returns the queued task's result handle."""
+        """Publish; a duplicate dropped at enqueue returns the queued task's result handle.
+
+        ``lock_options={...}``: this call's lock options (:mod:`task_locks.celery.options`).
+        """
+        lock_options = options.pop("lock_options", None)
+        if lock_options is not None:
+            options["headers"] = with_lock_options(self.name, lock_options, options.get("headers"))
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         except DuplicateTask as duplicate:
-            if self.on_conflict == "raise" or duplicate.existing is None:
+            on_conflict = (lock_options or {}).get("on_conflict", self.on_conflict)
+            if on_conflict == "raise" or duplicate.existing is None:
                 raise
             return duplicate.existing
 
@@ -288,6 +285,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     # -- the run -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        per_call = call_options(self)  # apply_async(lock_options=...): run on a copy
+        if per_call is not None:
+            return for_this_call(self, per_call)(*args, **kwargs)
         # In a worker the tracer has pushed the request; a direct call has none, and
         # Task.__call__ pushes one for it.
         direct = self.request_stack.top is None
