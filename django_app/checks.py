@@ -6,7 +6,8 @@
 ``task_locks.E002``  ``DEFAULT_TTL`` is not a number of seconds > 0
 ``task_locks.E003``  ``TASK_LOCKS`` has keys this version does not know (typos)
 ``task_locks.E004``  ``TASK_LOCKS`` is not a dict, or ``AUDIT`` / ``KEY_PREFIX`` /
-                     ``EVENT_RETENTION_DAYS`` has a bad value
+                     ``EVENT_RETENTION_DAYS`` / ``METRICS`` has a bad value (or
+                     ``METRICS`` is on without prometheus_client installed)
 ``task_locks.E005``  ``TASK_LOCKS_URL`` is set (the ``task-locks`` CLI locks there) but
                      ``TASK_LOCKS`` locks on another server or in another namespace:
                      one lock name would be two locks
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,6 +90,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         ("KEY_PREFIX", conf.parse_prefix),
         ("AUDIT", conf.parse_audit),
         ("EVENT_RETENTION_DAYS", conf.parse_retention),
+        ("METRICS", conf.parse_metrics),
     ]:
         try:
             value = parse(merged[key])
@@ -96,6 +99,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         else:
             if key == "KEY_PREFIX":
                 prefix = str(value)
+            if key == "METRICS" and value and importlib.util.find_spec("prometheus_client") is None:
+                messages.append(
+                    _error(
+                        "E004",
+                        f"{conf.SETTING}['METRICS'] is True but prometheus_client is not installed",
+                        hint="pip install 'task-locks[metrics]', or set METRICS to False.",
+                    )
+                )
 
     try:
         url = conf.parse_backend_url(merged["BACKEND"], prefix)

@@ -180,6 +180,7 @@ def run_locked(
                     fence=holder.fence if holder else None,
                     owner=holder.owner if holder else None,
                     detail=f"{described} found it held",
+                    policy="exit",
                 )
                 raise CommandLockHeld(
                     conflict_message(name, holder), name=name, holder=holder

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final, Protocol, TextIO
 
-from . import semaphore
+from . import events, semaphore
 from .backends.base import Backend
 from .election import LeaderInfo, leader_info
 from .errors import BackendUnavailable, LockError, LockHeld, LockLost
@@ -62,7 +62,10 @@ LOST_GRACE: Final = 10.0
 
 
 class Audit(Protocol):
-    """Where notable events go (the Django app writes ``LockEvent`` rows)."""
+    """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows).
+
+    ``policy`` is a conflict's (``exit``: the front end exits 75).
+    """
 
     def __call__(
         self,
@@ -72,13 +75,33 @@ class Audit(Protocol):
         fence: int | None = None,
         owner: Owner | None = None,
         detail: str = "",
+        policy: str = "",
     ) -> None: ...
 
 
-def no_audit(
-    kind: str, name: str, *, fence: int | None = None, owner: Owner | None = None, detail: str = ""
+def emit_audit(
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
 ) -> None:
-    """The CLI's audit: nothing is stored (the caller's own logs are the record)."""
+    """The CLI's audit: an event of the stream (:mod:`task_locks.events`), nothing stored."""
+    events.emit(kind, name, fence=fence, owner=owner, detail=detail, policy=policy)
+
+
+def no_audit(
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
+) -> None:
+    """Report nothing (kept for callers that passed it; the verbs default to :func:`emit_audit`)."""
 
 
 # -- formatting ----------------------------------------------------------------------
@@ -529,7 +552,7 @@ def cmd_release(
     yes: bool,
     out: TextIO,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
     confirm: Callable[[str], bool] = ask,
     actor: str = "",
 ) -> int:
@@ -626,7 +649,7 @@ def cmd_run(
     ttl: float | None,
     wait: float,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
 ) -> int:
     """Hold ``name`` while ``argv`` runs; return its status (75 if the lock is held)."""
     argv = list(argv)
@@ -657,6 +680,7 @@ def cmd_run(
                     fence=holder.fence if holder else None,
                     owner=holder.owner if holder else None,
                     detail=f"run {shlex.join(argv)}",
+                    policy="exit",
                 )
                 return EX_TEMPFAIL
             audit("acquired", name, fence=lease.fence, detail=f"run {shlex.join(argv)}")
@@ -720,7 +744,7 @@ def run_verb(
     *,
     out: TextIO,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
     confirm: Callable[[str], bool] = ask,
     default_ttl: float | None = None,
     actor: str = "",
@@ -788,6 +812,7 @@ __all__ = [
     "describe_holder",
     "describe_role",
     "election_to_dict",
+    "emit_audit",
     "format_duration",
     "format_time",
     "group_holders",

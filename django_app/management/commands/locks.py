@@ -34,12 +34,26 @@ from ...models import LockEvent
 
 
 def _audit(
-    kind: str, name: str, *, fence: int | None = None, owner: Owner | None = None, detail: str = ""
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
 ) -> None:
     actor = f"{getpass.getuser()}@{socket.gethostname()} (manage.py locks, pid {os.getpid()})"
-    # An operator's force-release is recorded before we report it done.
+    # An event of the stream; an operator's force-release is recorded before we report
+    # it done.
     audit.record(
-        kind, name, fence=fence, owner=owner, actor=actor, detail=detail, sync=kind == "forced"
+        kind,
+        name,
+        fence=fence,
+        owner=owner,
+        actor=actor,
+        detail=detail,
+        policy=policy,
+        sync=kind == "forced",
     )
 
 
