@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +32,20 @@ from django.core.exceptions import ImproperlyConfigured
 from task_locks import Backend, LockError, get_backend
 
 from . import conf
+
+_probe_skipped: ContextVar[bool] = ContextVar("task_locks_probe_skipped", default=False)
+
+
+@contextmanager
+def without_backend_probe() -> Iterator[None]:
+    """Skip W001 (a ``LockedCommand`` reports an unreachable backend itself, in one line,
+    and should not wait up to ``PROBE_TIMEOUT`` before it tries)."""
+    token = _probe_skipped.set(True)
+    try:
+        yield
+    finally:
+        _probe_skipped.reset(token)
+
 
 #: How long W001 waits for the backend to answer.
 PROBE_TIMEOUT = 3.0
@@ -139,7 +156,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         )
     # The database backend's health is Django's own database checks' business (and its
     # table does not exist before the first migrate, when this check also runs).
-    if scheme != "django":
+    if scheme != "django" and not _probe_skipped.get():
         problem = _probe(backend)
         if problem is not None:
             messages.append(
@@ -152,4 +169,4 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return messages
 
 
-__all__ = ["check_settings"]
+__all__ = ["check_settings", "without_backend_probe"]

@@ -341,8 +341,17 @@ def backend() -> Backend:
         if problem is not None:
             return MisconfiguredBackend(problem)
         return chosen
-    except (ImproperlyConfigured, InvalidArgument) as exc:
+    except ImproperlyConfigured as exc:  # names the key already
         return MisconfiguredBackend(str(exc))
+    except InvalidArgument as exc:  # get_backend's words: say which setting gave the URL
+        return MisconfiguredBackend(f"{_backend_source()}: {exc}")
+
+
+def _backend_source() -> str:
+    """Where the backend URL came from, as an operator would go and fix it."""
+    if "BACKEND" not in raw() and env_url():
+        return f"${ENV_URL} (the default of settings.{SETTING}['BACKEND'])"
+    return f"settings.{SETTING}['BACKEND']"
 
 
 def default_ttl() -> float:

@@ -9,6 +9,7 @@ from .backends.base import Backend
 from .config import configure
 from .election import AsyncElection, Election
 from .errors import (
+    BackendMisconfigured,
     BackendUnavailable,
     InvalidArgument,
     LockError,
@@ -31,6 +32,7 @@ __all__ = [
     "AsyncLock",
     "AsyncSemaphore",
     "Backend",
+    "BackendMisconfigured",
     "BackendUnavailable",
     "Election",
     "Holder",

@@ -104,6 +104,15 @@ def _pause(retry_after: float | None, now: float, deadline: float | None) -> flo
     return pause if deadline is None else min(pause, deadline - now)
 
 
+def format_wait(seconds: float) -> str:
+    """``<1ms``, ``155ms``, ``2.5s``: a wait as people read it, not ``0.000155s``."""
+    if seconds < 0.001:
+        return "<1ms"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.1f}s"
+
+
 def _held_message(name: str, result: AcquireResult, waited: float | None) -> LockHeld:
     holder = None
     if result.holder is not None:
@@ -112,7 +121,7 @@ def _held_message(name: str, result: AcquireResult, waited: float | None) -> Loc
             name, result.holder_fence or 0, result.holder, result.holder_acquired_at, expires
         )
     who = holder.describe() if holder else "another holder"
-    after = f" after waiting {waited:.3g}s" if waited else ""
+    after = f" after waiting {format_wait(waited)}" if waited else ""
     return LockHeld(f"lock {name!r} is held by {who}{after}", name=name, holder=holder)
 
 

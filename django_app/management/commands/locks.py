@@ -70,6 +70,8 @@ class Command(BaseCommand):
             default=None,
             help="keep this many days (default: TASK_LOCKS['EVENT_RETENTION_DAYS'])",
         )
+        # Django's own options (--settings, --verbosity...) were added before this.
+        ops.accept_options_after_verb(parser, verbs)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
