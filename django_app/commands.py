@@ -232,7 +232,9 @@ def _exit_quietly(run_from_argv: Callable[[list[str]], None], argv: list[str]) -
     """From the command line: one line and status 75 on conflict, 69 when the backend is
     unreachable, 78 when it refuses the URL (password, TLS), 130 on Ctrl-C."""
     try:
-        run_from_argv(argv)
+        # No W001 probe first: the lock reports an unreachable backend itself, in one line.
+        with checks.without_backend_probe():
+            run_from_argv(argv)
     except CommandLockHeld as exc:
         sys.stderr.write(f"{exc}\n")
         sys.stderr.flush()
@@ -284,8 +286,7 @@ class LockedCommand(BaseCommand):
 
         self.handle = locked_handle  # type: ignore[method-assign]
         try:
-            with checks.without_backend_probe():  # the lock reports it, in one line
-                return super().execute(*args, **options)
+            return super().execute(*args, **options)
         finally:
             del self.handle
 

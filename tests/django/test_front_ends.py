@@ -18,13 +18,20 @@ from task_locks import InvalidArgument, Lock, get_backend
 from task_locks.ops import EX_CONFIG, EX_LEASE_LOST, EX_TEMPFAIL, EX_UNAVAILABLE
 
 
-def test_locked_command_with_an_unreachable_backend_exits_69_in_one_line() -> None:
+@pytest.mark.parametrize(
+    ("command", "lock"),
+    [(["locked_sleep"], "sleepy:a"), (["decorated_job", "acme"], "job:acme")],
+    ids=["LockedCommand", "locked_command"],
+)
+def test_locked_command_with_an_unreachable_backend_exits_69_in_one_line(
+    command: list[str], lock: str
+) -> None:
     down = f"redis://127.0.0.1:{free_port()}/0?connect_timeout=1"
-    status, _, err = finish(manage("locked_sleep", backend_url=down))
+    status, _, err = finish(manage(*command, backend_url=down))
     assert status == EX_UNAVAILABLE == 69, err
     assert "Traceback" not in err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "unavailable" in lines[0] and "sleepy:a" in lines[0], err
+    assert len(lines) == 1 and "unavailable" in lines[0] and lock in lines[0], err
 
 
 def test_locked_command_with_a_backend_needing_a_password_exits_78(redis_factory) -> None:  # type: ignore[no-untyped-def]
