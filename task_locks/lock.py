@@ -335,9 +335,18 @@ class _LeaseBase:
             return
         self._mark_lost("the lock's token was gone at release")
         self._released = True
+        # Known without asking the server: before our (clock-margin-safe) expiry the TTL
+        # cannot have run out, so someone removed the lock.
+        if time.monotonic() < self._expires_mono:
+            why = (
+                "it was force-released before its TTL ran out (an operator's release, or "
+                "the server lost it: a restart or failover)"
+            )
+        else:
+            why = "it expired"
         raise NotOwned(
-            f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: it "
-            "expired and may be held by someone else; nothing was released",
+            f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: "
+            f"{why}, and may be held by someone else; nothing was released",
             name=self.name,
         )
 

@@ -103,3 +103,26 @@ def test_a_server_that_is_not_redis_is_named_a_protocol_mismatch(http_port: int)
     backend = get_backend(f"redis://127.0.0.1:{http_port}/0?socket_timeout=2")
     with pytest.raises(BackendMisconfigured, match=r"does not speak the Redis protocol"):
         backend.holder("x")
+
+
+def test_not_owned_after_a_force_release_says_so(redis_url: str) -> None:
+    from task_locks import NotOwned
+
+    lease = Lock("taken-away", ttl=30, backend=redis_url).acquire()
+    assert get_backend(redis_url).force_release("taken-away")  # an operator, meanwhile
+    with pytest.raises(NotOwned) as caught:
+        lease.release()
+    message = str(caught.value)
+    assert "force-released" in message and "expired" not in message, message
+
+
+def test_not_owned_after_the_ttl_ran_out_says_expired(redis_url: str) -> None:
+    from servers import wait_until
+
+    from task_locks import NotOwned
+
+    lease = Lock("ran-out", ttl=0.3, backend=redis_url, renew=False).acquire()
+    backend = get_backend(redis_url)
+    wait_until(lambda: backend.holder("ran-out") is None, 5, "the TTL to run out")
+    with pytest.raises(NotOwned, match="expired"):
+        lease.release()
