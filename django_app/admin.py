@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote, urlencode
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -53,15 +53,9 @@ FORCE_RELEASE_PERMISSION = "task_locks.force_release_lock"
 
 def _row(holder: Holder) -> dict[str, Any]:
     owner = holder.owner
-    if owner.task_name or owner.task_id:
-        job = f"task {owner.task_name or '?'} [{owner.task_id or '?'}]"
-    elif owner.command:
-        job = owner.command
-    else:
-        job = ""
     return {
         "name": holder.name,
-        "job": job,
+        "job": _job(owner),
         "worker": owner.worker or "",
         "host": owner.host,
         "pid": owner.pid or "",
@@ -93,12 +87,50 @@ def _semaphore_row(info: SemaphoreInfo) -> dict[str, Any]:
 
 
 def _grouped(listing: Listing) -> dict[str, Any]:
+    semaphores = [_semaphore_row(info) for info in listing.semaphores]
+    rows = [_row(h) for h in listing.locks]
+    elections = [_election_row(info, h) for info, h in listing.elections]
     return {
-        "rows": [_row(h) for h in listing.locks],
-        "elections": [_election_row(info, h) for info, h in listing.elections],
-        "semaphores": [_semaphore_row(info) for info in listing.semaphores],
+        "rows": rows,
+        "elections": elections,
+        "semaphores": semaphores,
         "total": listing.count,
+        # The footer counts what each table shows: rows, elections, permits.
+        "lock_count": len(rows),
+        "election_count": len(elections),
+        "permit_count": sum(len(group["permits"]) for group in semaphores),
     }
+
+
+#: The holders page's filters (GET parameters) beside the name search.
+KINDS = ("lock", "election", "semaphore")
+#: Seconds between two refreshes of the holders page; ``?refresh=0`` starts paused.
+REFRESH_EVERY = 5
+
+
+def _job(owner: Owner) -> str:
+    if owner.task_name or owner.task_id:
+        return f"task {owner.task_name or '?'} [{owner.task_id or '?'}]"
+    return owner.command or ""
+
+
+def _filtered(holders: list[Holder], job: str, host: str, kind: str) -> list[Holder]:
+    """The holders matching the filters: job contains ``job``, on ``host``, of ``kind``."""
+    return [
+        h
+        for h in holders
+        if (not job or job.lower() in _job(h.owner).lower())
+        and (not host or h.owner.host == host)
+        and (not kind or lock_role(h) == kind)
+    ]
+
+
+def _refresh_every(value: str | None) -> int:
+    try:
+        seconds = int(value) if value is not None else REFRESH_EVERY
+    except ValueError:
+        return REFRESH_EVERY
+    return max(0, min(seconds, 3600))
 
 
 class _ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -139,7 +171,9 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             "opts": self.opts,
             "app_label": self.opts.app_label,
             "title": title,
-            "backend": describe_backend(conf.backend()),
+            # Without the password (describe_backend), and as typed: "prefix=app:", not
+            # the percent-encoded "prefix=app%3A" of the URL the settings were folded into.
+            "backend": unquote(describe_backend(conf.backend())),
         }
 
     def changelist_view(
@@ -148,15 +182,27 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         prefix = request.GET.get("q", "").strip()
+        job = request.GET.get("job", "").strip()
+        host = request.GET.get("host", "").strip()
+        kind = request.GET.get("kind", "").strip()
+        kind = kind if kind in KINDS else ""
         error = None
         try:
             holders = conf.backend().holders(prefix)
         except LockError as exc:
             holders, error = [], str(exc)
+        shown = _filtered(holders, job, host, kind)
         context = {
             **self._context(request, "Lock holders"),
             "prefix": prefix,
-            **_grouped(group_holders(holders)),
+            "job": job,
+            "host": host,
+            "kind": kind,
+            "kinds": KINDS,
+            "hosts": sorted({h.owner.host for h in holders if h.owner.host} | ({host} - {""})),
+            "filtered": bool(prefix or job or host or kind),
+            "refresh_every": _refresh_every(request.GET.get("refresh")),
+            **_grouped(group_holders(shown)),
             "error": error,
             "can_force_release": self.has_force_release_permission(request),
             "now": timezone.now(),
@@ -259,13 +305,18 @@ class LockHolderAdmin(_ReadOnlyAdmin):
 class LockEventAdmin(_ReadOnlyAdmin):
     """Read-only history: nobody edits the audit trail from the admin."""
 
-    list_display = ("created_at", "kind", "name", "fence", "holder", "actor")
+    list_display = ("when", "kind", "name", "fence", "holder", "actor")
     list_filter = ("kind", "created_at")
     search_fields = ("name", "actor", "detail")
     date_hierarchy = "created_at"
     ordering = ("-created_at", "-id")
-    readonly_fields = ("created_at", "kind", "name", "fence", "holder", "actor", "detail")
+    readonly_fields = ("when", "kind", "name", "fence", "holder", "actor", "detail")
     fields = readonly_fields
+
+    @admin.display(description="time", ordering="created_at")
+    def when(self, event: LockEvent) -> str:
+        """To the second, with the time zone: events a second apart are told apart."""
+        return timezone.localtime(event.created_at).strftime("%Y-%m-%d %H:%M:%S %Z")
 
     @admin.display(description="holder")
     def holder(self, event: LockEvent) -> str:

@@ -17,7 +17,10 @@ class TaskLocksConfig(AppConfig):
     path = str(Path(__file__).resolve().parent)
 
     def ready(self) -> None:
-        # Importing registers the system checks and the setting_changed receiver.
-        from . import checks, conf  # noqa: F401
+        # Importing registers the system checks and the setting_changed receivers.
+        from . import audit, checks, conf  # noqa: F401
 
         conf.apply()
+        # The audit writer (and, with METRICS, the Prometheus collectors) subscribe to
+        # the lock event stream: in every process that loads the app, workers included.
+        audit.install()

@@ -6,7 +6,8 @@
 ``task_locks.E002``  ``DEFAULT_TTL`` is not a number of seconds > 0
 ``task_locks.E003``  ``TASK_LOCKS`` has keys this version does not know (typos)
 ``task_locks.E004``  ``TASK_LOCKS`` is not a dict, or ``AUDIT`` / ``KEY_PREFIX`` /
-                     ``EVENT_RETENTION_DAYS`` has a bad value
+                     ``EVENT_RETENTION_DAYS`` / ``METRICS`` has a bad value (or
+                     ``METRICS`` is on without prometheus_client installed)
 ``task_locks.E005``  ``TASK_LOCKS_URL`` is set (the ``task-locks`` CLI locks there) but
                      ``TASK_LOCKS`` locks on another server or in another namespace:
                      one lock name would be two locks
@@ -17,7 +18,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +32,20 @@ from django.core.exceptions import ImproperlyConfigured
 from task_locks import Backend, LockError, get_backend
 
 from . import conf
+
+_probe_skipped: ContextVar[bool] = ContextVar("task_locks_probe_skipped", default=False)
+
+
+@contextmanager
+def without_backend_probe() -> Iterator[None]:
+    """Skip W001 (a ``LockedCommand`` reports an unreachable backend itself, in one line,
+    and should not wait up to ``PROBE_TIMEOUT`` before it tries)."""
+    token = _probe_skipped.set(True)
+    try:
+        yield
+    finally:
+        _probe_skipped.reset(token)
+
 
 #: How long W001 waits for the backend to answer.
 PROBE_TIMEOUT = 3.0
@@ -88,6 +107,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         ("KEY_PREFIX", conf.parse_prefix),
         ("AUDIT", conf.parse_audit),
         ("EVENT_RETENTION_DAYS", conf.parse_retention),
+        ("METRICS", conf.parse_metrics),
     ]:
         try:
             value = parse(merged[key])
@@ -96,6 +116,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         else:
             if key == "KEY_PREFIX":
                 prefix = str(value)
+            if key == "METRICS" and value and importlib.util.find_spec("prometheus_client") is None:
+                messages.append(
+                    _error(
+                        "E004",
+                        f"{conf.SETTING}['METRICS'] is True but prometheus_client is not installed",
+                        hint="pip install 'task-locks[metrics]', or set METRICS to False.",
+                    )
+                )
 
     try:
         url = conf.parse_backend_url(merged["BACKEND"], prefix)
@@ -128,7 +156,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         )
     # The database backend's health is Django's own database checks' business (and its
     # table does not exist before the first migrate, when this check also runs).
-    if scheme != "django":
+    if scheme != "django" and not _probe_skipped.get():
         problem = _probe(backend)
         if problem is not None:
             messages.append(
@@ -141,4 +169,4 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return messages
 
 
-__all__ = ["check_settings"]
+__all__ = ["check_settings", "without_backend_probe"]

@@ -18,7 +18,9 @@ Every such command gets ``--lock-wait SECONDS`` (default 0: do not wait), ``--lo
 SECONDS`` and ``--no-lock`` (runs unprotected, with a warning). When another process
 holds the lock the command prints one line on stderr naming the lock, the holder (host,
 pid, command or task) and how long it has held it, and exits with status 75
-(``EX_TEMPFAIL``), so cron wrappers can tell "busy" from "failed". SIGTERM and Ctrl-C
+(``EX_TEMPFAIL``), so cron wrappers can tell "busy" from "failed"; an unreachable
+backend is one line and status 69 (``EX_UNAVAILABLE``), a backend refusing the URL
+(password, TLS) one line and 78 (``EX_CONFIG``). SIGTERM and Ctrl-C
 release the lock before the process exits.
 """
 
@@ -38,11 +40,25 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from task_locks import InvalidArgument, Lock, LockHeld, LockLost, owner_context
+from task_locks import (
+    BackendMisconfigured,
+    BackendUnavailable,
+    InvalidArgument,
+    Lock,
+    LockHeld,
+    LockLost,
+    owner_context,
+)
 from task_locks.config import validate_ttl
-from task_locks.ops import EX_TEMPFAIL, conflict_holder, conflict_message
+from task_locks.ops import (
+    EX_CONFIG,
+    EX_TEMPFAIL,
+    EX_UNAVAILABLE,
+    conflict_holder,
+    conflict_message,
+)
 
-from . import audit, conf
+from . import audit, checks, conf
 
 
 class CommandLockHeld(LockHeld):
@@ -180,6 +196,7 @@ def run_locked(
                     fence=holder.fence if holder else None,
                     owner=holder.owner if holder else None,
                     detail=f"{described} found it held",
+                    policy="exit",
                 )
                 raise CommandLockHeld(
                     conflict_message(name, holder), name=name, holder=holder
@@ -212,13 +229,22 @@ def _release(lease: Any, *, failing: bool) -> None:
 
 
 def _exit_quietly(run_from_argv: Callable[[list[str]], None], argv: list[str]) -> None:
-    """From the command line: one line and status 75 on conflict, 130 on Ctrl-C."""
+    """From the command line: one line and status 75 on conflict, 69 when the backend is
+    unreachable, 78 when it refuses the URL (password, TLS), 130 on Ctrl-C."""
     try:
-        run_from_argv(argv)
+        # No W001 probe first: the lock reports an unreachable backend itself, in one line.
+        with checks.without_backend_probe():
+            run_from_argv(argv)
     except CommandLockHeld as exc:
         sys.stderr.write(f"{exc}\n")
         sys.stderr.flush()
         sys.exit(EX_TEMPFAIL)
+    except (BackendUnavailable, BackendMisconfigured) as exc:
+        # Cron tells "cannot lock now" (69) and "fix the URL" (78) from a failed job.
+        status = EX_UNAVAILABLE if isinstance(exc, BackendUnavailable) else EX_CONFIG
+        sys.stderr.write(f"task-locks: {exc}; exiting with status {status}\n")
+        sys.stderr.flush()
+        sys.exit(status)
     except KeyboardInterrupt:
         sys.stderr.write("task-locks: interrupted\n")
         sys.exit(128 + signal.SIGINT)

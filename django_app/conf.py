@@ -9,6 +9,7 @@
         "KEY_PREFIX": "myproject:",               # namespace (the URL's ?prefix= option)
         "AUDIT": ["lost", "forced", "conflict"],  # event kinds to record; True = all, False = none
         "EVENT_RETENTION_DAYS": 30,               # ``manage.py locks prune`` deletes older events
+        "METRICS": False,                         # True: task_locks.metrics.install() at start-up
     }
 
 **One lock name, one lock.** The namespace's one source of truth is the backend URL (its
@@ -45,13 +46,26 @@ from task_locks.ops import backend_namespace
 from task_locks.types import AcquireResult, Holder, Owner
 
 SETTING = "TASK_LOCKS"
-EVENT_KINDS = ("acquired", "released", "lost", "forced", "conflict")
+#: The lock event kinds (:data:`task_locks.events.EVENT_KINDS`) an audit row can keep:
+#: all but ``renewed`` (one per renewal: a metric, not history).
+EVENT_KINDS = (
+    "acquired",
+    "released",
+    "lost",
+    "forced",
+    "conflict",
+    "renewal_failed",
+    "renewal_late",
+    "duplicate",
+    "error",
+)
 DEFAULTS: dict[str, Any] = {
     "BACKEND": "django://default",
     "DEFAULT_TTL": 30,
     "KEY_PREFIX": "",
     "AUDIT": ("lost", "forced", "conflict"),
     "EVENT_RETENTION_DAYS": 30,
+    "METRICS": False,
 }
 #: The environment variable the ``task-locks`` CLI reads: ``BACKEND``'s default when set.
 ENV_URL = "TASK_LOCKS_URL"
@@ -85,6 +99,7 @@ class LockSettings:
     key_prefix: str
     audit: frozenset[str]
     event_retention_days: float
+    metrics: bool
 
 
 def raw() -> dict[str, Any]:
@@ -227,6 +242,12 @@ def namespace_problem(url: str) -> str | None:
     )
 
 
+def parse_metrics(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"{SETTING}['METRICS'] must be True or False, got {value!r}")
+    return value
+
+
 def parse_backend_url(value: object, prefix: str = "") -> str:
     if not isinstance(value, str) or "://" not in value:
         raise ImproperlyConfigured(
@@ -259,6 +280,7 @@ def lock_settings() -> LockSettings:
             key_prefix=prefix,
             audit=parse_audit(values["AUDIT"]),
             event_retention_days=parse_retention(values["EVENT_RETENTION_DAYS"]),
+            metrics=parse_metrics(values["METRICS"]),
         )
     return _cache
 
@@ -268,6 +290,14 @@ def audit_kinds() -> frozenset[str]:
         return lock_settings().audit
     except ImproperlyConfigured:
         return frozenset(DEFAULTS["AUDIT"])
+
+
+def metrics_enabled() -> bool:
+    """``METRICS``: install the Prometheus collectors at start-up (a bad value: no)."""
+    try:
+        return lock_settings().metrics
+    except ImproperlyConfigured:
+        return False
 
 
 class MisconfiguredBackend(Backend):
@@ -311,8 +341,17 @@ def backend() -> Backend:
         if problem is not None:
             return MisconfiguredBackend(problem)
         return chosen
-    except (ImproperlyConfigured, InvalidArgument) as exc:
+    except ImproperlyConfigured as exc:  # names the key already
         return MisconfiguredBackend(str(exc))
+    except InvalidArgument as exc:  # get_backend's words: say which setting gave the URL
+        return MisconfiguredBackend(f"{_backend_source()}: {exc}")
+
+
+def _backend_source() -> str:
+    """Where the backend URL came from, as an operator would go and fix it."""
+    if "BACKEND" not in raw() and env_url():
+        return f"${ENV_URL} (the default of settings.{SETTING}['BACKEND'])"
+    return f"settings.{SETTING}['BACKEND']"
 
 
 def default_ttl() -> float:
@@ -349,6 +388,7 @@ __all__ = [
     "lock_settings",
     "lock_space",
     "merged",
+    "metrics_enabled",
     "namespace_problem",
     "raw",
     "unknown_keys",

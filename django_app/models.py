@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from django.db import models
+from django.utils import timezone
 
 #: Same bound as ``task_locks.lock.MAX_NAME_LENGTH``.
 NAME_LENGTH = 512
@@ -78,13 +79,19 @@ class LockEvent(models.Model):
     """One notable thing that happened to a lock, kept for ``EVENT_RETENTION_DAYS``."""
 
     class Kind(models.TextChoices):
+        # Labels are the values: the admin names kinds as TASK_LOCKS["AUDIT"] does.
         ACQUIRED = "acquired", "acquired"
         RELEASED = "released", "released"
         LOST = "lost", "lost"
-        FORCED = "forced", "force-released"
+        FORCED = "forced", "forced"
         CONFLICT = "conflict", "conflict"
+        RENEWAL_FAILED = "renewal_failed", "renewal_failed"
+        RENEWAL_LATE = "renewal_late", "renewal_late"
+        DUPLICATE = "duplicate", "duplicate"
+        ERROR = "error", "error"
 
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    #: When it happened (the event's time, not when its batch was written).
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
     kind = models.CharField(max_length=16, choices=Kind.choices, db_index=True)
     name = models.CharField("lock name", max_length=NAME_LENGTH, db_index=True)
     fence = models.BigIntegerField(null=True, blank=True)

@@ -11,6 +11,7 @@ from .context import current_lease
 from .decorators import locked
 from .election import AsyncElection, Election
 from .errors import (
+    BackendMisconfigured,
     BackendUnavailable,
     InvalidArgument,
     LockError,
@@ -34,6 +35,7 @@ __all__ = [
     "AsyncLock",
     "AsyncSemaphore",
     "Backend",
+    "BackendMisconfigured",
     "BackendUnavailable",
     "Election",
     "Holder",

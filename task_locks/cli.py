@@ -26,7 +26,14 @@ from .backends import get_backend
 from .backends.base import redact_url
 from .config import default_ttl
 from .errors import InvalidArgument, LockError
-from .ops import EX_USAGE, add_verbs, describe_backend, parse_args, run_verb
+from .ops import (
+    EX_USAGE,
+    accept_options_after_verb,
+    add_verbs,
+    describe_backend,
+    parse_args,
+    run_verb,
+)
 
 
 def chosen_url(args: Sequence[str]) -> str | None:
@@ -63,7 +70,7 @@ def build_parser(where: str = "") -> argparse.ArgumentParser:
         help="backend URL (default: $TASK_LOCKS_URL), e.g. redis://127.0.0.1:6379/0"
         "?prefix=myproject:",
     )
-    add_verbs(parser, where=where)
+    accept_options_after_verb(parser, add_verbs(parser, where=where))
     return parser
 
 

@@ -82,6 +82,19 @@ class BackendUnavailable(LockError):
         self.server = server
 
 
+class BackendMisconfigured(LockError):
+    """The lock service answered, but not as this configuration expects: it requires a
+    password (or another one), speaks TLS where the URL does not (or the reverse), or is
+    not that kind of server at all. Retrying cannot help; fixing the URL does.
+
+    ``server`` names the backend (URL without credentials).
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, server: str | None = None) -> None:
+        super().__init__(message, name=name)
+        self.server = server
+
+
 class MissingCapability(LockError):
     """The backend lacks a capability the caller demanded with ``require=``."""
 
@@ -95,6 +108,7 @@ class NotConfigured(LockError):
 
 
 __all__ = [
+    "BackendMisconfigured",
     "BackendUnavailable",
     "InvalidArgument",
     "LockError",

@@ -105,6 +105,15 @@ def _pause(retry_after: float | None, now: float, deadline: float | None) -> flo
     return pause if deadline is None else min(pause, deadline - now)
 
 
+def format_wait(seconds: float) -> str:
+    """``<1ms``, ``155ms``, ``2.5s``: a wait as people read it, not ``0.000155s``."""
+    if seconds < 0.001:
+        return "<1ms"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.1f}s"
+
+
 def _held_message(name: str, result: AcquireResult, waited: float | None) -> LockHeld:
     holder = None
     if result.holder is not None:
@@ -113,7 +122,7 @@ def _held_message(name: str, result: AcquireResult, waited: float | None) -> Loc
             name, result.holder_fence or 0, result.holder, result.holder_acquired_at, expires
         )
     who = holder.describe() if holder else "another holder"
-    after = f" after waiting {waited:.3g}s" if waited else ""
+    after = f" after waiting {format_wait(waited)}" if waited else ""
     return LockHeld(f"lock {name!r} is held by {who}{after}", name=name, holder=holder)
 
 
@@ -359,9 +368,18 @@ class _LeaseBase:
             return
         self._mark_lost("the lock's token was gone at release")
         self._released = True
+        # Known without asking the server: before our (clock-margin-safe) expiry the TTL
+        # cannot have run out, so someone removed the lock.
+        if time.monotonic() < self._expires_mono:
+            why = (
+                "it was force-released before its TTL ran out (an operator's release, or "
+                "the server lost it: a restart or failover)"
+            )
+        else:
+            why = "it expired"
         raise NotOwned(
-            f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: it "
-            "expired and may be held by someone else; nothing was released",
+            f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: "
+            f"{why}, and may be held by someone else; nothing was released",
             name=self.name,
         )
 

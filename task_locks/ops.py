@@ -15,16 +15,20 @@ permit. ``--json`` prints one array: a plain lock or an election is one object (
 (each a lock object with its ``slot``).
 
 Exit statuses follow ``sysexits.h``: 75 (``EX_TEMPFAIL``) when the lock is held by
-someone else, 69 (``EX_UNAVAILABLE``) when the backend cannot be reached, 1 when ``show``
+someone else, 69 (``EX_UNAVAILABLE``) when the backend cannot be reached, 78
+(``EX_CONFIG``) when it refuses the URL (password, TLS, not Redis), 1 when ``show``
 finds no holder or a release is not confirmed, 3 (``EX_CHANGED_HANDS``) when ``release``
 found the lock in other hands than the ones it showed (nothing is released: the backend
 frees only the holder with the fence the operator saw, in one atomic step); ``run``
-passes the program's own status through (128 + N when it died of signal N).
+passes the program's own status through (128 + N when it died of signal N), except 79
+(``EX_LEASE_LOST``) when it stopped the program because the lease was lost. The README
+has them in one table.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import shlex
@@ -39,10 +43,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final, Protocol, TextIO
 
-from . import semaphore
+from . import events, semaphore
 from .backends.base import Backend
 from .election import LeaderInfo, leader_info
-from .errors import BackendUnavailable, LockError, LockHeld, LockLost
+from .errors import BackendMisconfigured, BackendUnavailable, LockError, LockHeld, LockLost
 from .lock import Lease, Lock
 from .owner import owner_context
 from .semaphore import SemaphoreInfo, parse_slot
@@ -55,6 +59,12 @@ EX_USAGE: Final = 2
 EX_CHANGED_HANDS: Final = 3
 EX_UNAVAILABLE: Final = 69
 EX_TEMPFAIL: Final = 75
+#: The backend answered but disagrees with its URL (password, TLS, not Redis): fix the URL.
+EX_CONFIG: Final = 78
+#: ``run`` stopped its program because the lease was lost (its work may overlap another
+#: holder's): not 75, which means "held elsewhere, nothing ran". Past ``sysexits.h``'s
+#: range, below the shell's 126/127 and the 128 + N of a signal.
+EX_LEASE_LOST: Final = 79
 #: Signals ``run`` forwards to its program.
 FORWARDED_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: How long ``run`` lets its program stop after the lock was lost before killing it.
@@ -62,7 +72,10 @@ LOST_GRACE: Final = 10.0
 
 
 class Audit(Protocol):
-    """Where notable events go (the Django app writes ``LockEvent`` rows)."""
+    """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows).
+
+    ``policy`` is a conflict's (``exit``: the front end exits 75).
+    """
 
     def __call__(
         self,
@@ -72,13 +85,33 @@ class Audit(Protocol):
         fence: int | None = None,
         owner: Owner | None = None,
         detail: str = "",
+        policy: str = "",
     ) -> None: ...
 
 
-def no_audit(
-    kind: str, name: str, *, fence: int | None = None, owner: Owner | None = None, detail: str = ""
+def emit_audit(
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
 ) -> None:
-    """The CLI's audit: nothing is stored (the caller's own logs are the record)."""
+    """The CLI's audit: an event of the stream (:mod:`task_locks.events`), nothing stored."""
+    events.emit(kind, name, fence=fence, owner=owner, detail=detail, policy=policy)
+
+
+def no_audit(
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
+) -> None:
+    """Report nothing (kept for callers that passed it; the verbs default to :func:`emit_audit`)."""
 
 
 # -- formatting ----------------------------------------------------------------------
@@ -386,8 +419,11 @@ def _seconds(text: str) -> float:
 
 
 def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if value <= 0 or math.isinf(value):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or math.isinf(value):  # NaN too
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text!r}")
     return value
 
@@ -429,7 +465,8 @@ def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
         "run",
         help="run a program under the lock, like flock(1) for the whole cluster",
         description="Take the lock, run CMD while renewing it, release it when CMD ends, "
-        f"and exit with CMD's status ({EX_TEMPFAIL} if the lock is held elsewhere).",
+        f"and exit with CMD's status ({EX_TEMPFAIL} if the lock is held elsewhere, "
+        f"{EX_LEASE_LOST} if the lease was lost and CMD was stopped).",
         epilog=epilog,
     )
     p.add_argument("name", metavar="NAME")
@@ -444,6 +481,25 @@ def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
     # parse_args() hands it everything after "--", including the program's options.
     p.add_argument("command", nargs="*", default=[], metavar="-- CMD ARGS")
     return verbs
+
+
+def accept_options_after_verb(parser: argparse.ArgumentParser, verbs: Any) -> None:
+    """Let the front end's own options come after the verb too, as people type them:
+    ``manage.py locks list --settings X --verbosity 0``, ``task-locks list --url URL``.
+
+    Each verb's parser gets a copy of ``parser``'s options with no default of its own
+    (``SUPPRESS``), so one given before the verb is not reset by the verb's parser.
+    """
+    for sub in verbs.choices.values():
+        taken = set(sub._option_string_actions)
+        for action in parser._actions:
+            if not action.option_strings or taken & set(action.option_strings):
+                continue
+            if isinstance(action, argparse._SubParsersAction | argparse._HelpAction):
+                continue
+            shared = copy.copy(action)
+            shared.default = argparse.SUPPRESS
+            sub._add_action(shared)
 
 
 def parse_args(
@@ -529,7 +585,7 @@ def cmd_release(
     yes: bool,
     out: TextIO,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
     confirm: Callable[[str], bool] = ask,
     actor: str = "",
 ) -> int:
@@ -626,7 +682,7 @@ def cmd_run(
     ttl: float | None,
     wait: float,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
 ) -> int:
     """Hold ``name`` while ``argv`` runs; return its status (75 if the lock is held)."""
     argv = list(argv)
@@ -657,6 +713,7 @@ def cmd_run(
                     fence=holder.fence if holder else None,
                     owner=holder.owner if holder else None,
                     detail=f"run {shlex.join(argv)}",
+                    policy="exit",
                 )
                 return EX_TEMPFAIL
             audit("acquired", name, fence=lease.fence, detail=f"run {shlex.join(argv)}")
@@ -697,7 +754,7 @@ def _supervise(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            return EX_TEMPFAIL
+            return EX_LEASE_LOST
 
 
 def _release(lease: Lease, err: TextIO, audit: Audit) -> None:
@@ -720,7 +777,7 @@ def run_verb(
     *,
     out: TextIO,
     err: TextIO,
-    audit: Audit = no_audit,
+    audit: Audit = emit_audit,
     confirm: Callable[[str], bool] = ask,
     default_ttl: float | None = None,
     actor: str = "",
@@ -759,6 +816,9 @@ def run_verb(
     except BackendUnavailable as exc:
         err.write(f"task-locks: {exc}\n")
         return EX_UNAVAILABLE
+    except BackendMisconfigured as exc:
+        err.write(f"task-locks: {exc}\n")
+        return EX_CONFIG
     except LockError as exc:
         err.write(f"task-locks: {exc}\n")
         return EX_USAGE
@@ -767,6 +827,8 @@ def run_verb(
 
 __all__ = [
     "EX_CHANGED_HANDS",
+    "EX_CONFIG",
+    "EX_LEASE_LOST",
     "EX_NOT_HELD",
     "EX_OK",
     "EX_TEMPFAIL",
@@ -774,6 +836,7 @@ __all__ = [
     "EX_USAGE",
     "Audit",
     "Listing",
+    "accept_options_after_verb",
     "add_verbs",
     "ask",
     "backend_namespace",
@@ -788,6 +851,7 @@ __all__ = [
     "describe_holder",
     "describe_role",
     "election_to_dict",
+    "emit_audit",
     "format_duration",
     "format_time",
     "group_holders",

@@ -42,6 +42,7 @@ from .lock import (
     _LockBase,
     _pause,
     _Unset,
+    format_wait,
     validate_name,
 )
 from .owner import current_owner
@@ -197,7 +198,7 @@ class _SemaphoreBase(_LockBase):
             yield ("wait_any", names, _pause(soonest, now, deadline))
 
     def _full(self, waited: float) -> LockHeld:
-        after = f" after waiting {waited:.3g}s" if waited else ""
+        after = f" after waiting {format_wait(waited)}" if waited else ""
         return LockHeld(
             f"semaphore {self.name!r}: all {self.limit} permits are taken{after}", name=self.name
         )

@@ -52,6 +52,8 @@ class Owner:
             parts.append(f"task {self.task_name or '?'}[{self.task_id or '?'}]")
         elif self.command:
             parts.append(f"command {self.command!r}")
+        elif self.host or self.pid:
+            parts.append("a process")  # "held by a process on vm pid 42", not "held by on"
         if self.host:
             parts.append(f"on {self.host}")
         if self.pid:

@@ -154,7 +154,8 @@ class RedisServer(ServerProcess):
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
+                # -NOAUTH: up, and requiring a password (--requirepass)
+                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

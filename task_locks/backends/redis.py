@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import re
+import ssl
 import threading
 import time
 import weakref
@@ -51,8 +52,10 @@ import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     BusyLoadingError,
     ClusterDownError,
+    InvalidResponse,
     MovedError,
     NoScriptError,
     ReadOnlyError,
@@ -66,7 +69,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import MasterNotFoundError
 
 from ..config import MAX_TTL, check_ttl_ms
-from ..errors import BackendUnavailable, InvalidArgument, LockError
+from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
 
@@ -167,6 +170,55 @@ if redis.call('exists', KEYS[2]) == 0 then
 end
 return 1
 """
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def _misconfiguration(exc: Exception, server: str) -> str | None:
+    """A sentence saying how the URL and the server disagree, or ``None`` (not that).
+
+    Retrying cannot fix these, so they are not "unavailable": authentication, TLS where
+    the server has none (or the reverse), a server that is not Redis.
+    """
+    text = str(exc)
+    if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
+        if not ("invalid username-password" in text or text.startswith("WRONGPASS")):
+            # NOAUTH (redis-py drops the word): "Authentication required", "HELLO must be
+            # called with the client already authenticated..."
+            return (
+                f"Redis at {server} requires a password: put it in the URL, "
+                "redis://:PASSWORD@host:port/db (or redis://USER:PASSWORD@... with ACLs)"
+            )
+        return (
+            f"Redis at {server} refused the URL's credentials (wrong password, or wrong "
+            f"user): {text}"
+        )
+    if "called without any password configured" in text:
+        return f"the URL gives a password but Redis at {server} has none: remove it from the URL"
+    if isinstance(exc, InvalidResponse) or "Protocol error" in text:
+        tls = (
+            " (a TLS port? then the URL must say rediss://)" if server.startswith("redis:") else ""
+        )
+        return f"the server at {server} does not speak the Redis protocol{tls}: {text}"
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLError) and not isinstance(cause, ssl.SSLZeroReturnError):
+            return (
+                f"TLS with {server} failed (a plain, non-TLS port? then the URL must say "
+                f"redis://; or a certificate problem): {cause}"
+            )
+    return None
+
+
+def _tls_handshake_timed_out(exc: Exception) -> bool:
+    return any("handshake" in str(cause) for cause in _causes(exc))
+
 
 _UNAVAILABLE = (
     RedisConnectionError,
@@ -446,6 +498,19 @@ class RedisBackend(Backend):
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
+        misconfigured = _misconfiguration(exc, self.server)
+        if misconfigured is not None:
+            raise BackendMisconfigured(
+                f"{what}: {misconfigured}", name=name, server=self.server
+            ) from exc
+        if self.server.startswith("rediss") and _tls_handshake_timed_out(exc):
+            raise BackendUnavailable(
+                f"{what}: the TLS handshake with {self.server} got no answer: the port may "
+                "be a plain (non-TLS) Redis, where the URL must say redis://, or the server "
+                f"is frozen: {exc}",
+                name=name,
+                server=self.server,
+            ) from exc
         if isinstance(exc, _UNAVAILABLE):
             raise BackendUnavailable(
                 f"{what}: Redis at {self.server} is unavailable: {exc}",

@@ -19,8 +19,10 @@ os.environ.pop("TASK_LOCKS_URL", None)
 
 @pytest.fixture(autouse=True)
 def _django_task_locks() -> Iterator[None]:
-    """Re-apply TASK_LOCKS after the root fixture reset task-locks' global config."""
+    """Re-apply TASK_LOCKS after the root fixture reset task-locks' global config (and
+    re-subscribe the audit writer: tests/core/test_events.py closes every subscription)."""
     conf.apply()
+    audit.install()
     yield
     audit.flush(timeout=5.0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from django_helpers import cli, finish, staff
 from servers import wait_until
 
 from django_app.models import LockEvent
-from task_locks import get_backend
+from task_locks import Lock, get_backend
 
 HOLDERS = "/admin/task_locks/lockholder/"
 FORCE = "/admin/task_locks/lockholder/force-release/"
@@ -120,3 +121,19 @@ def test_empty_state_and_backend_down(client: Client, settings: object) -> None:
     page = client.get(HOLDERS)
     assert page.status_code == 200
     assert "The lock backend could not be read" in page.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_times_name_their_time_zone(client: Client, redis_settings: str, settings: object) -> None:
+    """Times are shown in TIME_ZONE, to the second, and say which zone that is."""
+    from django_app import audit
+
+    settings.TIME_ZONE = "Asia/Tokyo"  # type: ignore[attr-defined]
+    client.force_login(staff("tz", "view_lockholder", "view_lockevent"))
+    with Lock("tz:1", ttl=30, backend=redis_settings):
+        html = client.get(HOLDERS).text
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d JST", html), html
+    assert not re.search(r"\d\d:\d\d:\d\d UTC", html)
+    audit.record("forced", "tz:1", sync=True)
+    html = client.get("/admin/task_locks/lockevent/").text
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d JST", html), html

@@ -34,12 +34,26 @@ from ...models import LockEvent
 
 
 def _audit(
-    kind: str, name: str, *, fence: int | None = None, owner: Owner | None = None, detail: str = ""
+    kind: str,
+    name: str,
+    *,
+    fence: int | None = None,
+    owner: Owner | None = None,
+    detail: str = "",
+    policy: str = "",
 ) -> None:
     actor = f"{getpass.getuser()}@{socket.gethostname()} (manage.py locks, pid {os.getpid()})"
-    # An operator's force-release is recorded before we report it done.
+    # An event of the stream; an operator's force-release is recorded before we report
+    # it done.
     audit.record(
-        kind, name, fence=fence, owner=owner, actor=actor, detail=detail, sync=kind == "forced"
+        kind,
+        name,
+        fence=fence,
+        owner=owner,
+        actor=actor,
+        detail=detail,
+        policy=policy,
+        sync=kind == "forced",
     )
 
 
@@ -56,6 +70,8 @@ class Command(BaseCommand):
             default=None,
             help="keep this many days (default: TASK_LOCKS['EVENT_RETENTION_DAYS'])",
         )
+        # Django's own options (--settings, --verbosity...) were added before this.
+        ops.accept_options_after_verb(parser, verbs)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)

@@ -1,0 +1,128 @@
+"""Errors and messages an operator or a cron wrapper acts on (issue 14, front ends)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from task_locks import BackendMisconfigured, BackendUnavailable, Lock, LockHeld, get_backend
+from task_locks.ops import _positive_seconds, conflict_message
+from task_locks.types import Holder, Owner
+
+
+def test_a_holder_without_a_job_reads_as_a_process() -> None:
+    owner = Owner(host="vm", pid=42)
+    assert owner.describe() == "a process on vm pid 42"
+    line = conflict_message("x", Holder("x", 3, owner, None, None))
+    assert "held by a process on vm pid 42" in line and "held by on" not in line
+    assert Owner(command="cron", host="vm", pid=1).describe() == "command 'cron' on vm pid 1"
+
+
+def test_ttl_minus_one_is_refused_as_not_positive() -> None:
+    import argparse
+
+    for text in ("-1", "0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"> 0") as caught:
+            _positive_seconds(text)
+        assert ">= 0" not in str(caught.value)
+
+
+def test_waits_in_messages_are_rounded(redis_url: str) -> None:
+    with Lock("busy", ttl=30, backend=redis_url):
+        with pytest.raises(LockHeld) as caught:
+            Lock("busy", ttl=30, backend=redis_url, timeout=0.0002).acquire()
+    message = str(caught.value)
+    assert "after waiting" in message
+    waited = message.rsplit("after waiting ", 1)[1]
+    assert waited in {"<1ms", "1ms"} or (waited.endswith("ms") and "." not in waited), message
+
+
+@pytest.fixture
+def password_redis(redis_factory) -> Iterator[int]:  # type: ignore[no-untyped-def]
+    server = redis_factory(extra=["--requirepass", "s3cret"])
+    yield server.port
+
+
+def test_redis_auth_required_is_a_configuration_error(password_redis: int) -> None:
+    backend = get_backend(f"redis://127.0.0.1:{password_redis}/0")
+    with pytest.raises(BackendMisconfigured) as caught:
+        backend.holder("x")
+    assert not isinstance(caught.value, BackendUnavailable)
+    assert "requires a password" in str(caught.value)
+
+
+def test_redis_wrong_password_is_a_configuration_error(password_redis: int) -> None:
+    backend = get_backend(f"redis://:wrong@127.0.0.1:{password_redis}/0")
+    with pytest.raises(BackendMisconfigured) as caught:
+        backend.holder("x")
+    assert "wrong password" in str(caught.value) and "wrong@" not in str(caught.value)
+    assert get_backend(f"redis://:s3cret@127.0.0.1:{password_redis}/0").holder("x") is None
+
+
+def test_rediss_against_a_plain_port_is_named_a_tls_mismatch(redis_url: str) -> None:
+    backend = get_backend(redis_url.replace("redis://", "rediss://", 1) + "?connect_timeout=1")
+    # A plain port never answers the TLS handshake, as a frozen TLS server would not:
+    # unavailable (a retry may help), but the message names the likely mismatch.
+    with pytest.raises(BackendUnavailable, match=r"TLS handshake .* plain \(non-TLS\) Redis"):
+        backend.holder("x")
+
+
+@pytest.fixture
+def http_port() -> Iterator[int]:
+    """A real server that is not Redis: answers every connection with an HTTP 400."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    listener.close()
+
+
+def test_a_server_that_is_not_redis_is_named_a_protocol_mismatch(http_port: int) -> None:
+    backend = get_backend(f"redis://127.0.0.1:{http_port}/0?socket_timeout=2")
+    with pytest.raises(BackendMisconfigured, match=r"does not speak the Redis protocol"):
+        backend.holder("x")
+
+
+def test_not_owned_after_a_force_release_says_so(redis_url: str) -> None:
+    from task_locks import NotOwned
+
+    lease = Lock("taken-away", ttl=30, backend=redis_url).acquire()
+    assert get_backend(redis_url).force_release("taken-away")  # an operator, meanwhile
+    with pytest.raises(NotOwned) as caught:
+        lease.release()
+    message = str(caught.value)
+    assert "force-released" in message and "expired" not in message, message
+
+
+def test_not_owned_after_the_ttl_ran_out_says_expired(redis_url: str) -> None:
+    from servers import wait_until
+
+    from task_locks import NotOwned
+
+    lease = Lock("ran-out", ttl=0.3, backend=redis_url, renew=False).acquire()
+    backend = get_backend(redis_url)
+    wait_until(lambda: backend.holder("ran-out") is None, 5, "the TTL to run out")
+    with pytest.raises(NotOwned, match="expired"):
+        lease.release()
