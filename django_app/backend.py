@@ -47,6 +47,10 @@ from task_locks.types import AcquireResult, Holder, Owner, RenewItem
 
 LOCKS = "task_locks_lock"
 FENCES = "task_locks_fence"
+#: The longest TTL a row is written with: one year, the bound ``task_locks`` validates
+#: TTLs against (repeated here so that no caller can make this backend write a row whose
+#: expiry the database cannot compute; every column type holds it on every database).
+MAX_TTL_MS = 365 * 24 * 3600 * 1000
 #: Pooled connections idle longer than this are pinged before use.
 PING_AFTER = 30.0
 MAX_IDLE = 8
@@ -103,30 +107,42 @@ class _Dialect:
         return f"(julianday({column}) - julianday('now')) * 86400.0"
 
     def take_sql(self) -> str:
-        """Insert the row, or take over an expired one; a live row is left untouched."""
+        """Insert the row, or take over an expired one, or (same token) refresh ours.
+
+        A live row of another token is left untouched. A live row of the same token (a
+        retried acquire whose reply was lost, a queued lock becoming the run lock) keeps
+        its fence and ``acquired_at`` but takes this request's expiry and owner: the
+        caller counts its lease from this request's send time.
+        """
         values = f"VALUES (%s, %s, 0, %s, {self.now}, {self.later}, 0)"
         columns = "(name, token, fence, owner, acquired_at, expires_at, renewals)"
         if self.vendor == "mysql":
             # Assignments run left to right and see earlier ones: expires_at goes last
-            # so every condition reads the old value.
+            # so every condition reads the old value (token only changes when expired,
+            # and then equals the new one, so "ours" stays true after it).
             expired = f"expires_at <= {self.now}"
+            ours = f"({expired} OR token = VALUES(token))"
             sets = ", ".join(
-                f"{col} = IF({expired}, {new}, {col})"
-                for col, new in [
-                    ("token", "VALUES(token)"),
-                    ("fence", "0"),
-                    ("owner", "VALUES(owner)"),
-                    ("acquired_at", "VALUES(acquired_at)"),
-                    ("renewals", "0"),
-                    ("expires_at", "VALUES(expires_at)"),
+                f"{col} = IF({when}, {new}, {col})"
+                for col, when, new in [
+                    ("token", expired, "VALUES(token)"),
+                    ("fence", expired, "0"),
+                    ("owner", ours, "VALUES(owner)"),
+                    ("acquired_at", expired, "VALUES(acquired_at)"),
+                    ("renewals", expired, "0"),
+                    ("expires_at", ours, "VALUES(expires_at)"),
                 ]
             )
             return f"INSERT INTO {LOCKS} {columns} {values} ON DUPLICATE KEY UPDATE {sets}"
+        expired = f"{LOCKS}.expires_at <= {self.now}"
         return (
             f"INSERT INTO {LOCKS} {columns} {values} ON CONFLICT (name) DO UPDATE SET "
-            "token = excluded.token, fence = 0, owner = excluded.owner, "
-            "acquired_at = excluded.acquired_at, expires_at = excluded.expires_at, "
-            f"renewals = 0 WHERE {LOCKS}.expires_at <= {self.now}"
+            "token = excluded.token, owner = excluded.owner, expires_at = excluded.expires_at, "
+            f"fence = CASE WHEN {expired} THEN 0 ELSE {LOCKS}.fence END, "
+            f"acquired_at = CASE WHEN {expired} THEN excluded.acquired_at "
+            f"ELSE {LOCKS}.acquired_at END, "
+            f"renewals = CASE WHEN {expired} THEN 0 ELSE {LOCKS}.renewals END "
+            f"WHERE {expired} OR {LOCKS}.token = excluded.token"
         )
 
     def bump_fence_sql(self) -> str:
@@ -353,9 +369,19 @@ class DjangoBackend(Backend):
 
     # -- the contract ------------------------------------------------------------------
 
+    def _check_ttl(self, name: str, ttl_ms: int) -> None:
+        """Refuse a TTL that would write a row without a computable, future expiry."""
+        if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or not 0 < ttl_ms <= MAX_TTL_MS:
+            raise InvalidArgument(
+                f"{self.server}: ttl_ms must be an int from 1 to {MAX_TTL_MS} (one year), "
+                f"got {ttl_ms!r}",
+                name=name,
+            )
+
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
+        self._check_ttl(name, ttl_ms)
         with self._cursor(name, transaction=True) as cursor:
             cursor.execute(d.take_sql(), [key, token, owner.to_json(), d.ttl_param(ttl_ms)])
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
@@ -376,7 +402,7 @@ class DjangoBackend(Backend):
                     holder.fence,
                     holder.acquired_at,
                 )
-            if holder.fence:  # already ours (a retried acquire with the same token)
+            if holder.fence:  # already ours: the upsert refreshed its expiry and owner
                 return AcquireResult(holder.fence)
             cursor.execute(d.bump_fence_sql(), [key])
             cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
@@ -390,6 +416,8 @@ class DjangoBackend(Backend):
     def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
         if not items:
             return []
+        for item in items:
+            self._check_ttl(item.name, item.ttl_ms)
         d = self.dialect
         sql = (
             f"UPDATE {LOCKS} SET expires_at = {d.later}, renewals = renewals + 1 "
@@ -405,15 +433,19 @@ class DjangoBackend(Backend):
     def release(self, name: str, token: str) -> bool:
         return self._delete(name, token)
 
-    def force_release(self, name: str) -> bool:
-        return self._delete(name, None)
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        return self._delete(name, None, fence)
 
-    def _delete(self, name: str, token: str | None) -> bool:
-        """Delete the live row (only if ``token`` holds it, unless ``None``); wake waiters."""
+    def _delete(self, name: str, token: str | None, fence: int | None = None) -> bool:
+        """Delete the live row in one statement, only if ``token`` (and/or ``fence``)
+        still holds it when given; wake waiters."""
         where, params = "name = %s", [self.prefix + name]
         if token is not None:
             where += " AND token = %s"
             params.append(token)
+        if fence is not None:
+            where += " AND fence = %s"
+            params.append(fence)
         with self._cursor(name) as cursor:
             cursor.execute(
                 f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}", params
