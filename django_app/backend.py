@@ -18,6 +18,16 @@ How it stays correct:
   ``LISTEN``, so a hand-off costs about one round trip; elsewhere waiters poll the row
   with a short, growing pause (at most ``POLL_MAX``). Either way a waiter never waits
   longer than the holder's remaining TTL.
+- **Every call has a deadline** (``?timeout=``, default :data:`DEFAULT_TIMEOUT` s). A
+  network that stops answering makes the call raise ``BackendUnavailable`` in about that
+  long, never hang: PostgreSQL connections are cut by a watchdog (psycopg has no read
+  timeout), MySQL's driver has its own read/write timeouts. An acquire whose outcome is
+  unknown (its COMMIT's reply was lost, the connection reset) is retried once, at once,
+  on a fresh connection with the *same token*: the same-token acquire is idempotent
+  (same fence, fresh TTL), so a lock committed whose reply was lost is returned to its
+  caller instead of staying held by nobody's lease until its TTL. Renew, release and
+  force release are not retried: a retried release would answer "not ours" for a
+  delete that did happen; their ``BackendUnavailable`` says the outcome is unknown.
 - **Own connections.** Operations use connections of their own (a small pool per
   backend, opened from the alias's settings), never the request's or task's
   ``connections[alias]``: a lock taken inside someone's ``transaction.atomic()`` must
@@ -33,7 +43,12 @@ has.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
+import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -51,6 +66,8 @@ FENCES = "task_locks_fence"
 #: TTLs against (repeated here so that no caller can make this backend write a row whose
 #: expiry the database cannot compute; every column type holds it on every database).
 MAX_TTL_MS = 365 * 24 * 3600 * 1000
+#: Seconds a call may take before it fails with ``BackendUnavailable`` (``?timeout=``).
+DEFAULT_TIMEOUT = 5.0
 #: Pooled connections idle longer than this are pinged before use.
 PING_AFTER = 30.0
 MAX_IDLE = 8
@@ -168,15 +185,89 @@ def _like_prefix(prefix: str) -> str:
     return escaped + "%"
 
 
+class _Deadline:
+    """One armed call: the socket to cut at ``at``, and whether that happened."""
+
+    __slots__ = ("at", "done", "fileno", "fired")
+
+    def __init__(self, at: float, fileno: int) -> None:
+        self.at, self.fileno = at, fileno
+        self.done = self.fired = False
+
+
+class _Watchdog:
+    """Cuts the socket of a database call that outlives its deadline.
+
+    Why: psycopg has no read timeout, so a request or reply lost on the network would
+    block a call (an acquire, a renewal) forever. Shutting the socket down from this
+    thread makes the blocked driver call fail at once with a connection error. One
+    thread per process serves every backend; arming and disarming cost a heap push and
+    a flag, not a thread per call.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._order = itertools.count()
+        self._pid = -1
+
+    def arm(self, fileno: int, seconds: float) -> _Deadline:
+        deadline = _Deadline(time.monotonic() + seconds, fileno)
+        with self._cond:
+            if self._pid != os.getpid():  # first use, or a forked child: no thread yet
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(
+                    target=self._run, name="task-locks-db-watchdog", daemon=True
+                ).start()
+            heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
+            self._cond.notify()
+        return deadline
+
+    def disarm(self, deadline: _Deadline) -> bool:
+        """``True`` if the deadline fired: the connection is cut, throw it away."""
+        with self._cond:
+            deadline.done = True
+            return deadline.fired
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                left = self._heap[0][0] - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                deadline = heapq.heappop(self._heap)[2]
+                # Under the condition's lock: disarm() cannot run in between, so the
+                # socket is still the call's own (not closed, its number not reused).
+                deadline.fired = True
+                with contextlib.suppress(OSError):
+                    cut = socket.socket(fileno=os.dup(deadline.fileno))
+                    try:
+                        cut.shutdown(socket.SHUT_RDWR)
+                    finally:
+                        cut.close()
+
+
+_watchdog = _Watchdog()
+
+
 class _Pool:
     """Connections of our own, opened from the alias's settings, one user at a time."""
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, alias: str, timeout: float) -> None:
         self.alias = alias
+        self.timeout = timeout
         self._idle: list[tuple[Any, float]] = []
         self._guard = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
+        #: Pings an idle connection (the backend bounds it with its deadline).
+        self.usable: Any = lambda wrapper: wrapper.is_usable()
 
     def _settings(self) -> dict[str, Any]:
         from django.db import connections
@@ -184,10 +275,42 @@ class _Pool:
         # The live wrapper's dict: under a test runner it names the test database.
         return dict(connections[self.alias].settings_dict)
 
+    def _own_settings(self) -> dict[str, Any]:
+        """The alias's settings, adjusted for lock operations.
+
+        - READ COMMITTED whatever the alias says: each operation is one short transaction
+          that must see the latest committed row (under REPEATABLE READ or SERIALIZABLE
+          a concurrent acquire would fail with a serialization error instead of
+          answering "held").
+        - Bounded waits: a connect timeout everywhere; MySQL's driver read/write
+          timeouts; PostgreSQL ends a session idle inside a transaction (a client that
+          vanished mid-acquire) after the same time, so its row locks do not outlive it.
+        - No Django connection pool: these connections are pooled here already.
+        """
+        settings_dict = self._settings()
+        options = dict(settings_dict.get("OPTIONS") or {})
+        options.pop("pool", None)
+        seconds = max(1, math.ceil(self.timeout))
+        vendor = settings_dict["ENGINE"].rsplit(".", 1)[-1]
+        if vendor == "postgresql":
+            from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+            options["isolation_level"] = IsolationLevel.READ_COMMITTED
+            options.setdefault("connect_timeout", max(2, seconds))
+            idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
+            options["options"] = f"{options.get('options', '')} {idle}".strip()
+        elif vendor == "mysql":
+            options["isolation_level"] = "read committed"
+            options.setdefault("connect_timeout", seconds)
+            options.setdefault("read_timeout", seconds)
+            options.setdefault("write_timeout", seconds)
+        settings_dict["OPTIONS"] = options
+        return settings_dict
+
     def _open(self) -> Any:
         from django.db.utils import load_backend
 
-        settings_dict = self._settings()
+        settings_dict = self._own_settings()
         wrapper = load_backend(settings_dict["ENGINE"]).DatabaseWrapper(settings_dict, self.alias)
         wrapper.inc_thread_sharing()  # used by one thread at a time, from any thread
         return wrapper
@@ -206,7 +329,7 @@ class _Pool:
         if item is None:
             return self._open()
         wrapper, since = item
-        if time.monotonic() - since > PING_AFTER and not wrapper.is_usable():
+        if time.monotonic() - since > PING_AFTER and not self.usable(wrapper):
             self._close(wrapper)
             return self._open()
         return wrapper
@@ -270,10 +393,13 @@ class DjangoBackend(Backend):
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
         #: Namespace inside the shared table (``django://default?prefix=shop:``).
         self.prefix = options.pop("prefix", "")
+        #: Seconds a call may wait for the database before ``BackendUnavailable``.
+        self.timeout = self._number(options, "timeout", DEFAULT_TIMEOUT, positive=True)
+        options.pop("timeout", None)
         if options:
             raise InvalidArgument(
                 f"{self.server}: unknown option(s) {sorted(options)}; the django:// "
-                "backend takes only prefix"
+                "backend takes prefix and timeout"
             )
         try:
             from django.conf import settings
@@ -292,21 +418,50 @@ class DjangoBackend(Backend):
                 f"{self.server}: no database alias {self.alias!r} in DATABASES "
                 f"(known: {', '.join(sorted(databases))})"
             )
-        self._pool = _Pool(self.alias)
+        self._pool = _Pool(self.alias, self.timeout)
+        self._pool.usable = self._ping
         self._dialect: _Dialect | None = None
         if self.dialect.vendor == "postgresql":
             self.capabilities = type(self).capabilities | {"wakeup"}  # type: ignore[misc]
 
     # -- plumbing ----------------------------------------------------------------------
 
-    @contextmanager
-    def _cursor(self, name: str | None, *, transaction: bool = False) -> Iterator[Any]:
-        """A cursor on a pooled connection; database errors become ``BackendUnavailable``."""
+    def _arm(self, wrapper: Any, seconds: float) -> _Deadline | None:
+        """Connect, then arm the watchdog on the connection's socket (PostgreSQL only:
+        MySQL's driver has its own timeouts, SQLite no network)."""
+        if self.dialect.vendor != "postgresql":
+            return None
+        wrapper.ensure_connection()  # bounded by connect_timeout
+        return _watchdog.arm(wrapper.connection.fileno(), seconds)
+
+    def _ping(self, wrapper: Any) -> bool:
+        """``is_usable()`` within the deadline: a blackholed idle connection fails it."""
         from django.db import Error as DatabaseError
 
+        try:
+            armed = self._arm(wrapper, self.timeout)
+        except DatabaseError:
+            return False
+        try:
+            usable = bool(wrapper.is_usable())
+        finally:
+            cut = armed is not None and _watchdog.disarm(armed)
+        return usable and not cut  # a connection the watchdog cut is gone
+
+    @contextmanager
+    def _cursor(
+        self, name: str | None, *, transaction: bool = False, budget: float | None = None
+    ) -> Iterator[Any]:
+        """A cursor on a pooled connection, within ``budget`` seconds (default: the
+        backend's timeout); database errors become ``BackendUnavailable``."""
+        from django.db import Error as DatabaseError
+
+        seconds = self.timeout if budget is None else budget
         wrapper = None
+        armed: _Deadline | None = None
         try:
             wrapper = self._pool.checkout()
+            armed = self._arm(wrapper, seconds)
             with wrapper.cursor() as cursor:
                 if transaction:
                     cursor.execute(self.dialect.begin)
@@ -319,24 +474,32 @@ class DjangoBackend(Backend):
                 else:
                     yield cursor
         except DatabaseError as exc:
+            cut = armed is not None and _watchdog.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
             hint = ""
             text = str(exc).lower()
-            if "no such table" in text or "does not exist" in text or "doesn't exist" in text:
+            if cut:
+                hint = f" (no answer within {seconds:g}s: the outcome is unknown)"
+            elif "no such table" in text or "does not exist" in text or "doesn't exist" in text:
                 hint = " (has `manage.py migrate` been run for the task_locks app?)"
             raise BackendUnavailable(
                 f"lock database {self.server} failed: {exc}{hint}", name=name, server=self.server
             ) from exc
         except BaseException:
+            if armed is not None:
+                _watchdog.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
             raise
         finally:
             if wrapper is not None:
-                self._pool.checkin(wrapper)
+                if armed is not None and _watchdog.disarm(armed):
+                    self._pool.discard(wrapper)  # done, but cut at the last moment
+                else:
+                    self._pool.checkin(wrapper)
 
     @property
     def dialect(self) -> _Dialect:
@@ -379,9 +542,26 @@ class DjangoBackend(Backend):
             )
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        """One transaction; retried once with the same token if the connection failed.
+
+        A lost COMMIT reply or a reset leaves the outcome unknown: the row may be ours.
+        Retrying with the same token is safe (same fence, fresh TTL if it is ours; a
+        fresh take if the first attempt rolled back), and spares the name from being
+        held by nobody's lease until its TTL runs out.
+        """
+        from django.db import InterfaceError, OperationalError
+
+        self._check_ttl(name, ttl_ms)
+        try:
+            return self._take(name, token, ttl_ms, owner)
+        except BackendUnavailable as exc:
+            if not isinstance(exc.__cause__, (OperationalError, InterfaceError)):
+                raise
+        return self._take(name, token, ttl_ms, owner)
+
+    def _take(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
-        self._check_ttl(name, ttl_ms)
         with self._cursor(name, transaction=True) as cursor:
             cursor.execute(d.take_sql(), [key, token, owner.to_json(), d.ttl_param(ttl_ms)])
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
@@ -489,7 +669,7 @@ class DjangoBackend(Backend):
         """
         key = self.prefix + name
         check = f"SELECT 1 FROM {LOCKS} WHERE name = %s AND expires_at > now()"
-        with self._cursor(name) as cursor:
+        with self._cursor(name, budget=deadline - time.monotonic() + self.timeout) as cursor:
             raw = cursor.db.connection
             if not hasattr(raw, "notifies"):
                 return False
