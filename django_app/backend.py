@@ -278,10 +278,6 @@ class _Pool:
     def _own_settings(self) -> dict[str, Any]:
         """The alias's settings, adjusted for lock operations.
 
-        - READ COMMITTED whatever the alias says: each operation is one short transaction
-          that must see the latest committed row (under REPEATABLE READ or SERIALIZABLE
-          a concurrent acquire would fail with a serialization error instead of
-          answering "held").
         - Bounded waits: a connect timeout everywhere; MySQL's driver read/write
           timeouts; PostgreSQL ends a session idle inside a transaction (a client that
           vanished mid-acquire) after the same time, so its row locks do not outlive it.
@@ -291,16 +287,14 @@ class _Pool:
         options = dict(settings_dict.get("OPTIONS") or {})
         options.pop("pool", None)
         seconds = max(1, math.ceil(self.timeout))
-        vendor = settings_dict["ENGINE"].rsplit(".", 1)[-1]
-        if vendor == "postgresql":
-            from django.db.backends.postgresql.psycopg_any import IsolationLevel
+        from django.db import connections
 
-            options["isolation_level"] = IsolationLevel.READ_COMMITTED
+        vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
+        if vendor == "postgresql":
             options.setdefault("connect_timeout", max(2, seconds))
             idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
             options["options"] = f"{options.get('options', '')} {idle}".strip()
         elif vendor == "mysql":
-            options["isolation_level"] = "read committed"
             options.setdefault("connect_timeout", seconds)
             options.setdefault("read_timeout", seconds)
             options.setdefault("write_timeout", seconds)

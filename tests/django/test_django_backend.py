@@ -397,3 +397,62 @@ def test_the_largest_ttl_is_stored_with_its_expiry(url: str) -> None:
     with pytest.raises(InvalidArgument):
         backend.renew("long:1", "t", MAX_TTL_MS + 1)
     assert backend.holder("long:bad") is None
+
+
+# -- the alias's isolation level does not leak into the backend's transactions ----------
+
+
+def _strict_levels() -> list[Any]:
+    """(alias, OPTIONS to add): Django's isolation_level, and a session default the
+    way a DBA sets it (``ALTER DATABASE ... SET default_transaction_isolation``)."""
+    cases: list[tuple[str, dict[str, object]]] = []
+    if "pg" in settings.DATABASES:
+        from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+        cases += [
+            ("pg", {"isolation_level": IsolationLevel.REPEATABLE_READ}),
+            ("pg", {"options": "-c default_transaction_isolation=serializable"}),
+        ]
+    if "mysql" in settings.DATABASES:
+        cases += [
+            ("mysql", {"isolation_level": "repeatable read"}),
+            ("mysql", {"isolation_level": "serializable"}),
+        ]
+    return [
+        pytest.param(a, extra, marks=pytest.mark.django_db(transaction=True, databases=ALIASES))
+        for a, extra in cases
+    ]
+
+
+@pytest.mark.parametrize(("strict_alias", "extra"), _strict_levels())
+def test_contended_acquires_answer_held_under_a_strict_isolation_level(
+    strict_alias: str, extra: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An alias whose transactions default to REPEATABLE READ or SERIALIZABLE: threads
+    racing for one name get a fence or "held", never a serialization error."""
+    options = {**connections[strict_alias].settings_dict.get("OPTIONS", {}), **extra}
+    monkeypatch.setitem(connections[strict_alias].settings_dict, "OPTIONS", options)
+    backend = DjangoBackend(f"django://{strict_alias}")
+    errors: list[BaseException] = []
+    granted: list[int] = []
+    start = threading.Barrier(4)
+
+    def contend(worker: int) -> None:
+        try:
+            for round_ in range(15):
+                start.wait(10)  # every round raced by all four at once
+                token = f"w{worker}-{round_}"
+                result = backend.acquire(f"strict:{round_}", token, 30_000, Owner())
+                if result.fence is not None:
+                    granted.append(round_)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    backend.close()
+    assert errors == [], errors[:1]
+    assert sorted(granted) == list(range(15)), "exactly one winner per name"
