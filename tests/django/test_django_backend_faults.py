@@ -1,7 +1,8 @@
-"""``django://`` on PostgreSQL with transport faults, injected for real (issue 12).
+"""``django://`` on PostgreSQL and MariaDB with transport faults, injected for real.
 
-The backend's own connections go through the chaoskit TCP proxy to PostgreSQL on
-127.0.0.1:5432. A client-side hook on the REAL connection (Django's execute wrapper)
+The backend's own connections go through the chaoskit TCP proxy to the database
+(PostgreSQL on 127.0.0.1:5432, MariaDB/MySQL on 127.0.0.1:3306; issue 12's fault matrix
+for django://; SQLite has no network to fault). A client-side hook on the REAL connection (Django's execute wrapper)
 switches the proxy's fault on just before the operation's decisive statement is sent
 (the acquire's COMMIT or its INSERT, the renew's UPDATE, the release's DELETE), so the
 fault hits exactly that statement:
@@ -33,11 +34,8 @@ from django_app.backend import DjangoBackend
 from task_locks import BackendUnavailable, Owner
 from tests.chaos.chaoskit.proxy import Proxy, ProxyHub
 
-pytestmark = [
-    pytest.mark.skipif("pg" not in settings.DATABASES, reason="no PostgreSQL on 127.0.0.1:5432"),
-    # "default" too: every test database depends on it (Django's TEST DEPENDENCIES).
-    pytest.mark.django_db(transaction=True, databases=["default", "pg"]),
-]
+NETWORKED = [alias for alias in ("pg", "mysql") if alias in settings.DATABASES]
+pytestmark = pytest.mark.skipif(not NETWORKED, reason="no PostgreSQL or MariaDB on 127.0.0.1")
 
 #: The backend's per-call deadline in these tests (seconds).
 CALL_TIMEOUT = 1.0
@@ -118,21 +116,32 @@ def hub() -> Iterator[ProxyHub]:
     proxies.close()
 
 
+@pytest.fixture(
+    params=[
+        # "default" too: every test database depends on it (Django's TEST DEPENDENCIES).
+        pytest.param(a, marks=pytest.mark.django_db(transaction=True, databases=["default", a]))
+        for a in NETWORKED
+    ]
+)
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def truth() -> Iterator[DjangoBackend]:
+def truth(alias: str) -> Iterator[DjangoBackend]:
     """The server's state, seen through a direct connection of its own."""
-    backend = DjangoBackend("django://pg")
+    backend = DjangoBackend(f"django://{alias}")
     yield backend
     backend.close()
 
 
 @pytest.fixture
 def faulty(
-    hub: ProxyHub, monkeypatch: pytest.MonkeyPatch
+    hub: ProxyHub, alias: str, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[DjangoBackend, Injector]]:
-    """A django://pg backend whose connections go through the proxy, with the hook."""
-    proxy = hub.proxy(int(connections["pg"].settings_dict["PORT"]))
-    backend = DjangoBackend(f"django://pg?timeout={CALL_TIMEOUT}")
+    """A django://ALIAS backend whose connections go through the proxy, with the hook."""
+    proxy = hub.proxy(int(connections[alias].settings_dict["PORT"]))
+    backend = DjangoBackend(f"django://{alias}?timeout={CALL_TIMEOUT}")
     injector = Injector(proxy)
     real_settings, real_open = backend._pool._settings, backend._pool._open
 
