@@ -31,7 +31,12 @@ Two guards, for two shapes of data:
 
 The same fence may write any number of times (a holder writes as often as it likes
 under its own lease); only an older one is refused. SQL is portable: SQLite,
-PostgreSQL and MySQL/MariaDB behave the same.
+PostgreSQL and MySQL/MariaDB behave the same, at any isolation level. A stale write is
+refused loudly, never "0 rows": MySQL/MariaDB under REPEATABLE READ are guarded by
+reading the refusing fence with a locking read (see ``_latest``); PostgreSQL under
+REPEATABLE READ or SERIALIZABLE refuses a fence that moved after the transaction's
+snapshot with a serialization failure (``OperationalError``, SQLSTATE 40001), before
+anything is written, and the retried transaction then gets ``StaleFence``.
 """
 
 from __future__ import annotations
