@@ -587,9 +587,16 @@ class DjangoBackend(Backend):
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        """One statement per lease, in one transaction when there are several.
+
+        ``timeout``: the validity left to the first of these leases to expire; an answer
+        after it is useless, so on PostgreSQL the call's deadline is the smaller of it
+        and the backend's ``timeout`` (MySQL's driver timeouts are fixed per connection).
+        """
         if not items:
             return []
+        budget = None if timeout is None else max(0.01, min(timeout, self.timeout))
         for item in items:
             self._check_ttl(item.name, item.ttl_ms)
         d = self.dialect
@@ -598,7 +605,7 @@ class DjangoBackend(Backend):
             f"WHERE name = %s AND token = %s AND expires_at > {d.now}"
         )
         results = []
-        with self._cursor(items[0].name, transaction=len(items) > 1) as cursor:
+        with self._cursor(items[0].name, transaction=len(items) > 1, budget=budget) as cursor:
             for item in items:
                 cursor.execute(sql, [d.ttl_param(item.ttl_ms), self.prefix + item.name, item.token])
                 results.append(cursor.rowcount > 0)

@@ -23,6 +23,7 @@ nothing else ever holds the name.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from django.db import connections
 
 from django_app.backend import DjangoBackend
 from task_locks import BackendUnavailable, Owner
+from task_locks.types import RenewItem
 from tests.chaos.chaoskit.proxy import Proxy, ProxyHub
 
 NETWORKED = [alias for alias in ("pg", "mysql") if alias in settings.DATABASES]
@@ -299,3 +301,34 @@ def test_a_late_release_never_frees_the_next_holder(
         holder = truth.holder(name)
         assert holder is not None and holder.fence == newer, "the late DELETE freed it"
         threading.Event().wait(0.05)
+
+
+@pytest.mark.parametrize("fault", ["request dropped", "reply dropped"])
+def test_holders_answer_or_fail_within_the_deadline(
+    faulty: tuple[DjangoBackend, Injector], truth: DjangoBackend, fault: str
+) -> None:
+    backend, injector = faulty
+    fence = _held(truth, f"holders:{fault}")
+    injector.arm("SELECT", fault)
+    outcome = _bounded(lambda: backend.holders("holders:"))
+    if not isinstance(outcome, BackendUnavailable):
+        assert [(h.name, h.fence) for h in outcome] == [(f"holders:{fault}", fence)]
+
+
+def test_a_renewal_is_bounded_by_the_validity_left(
+    faulty: tuple[DjangoBackend, Injector], truth: DjangoBackend, alias: str
+) -> None:
+    """``renew_many(items, timeout)``: the caller's lease is valid ``timeout`` more
+    seconds; an answer later than that is useless, so the call gives up by then
+    (PostgreSQL: the watchdog's deadline; MySQL's driver timeouts are per connection)."""
+    if connections[alias].vendor != "postgresql":
+        pytest.skip("MySQL's read timeout is fixed when the connection opens")
+    backend, injector = faulty
+    name = "renew:bounded"
+    _held(truth, name)
+    injector.arm("UPDATE", "reply dropped")
+    started = time.monotonic()
+    outcome = _bounded(lambda: backend.renew_many([RenewItem(name, TOKEN, 30_000)], timeout=0.3))
+    took = time.monotonic() - started
+    assert isinstance(outcome, BackendUnavailable), outcome
+    assert took < CALL_TIMEOUT, f"the renewal waited {took:.2f}s, past the lease's validity"
