@@ -420,9 +420,31 @@ class DjangoBackend(Backend):
 
     # -- plumbing ----------------------------------------------------------------------
 
+    def _prepare_mysql(self, wrapper: Any) -> None:
+        """Once per new MySQL/MariaDB connection: bound the server's waits as well.
+
+        A client that vanished inside an acquire (its COMMIT lost) leaves a transaction
+        holding the row's lock until the server notices; every acquire of that name
+        would wait behind it. MariaDB ends such a transaction after
+        ``idle_transaction_timeout`` (MySQL has no such setting: there the row stays
+        locked until the connection dies); a row-lock wait gives up after
+        ``innodb_lock_wait_timeout``. PostgreSQL gets the same through its startup
+        options (see ``_Pool._own_settings``).
+        """
+        if getattr(wrapper, "task_locks_prepared", False):
+            return
+        seconds = max(1, math.ceil(self.timeout))
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {seconds}")
+            if wrapper.mysql_is_mariadb:
+                cursor.execute(f"SET SESSION idle_transaction_timeout = {seconds}")
+        wrapper.task_locks_prepared = True
+
     def _arm(self, wrapper: Any, seconds: float) -> _Deadline | None:
         """Connect, then arm the watchdog on the connection's socket (PostgreSQL only:
         MySQL's driver has its own timeouts, SQLite no network)."""
+        if self.dialect.vendor == "mysql":
+            self._prepare_mysql(wrapper)
         if self.dialect.vendor != "postgresql":
             return None
         wrapper.ensure_connection()  # bounded by connect_timeout

@@ -212,14 +212,10 @@ def test_acquire(
     injector.stop()
     _assert_no_other_holder(truth, name)
     holder = truth.holder(name)
-    if isinstance(outcome, BackendUnavailable):
-        # The row may be ours (held by nobody's lease until its TTL) or absent: no lease
-        # was handed out either way, so nobody acts on it.
-        assert trigger == "INSERT" or fault == "request dropped", (
-            f"{fault} at {trigger}: the server committed, a same-token retry should have "
-            f"returned the lease: {outcome}"
-        )
-        return
+    # One lost message never costs the caller the lock: the backend retries once with
+    # the same token (idempotent), and a transaction its vanished first attempt left
+    # open is ended by the server within the backend's timeout (idle-in-transaction
+    # timeout), so the retry is not stuck behind its row lock.
     assert not isinstance(outcome, BaseException), outcome
     assert outcome.fence is not None, "nobody else holds it: the acquire must be granted"
     assert outcome.fence > earlier, "fences never go backwards"
