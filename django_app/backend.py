@@ -211,6 +211,12 @@ class _Watchdog:
         self._order = itertools.count()
         self._pid = -1
 
+    def after_fork(self) -> None:
+        """A forked child has no watchdog thread, and the lock may have been held by it."""
+        self._cond = threading.Condition()
+        self._heap = []
+        self._pid = -1
+
     def arm(self, fileno: int, seconds: float) -> _Deadline:
         deadline = _Deadline(time.monotonic() + seconds, fileno)
         with self._cond:
@@ -254,6 +260,7 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog.after_fork)
 
 
 class _Pool:
