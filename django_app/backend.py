@@ -11,9 +11,13 @@ How it stays correct:
   SQLite's ``'now'``); client clocks never decide whether a lock is free. (SQLite is
   embedded: its clock is the operating-system clock of the process using it.)
 - **One short transaction per operation.** Acquire is a conditional upsert that takes
-  the row only if it is absent or expired, then bumps the fence counter, then commits;
-  renew and release are single token-checked statements. Nothing is held open between
-  operations.
+  the row only if it is absent or expired (or, for the token that holds it, refreshes
+  its expiry and owner and keeps its fence), then bumps the fence counter, then
+  commits; renew and release are single token-checked statements, a force release
+  with a fence a single fence-checked one. Nothing is held open between operations,
+  and the server ends a transaction whose client vanished within the timeout
+  (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
+  ``idle_transaction_timeout``).
 - **Wake-ups.** On PostgreSQL a release sends ``NOTIFY task_locks`` and waiters
   ``LISTEN``, so a hand-off costs about one round trip; elsewhere waiters poll the row
   with a short, growing pause (at most ``POLL_MAX``). Either way a waiter never waits
