@@ -11,13 +11,27 @@ How it stays correct:
   SQLite's ``'now'``); client clocks never decide whether a lock is free. (SQLite is
   embedded: its clock is the operating-system clock of the process using it.)
 - **One short transaction per operation.** Acquire is a conditional upsert that takes
-  the row only if it is absent or expired, then bumps the fence counter, then commits;
-  renew and release are single token-checked statements. Nothing is held open between
-  operations.
+  the row only if it is absent or expired (or, for the token that holds it, refreshes
+  its expiry and owner and keeps its fence), then bumps the fence counter, then
+  commits; renew and release are single token-checked statements, a force release
+  with a fence a single fence-checked one. Nothing is held open between operations,
+  and the server ends a transaction whose client vanished within the timeout
+  (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
+  ``idle_transaction_timeout``).
 - **Wake-ups.** On PostgreSQL a release sends ``NOTIFY task_locks`` and waiters
   ``LISTEN``, so a hand-off costs about one round trip; elsewhere waiters poll the row
   with a short, growing pause (at most ``POLL_MAX``). Either way a waiter never waits
   longer than the holder's remaining TTL.
+- **Every call has a deadline** (``?timeout=``, default :data:`DEFAULT_TIMEOUT` s). A
+  network that stops answering makes the call raise ``BackendUnavailable`` in about that
+  long, never hang: PostgreSQL connections are cut by a watchdog (psycopg has no read
+  timeout), MySQL's driver has its own read/write timeouts. An acquire whose outcome is
+  unknown (its COMMIT's reply was lost, the connection reset) is retried once, at once,
+  on a fresh connection with the *same token*: the same-token acquire is idempotent
+  (same fence, fresh TTL), so a lock committed whose reply was lost is returned to its
+  caller instead of staying held by nobody's lease until its TTL. Renew, release and
+  force release are not retried: a retried release would answer "not ours" for a
+  delete that did happen; their ``BackendUnavailable`` says the outcome is unknown.
 - **Own connections.** Operations use connections of their own (a small pool per
   backend, opened from the alias's settings), never the request's or task's
   ``connections[alias]``: a lock taken inside someone's ``transaction.atomic()`` must
@@ -33,7 +47,12 @@ has.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
+import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +66,12 @@ from task_locks.types import AcquireResult, Holder, Owner, RenewItem
 
 LOCKS = "task_locks_lock"
 FENCES = "task_locks_fence"
+#: The longest TTL a row is written with: one year, the bound ``task_locks`` validates
+#: TTLs against (repeated here so that no caller can make this backend write a row whose
+#: expiry the database cannot compute; every column type holds it on every database).
+MAX_TTL_MS = 365 * 24 * 3600 * 1000
+#: Seconds a call may take before it fails with ``BackendUnavailable`` (``?timeout=``).
+DEFAULT_TIMEOUT = 5.0
 #: Pooled connections idle longer than this are pinged before use.
 PING_AFTER = 30.0
 MAX_IDLE = 8
@@ -103,30 +128,42 @@ class _Dialect:
         return f"(julianday({column}) - julianday('now')) * 86400.0"
 
     def take_sql(self) -> str:
-        """Insert the row, or take over an expired one; a live row is left untouched."""
+        """Insert the row, or take over an expired one, or (same token) refresh ours.
+
+        A live row of another token is left untouched. A live row of the same token (a
+        retried acquire whose reply was lost, a queued lock becoming the run lock) keeps
+        its fence and ``acquired_at`` but takes this request's expiry and owner: the
+        caller counts its lease from this request's send time.
+        """
         values = f"VALUES (%s, %s, 0, %s, {self.now}, {self.later}, 0)"
         columns = "(name, token, fence, owner, acquired_at, expires_at, renewals)"
         if self.vendor == "mysql":
             # Assignments run left to right and see earlier ones: expires_at goes last
-            # so every condition reads the old value.
+            # so every condition reads the old value (token only changes when expired,
+            # and then equals the new one, so "ours" stays true after it).
             expired = f"expires_at <= {self.now}"
+            ours = f"({expired} OR token = VALUES(token))"
             sets = ", ".join(
-                f"{col} = IF({expired}, {new}, {col})"
-                for col, new in [
-                    ("token", "VALUES(token)"),
-                    ("fence", "0"),
-                    ("owner", "VALUES(owner)"),
-                    ("acquired_at", "VALUES(acquired_at)"),
-                    ("renewals", "0"),
-                    ("expires_at", "VALUES(expires_at)"),
+                f"{col} = IF({when}, {new}, {col})"
+                for col, when, new in [
+                    ("token", expired, "VALUES(token)"),
+                    ("fence", expired, "0"),
+                    ("owner", ours, "VALUES(owner)"),
+                    ("acquired_at", expired, "VALUES(acquired_at)"),
+                    ("renewals", expired, "0"),
+                    ("expires_at", ours, "VALUES(expires_at)"),
                 ]
             )
             return f"INSERT INTO {LOCKS} {columns} {values} ON DUPLICATE KEY UPDATE {sets}"
+        expired = f"{LOCKS}.expires_at <= {self.now}"
         return (
             f"INSERT INTO {LOCKS} {columns} {values} ON CONFLICT (name) DO UPDATE SET "
-            "token = excluded.token, fence = 0, owner = excluded.owner, "
-            "acquired_at = excluded.acquired_at, expires_at = excluded.expires_at, "
-            f"renewals = 0 WHERE {LOCKS}.expires_at <= {self.now}"
+            "token = excluded.token, owner = excluded.owner, expires_at = excluded.expires_at, "
+            f"fence = CASE WHEN {expired} THEN 0 ELSE {LOCKS}.fence END, "
+            f"acquired_at = CASE WHEN {expired} THEN excluded.acquired_at "
+            f"ELSE {LOCKS}.acquired_at END, "
+            f"renewals = CASE WHEN {expired} THEN 0 ELSE {LOCKS}.renewals END "
+            f"WHERE {expired} OR {LOCKS}.token = excluded.token"
         )
 
     def bump_fence_sql(self) -> str:
@@ -152,15 +189,96 @@ def _like_prefix(prefix: str) -> str:
     return escaped + "%"
 
 
+class _Deadline:
+    """One armed call: the socket to cut at ``at``, and whether that happened."""
+
+    __slots__ = ("at", "done", "fileno", "fired")
+
+    def __init__(self, at: float, fileno: int) -> None:
+        self.at, self.fileno = at, fileno
+        self.done = self.fired = False
+
+
+class _Watchdog:
+    """Cuts the socket of a database call that outlives its deadline.
+
+    Why: psycopg has no read timeout, so a request or reply lost on the network would
+    block a call (an acquire, a renewal) forever. Shutting the socket down from this
+    thread makes the blocked driver call fail at once with a connection error. One
+    thread per process serves every backend; arming and disarming cost a heap push and
+    a flag, not a thread per call.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._order = itertools.count()
+        self._pid = -1
+
+    def after_fork(self) -> None:
+        """A forked child has no watchdog thread, and the lock may have been held by it."""
+        self._cond = threading.Condition()
+        self._heap = []
+        self._pid = -1
+
+    def arm(self, fileno: int, seconds: float) -> _Deadline:
+        deadline = _Deadline(time.monotonic() + seconds, fileno)
+        with self._cond:
+            if self._pid != os.getpid():  # first use, or a forked child: no thread yet
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(
+                    target=self._run, name="task-locks-db-watchdog", daemon=True
+                ).start()
+            heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
+            self._cond.notify()
+        return deadline
+
+    def disarm(self, deadline: _Deadline) -> bool:
+        """``True`` if the deadline fired: the connection is cut, throw it away."""
+        with self._cond:
+            deadline.done = True
+            return deadline.fired
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                left = self._heap[0][0] - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                deadline = heapq.heappop(self._heap)[2]
+                # Under the condition's lock: disarm() cannot run in between, so the
+                # socket is still the call's own (not closed, its number not reused).
+                deadline.fired = True
+                with contextlib.suppress(OSError):
+                    cut = socket.socket(fileno=os.dup(deadline.fileno))
+                    try:
+                        cut.shutdown(socket.SHUT_RDWR)
+                    finally:
+                        cut.close()
+
+
+_watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog.after_fork)
+
+
 class _Pool:
     """Connections of our own, opened from the alias's settings, one user at a time."""
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, alias: str, timeout: float) -> None:
         self.alias = alias
+        self.timeout = timeout
         self._idle: list[tuple[Any, float]] = []
         self._guard = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
+        #: Pings an idle connection (the backend bounds it with its deadline).
+        self.usable: Any = lambda wrapper: wrapper.is_usable()
 
     def _settings(self) -> dict[str, Any]:
         from django.db import connections
@@ -168,10 +286,36 @@ class _Pool:
         # The live wrapper's dict: under a test runner it names the test database.
         return dict(connections[self.alias].settings_dict)
 
+    def _own_settings(self) -> dict[str, Any]:
+        """The alias's settings, adjusted for lock operations.
+
+        - Bounded waits: a connect timeout everywhere; MySQL's driver read/write
+          timeouts; PostgreSQL ends a session idle inside a transaction (a client that
+          vanished mid-acquire) after the same time, so its row locks do not outlive it.
+        - No Django connection pool: these connections are pooled here already.
+        """
+        settings_dict = self._settings()
+        options = dict(settings_dict.get("OPTIONS") or {})
+        options.pop("pool", None)
+        seconds = max(1, math.ceil(self.timeout))
+        from django.db import connections
+
+        vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
+        if vendor == "postgresql":
+            options.setdefault("connect_timeout", max(2, seconds))
+            idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
+            options["options"] = f"{options.get('options', '')} {idle}".strip()
+        elif vendor == "mysql":
+            options.setdefault("connect_timeout", seconds)
+            options.setdefault("read_timeout", seconds)
+            options.setdefault("write_timeout", seconds)
+        settings_dict["OPTIONS"] = options
+        return settings_dict
+
     def _open(self) -> Any:
         from django.db.utils import load_backend
 
-        settings_dict = self._settings()
+        settings_dict = self._own_settings()
         wrapper = load_backend(settings_dict["ENGINE"]).DatabaseWrapper(settings_dict, self.alias)
         wrapper.inc_thread_sharing()  # used by one thread at a time, from any thread
         return wrapper
@@ -190,7 +334,7 @@ class _Pool:
         if item is None:
             return self._open()
         wrapper, since = item
-        if time.monotonic() - since > PING_AFTER and not wrapper.is_usable():
+        if time.monotonic() - since > PING_AFTER and not self.usable(wrapper):
             self._close(wrapper)
             return self._open()
         return wrapper
@@ -254,10 +398,13 @@ class DjangoBackend(Backend):
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
         #: Namespace inside the shared table (``django://default?prefix=shop:``).
         self.prefix = options.pop("prefix", "")
+        #: Seconds a call may wait for the database before ``BackendUnavailable``.
+        self.timeout = self._number(options, "timeout", DEFAULT_TIMEOUT, positive=True)
+        options.pop("timeout", None)
         if options:
             raise InvalidArgument(
                 f"{self.server}: unknown option(s) {sorted(options)}; the django:// "
-                "backend takes only prefix"
+                "backend takes prefix and timeout"
             )
         try:
             from django.conf import settings
@@ -276,21 +423,72 @@ class DjangoBackend(Backend):
                 f"{self.server}: no database alias {self.alias!r} in DATABASES "
                 f"(known: {', '.join(sorted(databases))})"
             )
-        self._pool = _Pool(self.alias)
+        self._pool = _Pool(self.alias, self.timeout)
+        self._pool.usable = self._ping
         self._dialect: _Dialect | None = None
         if self.dialect.vendor == "postgresql":
             self.capabilities = type(self).capabilities | {"wakeup"}  # type: ignore[misc]
 
     # -- plumbing ----------------------------------------------------------------------
 
-    @contextmanager
-    def _cursor(self, name: str | None, *, transaction: bool = False) -> Iterator[Any]:
-        """A cursor on a pooled connection; database errors become ``BackendUnavailable``."""
+    def _prepare_mysql(self, wrapper: Any) -> None:
+        """Once per new MySQL/MariaDB connection: bound the server's waits as well.
+
+        A client that vanished inside an acquire (its COMMIT lost) leaves a transaction
+        holding the row's lock until the server notices; every acquire of that name
+        would wait behind it. MariaDB ends such a transaction after
+        ``idle_transaction_timeout`` (MySQL has no such setting: there the row stays
+        locked until the connection dies); a row-lock wait gives up after
+        ``innodb_lock_wait_timeout``. PostgreSQL gets the same through its startup
+        options (see ``_Pool._own_settings``).
+        """
+        if getattr(wrapper, "task_locks_prepared", False):
+            return
+        seconds = max(1, math.ceil(self.timeout))
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {seconds}")
+            if wrapper.mysql_is_mariadb:
+                cursor.execute(f"SET SESSION idle_transaction_timeout = {seconds}")
+        wrapper.task_locks_prepared = True
+
+    def _arm(self, wrapper: Any, seconds: float) -> _Deadline | None:
+        """Connect, then arm the watchdog on the connection's socket (PostgreSQL only:
+        MySQL's driver has its own timeouts, SQLite no network)."""
+        if self.dialect.vendor == "mysql":
+            self._prepare_mysql(wrapper)
+        if self.dialect.vendor != "postgresql":
+            return None
+        wrapper.ensure_connection()  # bounded by connect_timeout
+        return _watchdog.arm(wrapper.connection.fileno(), seconds)
+
+    def _ping(self, wrapper: Any) -> bool:
+        """``is_usable()`` within the deadline: a blackholed idle connection fails it."""
         from django.db import Error as DatabaseError
 
+        try:
+            armed = self._arm(wrapper, self.timeout)
+        except DatabaseError:
+            return False
+        try:
+            usable = bool(wrapper.is_usable())
+        finally:
+            cut = armed is not None and _watchdog.disarm(armed)
+        return usable and not cut  # a connection the watchdog cut is gone
+
+    @contextmanager
+    def _cursor(
+        self, name: str | None, *, transaction: bool = False, budget: float | None = None
+    ) -> Iterator[Any]:
+        """A cursor on a pooled connection, within ``budget`` seconds (default: the
+        backend's timeout); database errors become ``BackendUnavailable``."""
+        from django.db import Error as DatabaseError
+
+        seconds = self.timeout if budget is None else budget
         wrapper = None
+        armed: _Deadline | None = None
         try:
             wrapper = self._pool.checkout()
+            armed = self._arm(wrapper, seconds)
             with wrapper.cursor() as cursor:
                 if transaction:
                     cursor.execute(self.dialect.begin)
@@ -303,24 +501,32 @@ class DjangoBackend(Backend):
                 else:
                     yield cursor
         except DatabaseError as exc:
+            cut = armed is not None and _watchdog.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
             hint = ""
             text = str(exc).lower()
-            if "no such table" in text or "does not exist" in text or "doesn't exist" in text:
+            if cut:
+                hint = f" (no answer within {seconds:g}s: the outcome is unknown)"
+            elif "no such table" in text or "does not exist" in text or "doesn't exist" in text:
                 hint = " (has `manage.py migrate` been run for the task_locks app?)"
             raise BackendUnavailable(
                 f"lock database {self.server} failed: {exc}{hint}", name=name, server=self.server
             ) from exc
         except BaseException:
+            if armed is not None:
+                _watchdog.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
             raise
         finally:
             if wrapper is not None:
-                self._pool.checkin(wrapper)
+                if armed is not None and _watchdog.disarm(armed):
+                    self._pool.discard(wrapper)  # done, but cut at the last moment
+                else:
+                    self._pool.checkin(wrapper)
 
     @property
     def dialect(self) -> _Dialect:
@@ -353,7 +559,34 @@ class DjangoBackend(Backend):
 
     # -- the contract ------------------------------------------------------------------
 
+    def _check_ttl(self, name: str, ttl_ms: int) -> None:
+        """Refuse a TTL that would write a row without a computable, future expiry."""
+        if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or not 0 < ttl_ms <= MAX_TTL_MS:
+            raise InvalidArgument(
+                f"{self.server}: ttl_ms must be an int from 1 to {MAX_TTL_MS} (one year), "
+                f"got {ttl_ms!r}",
+                name=name,
+            )
+
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        """One transaction; retried once with the same token if the connection failed.
+
+        A lost COMMIT reply or a reset leaves the outcome unknown: the row may be ours.
+        Retrying with the same token is safe (same fence, fresh TTL if it is ours; a
+        fresh take if the first attempt rolled back), and spares the name from being
+        held by nobody's lease until its TTL runs out.
+        """
+        from django.db import InterfaceError, OperationalError
+
+        self._check_ttl(name, ttl_ms)
+        try:
+            return self._take(name, token, ttl_ms, owner)
+        except BackendUnavailable as exc:
+            if not isinstance(exc.__cause__, (OperationalError, InterfaceError)):
+                raise
+        return self._take(name, token, ttl_ms, owner)
+
+    def _take(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
         with self._cursor(name, transaction=True) as cursor:
@@ -376,7 +609,7 @@ class DjangoBackend(Backend):
                     holder.fence,
                     holder.acquired_at,
                 )
-            if holder.fence:  # already ours (a retried acquire with the same token)
+            if holder.fence:  # already ours: the upsert refreshed its expiry and owner
                 return AcquireResult(holder.fence)
             cursor.execute(d.bump_fence_sql(), [key])
             cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
@@ -387,16 +620,25 @@ class DjangoBackend(Backend):
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        """One statement per lease, in one transaction when there are several.
+
+        ``timeout``: the validity left to the first of these leases to expire; an answer
+        after it is useless, so on PostgreSQL the call's deadline is the smaller of it
+        and the backend's ``timeout`` (MySQL's driver timeouts are fixed per connection).
+        """
         if not items:
             return []
+        budget = None if timeout is None else max(0.01, min(timeout, self.timeout))
+        for item in items:
+            self._check_ttl(item.name, item.ttl_ms)
         d = self.dialect
         sql = (
             f"UPDATE {LOCKS} SET expires_at = {d.later}, renewals = renewals + 1 "
             f"WHERE name = %s AND token = %s AND expires_at > {d.now}"
         )
         results = []
-        with self._cursor(items[0].name, transaction=len(items) > 1) as cursor:
+        with self._cursor(items[0].name, transaction=len(items) > 1, budget=budget) as cursor:
             for item in items:
                 cursor.execute(sql, [d.ttl_param(item.ttl_ms), self.prefix + item.name, item.token])
                 results.append(cursor.rowcount > 0)
@@ -405,15 +647,19 @@ class DjangoBackend(Backend):
     def release(self, name: str, token: str) -> bool:
         return self._delete(name, token)
 
-    def force_release(self, name: str) -> bool:
-        return self._delete(name, None)
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        return self._delete(name, None, fence)
 
-    def _delete(self, name: str, token: str | None) -> bool:
-        """Delete the live row (only if ``token`` holds it, unless ``None``); wake waiters."""
+    def _delete(self, name: str, token: str | None, fence: int | None = None) -> bool:
+        """Delete the live row in one statement, only if ``token`` (and/or ``fence``)
+        still holds it when given; wake waiters."""
         where, params = "name = %s", [self.prefix + name]
         if token is not None:
             where += " AND token = %s"
             params.append(token)
+        if fence is not None:
+            where += " AND fence = %s"
+            params.append(fence)
         with self._cursor(name) as cursor:
             cursor.execute(
                 f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}", params
@@ -457,7 +703,7 @@ class DjangoBackend(Backend):
         """
         key = self.prefix + name
         check = f"SELECT 1 FROM {LOCKS} WHERE name = %s AND expires_at > now()"
-        with self._cursor(name) as cursor:
+        with self._cursor(name, budget=deadline - time.monotonic() + self.timeout) as cursor:
             raw = cursor.db.connection
             if not hasattr(raw, "notifies"):
                 return False

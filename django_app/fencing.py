@@ -31,7 +31,12 @@ Two guards, for two shapes of data:
 
 The same fence may write any number of times (a holder writes as often as it likes
 under its own lease); only an older one is refused. SQL is portable: SQLite,
-PostgreSQL and MySQL/MariaDB behave the same.
+PostgreSQL and MySQL/MariaDB behave the same, at any isolation level. A stale write is
+refused loudly, never "0 rows": MySQL/MariaDB under REPEATABLE READ are guarded by
+reading the refusing fence with a locking read (see ``_latest``); PostgreSQL under
+REPEATABLE READ or SERIALIZABLE refuses a fence that moved after the transaction's
+snapshot with a serialization failure (``OperationalError``, SQLSTATE 40001), before
+anything is written, and the retried transaction then gets ``StaleFence``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import models, router, transaction
+from django.db import connections, models, router, transaction
 from django.utils import timezone
 
 from task_locks.errors import InvalidArgument, StaleFence
@@ -75,6 +80,23 @@ def _stale(resource: str, fence: int, current: int | None, lock_name: str | None
     )
 
 
+def _latest(queryset: Any) -> Any:
+    """``queryset`` as a locking read (``SELECT ... FOR UPDATE``) inside a transaction.
+
+    Why: after a guarded write matched no row, the reason is read back. Under MySQL's and
+    MariaDB's REPEATABLE READ a plain read inside the transaction sees its *snapshot*,
+    taken at its first read, from before the newer holder committed: it would report no
+    newer fence, and the stale write would pass as "0 rows". A locking read sees the
+    latest committed row on InnoDB; on PostgreSQL under REPEATABLE READ or SERIALIZABLE
+    a row changed since the snapshot makes the database refuse the transaction
+    (serialization failure, SQLSTATE 40001), which is loud too. SQLite has one writer
+    at a time and no FOR UPDATE (Django leaves it out there).
+    """
+    if connections[queryset.db].in_atomic_block:
+        return queryset.select_for_update()
+    return queryset  # autocommit: every statement reads the latest committed rows
+
+
 def advance_fence(resource: str, fence: Any, *, using: str | None = None) -> None:
     """Raise ``resource``'s high-water mark to ``fence``, or raise ``StaleFence``.
 
@@ -98,7 +120,7 @@ def advance_fence(resource: str, fence: Any, *, using: str | None = None) -> Non
     )
     if marks.filter(resource=resource, fence__lte=number).update(fence=number, updated_at=now):
         return
-    current = marks.filter(resource=resource).values_list("fence", flat=True).first()
+    current = _latest(marks.filter(resource=resource)).values_list("fence", flat=True).first()
     raise _stale(resource, number, current, lock_name)
 
 
@@ -132,7 +154,8 @@ class FencedQuerySet(models.QuerySet):
         number, lock_name = _fence_number(fence, label)
         with transaction.atomic(using=self.db):
             written = models.QuerySet.update(self.filter(fence__lte=number), fence=number, **kwargs)
-            newer = self.filter(fence__gt=number).order_by("-fence").values_list("pk", "fence")
+            newer = _latest(self.filter(fence__gt=number)).order_by("-fence")
+            newer = newer.values_list("pk", "fence")
             refused = newer.first()
             if refused is not None:
                 raise _stale(f"{label}:{refused[0]}", number, refused[1], lock_name)
@@ -202,7 +225,7 @@ class FencedModel(models.Model):
         guarded = base_qs.filter(fence__lte=number)
         if super()._do_update(guarded, using, pk_val, values, update_fields, forced_update):
             return True
-        current = base_qs.filter(pk=pk_val).values_list("fence", flat=True).first()
+        current = _latest(base_qs.filter(pk=pk_val)).values_list("fence", flat=True).first()
         if current is None:
             return False  # no such row: Django inserts it (or reports a forced update)
         raise _stale(f"{self._meta.label_lower}:{pk_val}", number, current, lock_name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import subprocess
@@ -16,13 +17,14 @@ from django.conf import settings
 from django.db import connections, transaction
 from django_helpers import HERE, subprocess_env
 
-from django_app.backend import LOCKS, DjangoBackend
+from django_app.backend import LOCKS, MAX_TTL_MS, DjangoBackend
 from task_locks import (
     BackendUnavailable,
     InvalidArgument,
     Lock,
     LockHeld,
     NotOwned,
+    Owner,
     get_backend,
 )
 
@@ -325,3 +327,132 @@ def test_a_waiter_wakes_soon_after_the_release(alias: str, url: str) -> None:
     releaser.join(10)
     assert woke - started < 5
     assert woke - released_at[0] < 0.5  # a generous bound: speed lives in bench/
+
+
+# -- the backend contract: same-token acquire, conditional force release (issue 12.2) --
+
+
+@ALL_DBS
+def test_acquire_by_the_holding_token_resets_the_ttl_and_owner(url: str) -> None:
+    """A retried acquire (its reply was lost) or a queued lock becoming the run lock: same
+    fence, and the database's TTL and owner are this request's, in the same transaction."""
+    backend = get_backend(url)
+    first = backend.acquire("retry", "token-1", 1_000, Owner(host="a", pid=1))
+    assert first.fence is not None
+    again = backend.acquire("retry", "token-1", 60_000, Owner(host="b", pid=2))
+    assert again.fence == first.fence
+    holder = backend.holder("retry")
+    assert holder is not None and holder.fence == first.fence
+    assert 50 < holder.expires_in <= 61  # type: ignore[operator]
+    assert (holder.owner.host, holder.owner.pid) == ("b", 2)
+    shorter = backend.acquire("retry", "token-1", 2_000, Owner(host="c", pid=3))
+    assert shorter.fence == first.fence
+    assert backend.holder("retry").expires_in <= 2.5  # type: ignore[union-attr]
+    other = backend.acquire("retry", "token-2", 5_000, Owner(host="d"))
+    assert other.fence is None and other.holder_fence == first.fence
+    assert backend.release("retry", "token-1") is True
+
+
+@ALL_DBS
+def test_force_release_with_a_fence_frees_only_that_holder(url: str) -> None:
+    backend = get_backend(url)
+    seen = backend.acquire("op", "token-1", 30_000, Owner(host="seen")).fence
+    assert seen is not None
+    assert backend.force_release("op", seen + 1) is False
+    assert backend.holder("op") is not None, "a different fence frees nothing"
+    assert backend.force_release("op", seen) is True
+    assert backend.holder("op") is None
+    now = backend.acquire("op", "token-2", 30_000, Owner(host="now")).fence
+    assert now is not None and now > seen
+    assert backend.force_release("op", seen) is False, "the lock changed hands"
+    assert backend.holder("op").fence == now  # type: ignore[union-attr]
+    assert asyncio.run(backend.aforce_release("op", seen)) is False
+    assert asyncio.run(backend.aforce_release("op", now)) is True
+    assert backend.force_release("op", now) is False
+
+
+# -- the largest TTL is stored exactly, with an expiry (issue 12.8 / 12.3) --------------
+
+
+@ALL_DBS
+def test_the_largest_ttl_is_stored_with_its_expiry(url: str) -> None:
+    backend = get_backend(url)
+    for ttl_ms in (MAX_TTL_MS, 1):
+        result = backend.acquire(f"long:{ttl_ms}", "t", ttl_ms, Owner())
+        assert result.fence is not None
+    holder = backend.holder(f"long:{MAX_TTL_MS}")
+    assert holder is not None and holder.expires_at is not None
+    assert abs(holder.expires_in - MAX_TTL_MS / 1000) < 5  # type: ignore[operator]
+    assert backend.renew(f"long:{MAX_TTL_MS}", "t", MAX_TTL_MS) is True
+    holder = backend.holder(f"long:{MAX_TTL_MS}")
+    assert abs(holder.expires_in - MAX_TTL_MS / 1000) < 5  # type: ignore[union-attr,operator]
+    again = backend.acquire(f"long:{MAX_TTL_MS}", "t", MAX_TTL_MS, Owner())
+    assert again.fence == result.fence or again.fence is not None
+    assert backend.release(f"long:{MAX_TTL_MS}", "t") is True
+    for bad in (0, -1):
+        with pytest.raises(InvalidArgument):
+            backend.acquire("long:bad", "t", bad, Owner())
+    with pytest.raises(InvalidArgument):
+        backend.acquire("long:bad", "t", MAX_TTL_MS + 1, Owner())
+    with pytest.raises(InvalidArgument):
+        backend.renew("long:1", "t", MAX_TTL_MS + 1)
+    assert backend.holder("long:bad") is None
+
+
+# -- the alias's isolation level does not leak into the backend's transactions ----------
+
+
+def _strict_levels() -> list[Any]:
+    """(alias, OPTIONS to add): Django's isolation_level, and a session default the
+    way a DBA sets it (``ALTER DATABASE ... SET default_transaction_isolation``)."""
+    cases: list[tuple[str, dict[str, object]]] = []
+    if "pg" in settings.DATABASES:
+        from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+        cases += [
+            ("pg", {"isolation_level": IsolationLevel.REPEATABLE_READ}),
+            ("pg", {"options": "-c default_transaction_isolation=serializable"}),
+        ]
+    if "mysql" in settings.DATABASES:
+        cases += [
+            ("mysql", {"isolation_level": "repeatable read"}),
+            ("mysql", {"isolation_level": "serializable"}),
+        ]
+    return [
+        pytest.param(a, extra, marks=pytest.mark.django_db(transaction=True, databases=ALIASES))
+        for a, extra in cases
+    ]
+
+
+@pytest.mark.parametrize(("strict_alias", "extra"), _strict_levels())
+def test_contended_acquires_answer_held_under_a_strict_isolation_level(
+    strict_alias: str, extra: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An alias whose transactions default to REPEATABLE READ or SERIALIZABLE: threads
+    racing for one name get a fence or "held", never a serialization error."""
+    options = {**connections[strict_alias].settings_dict.get("OPTIONS", {}), **extra}
+    monkeypatch.setitem(connections[strict_alias].settings_dict, "OPTIONS", options)
+    backend = DjangoBackend(f"django://{strict_alias}")
+    errors: list[BaseException] = []
+    granted: list[int] = []
+    start = threading.Barrier(4)
+
+    def contend(worker: int) -> None:
+        try:
+            for round_ in range(15):
+                start.wait(10)  # every round raced by all four at once
+                token = f"w{worker}-{round_}"
+                result = backend.acquire(f"strict:{round_}", token, 30_000, Owner())
+                if result.fence is not None:
+                    granted.append(round_)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    backend.close()
+    assert errors == [], errors[:1]
+    assert sorted(granted) == list(range(15)), "exactly one winner per name"

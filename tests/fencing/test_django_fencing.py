@@ -270,3 +270,98 @@ def test_kleppmann_paused_holder_is_refused_by_fenced(alias: str, Invoice, redis
     assert refused.value.current == lease_2.fence
     assert Invoice.objects.using(alias).get(pk=invoice.pk).note == "client 2"
     assert _mark(alias, "invoice:7") == lease_2.fence
+
+
+# -- isolation levels: a stale fence is refused loudly, never "0 rows" (issue 12.9) ------
+
+
+def _isolation_cases() -> list:
+    """(alias, OPTIONS isolation_level) for every stricter-than-default level we can run."""
+    # MySQL's SERIALIZABLE is left out: its plain reads take shared locks, so the newer
+    # holder cannot commit under the stale one's snapshot (no stale read to guard).
+    cases = []
+    if "mysql" in ALIASES:
+        cases += [("mysql", "repeatable read")]
+    if "pg" in ALIASES:
+        from psycopg import IsolationLevel
+
+        cases += [("pg", IsolationLevel.REPEATABLE_READ), ("pg", IsolationLevel.SERIALIZABLE)]
+    return [
+        pytest.param(alias, level, marks=pytest.mark.django_db(databases=[alias], transaction=True))
+        for alias, level in cases
+    ]
+
+
+@pytest.fixture
+def isolation(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Reconnect ``alias`` with ``OPTIONS["isolation_level"] = level`` (Django's own path)."""
+    alias, level = request.node.callspec.params["alias"], request.node.callspec.params["level"]
+    connections[alias].close()
+    options = dict(connections[alias].settings_dict.get("OPTIONS", {}), isolation_level=level)
+    monkeypatch.setitem(connections[alias].settings_dict, "OPTIONS", options)
+    yield
+    connections[alias].close()  # the next test reconnects with the original OPTIONS
+
+
+def _serialization_failure(exc: BaseException) -> bool:
+    """PostgreSQL's refusal under REPEATABLE READ / SERIALIZABLE (SQLSTATE 40001)."""
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) == "40001"
+
+
+@pytest.mark.parametrize(("alias", "level"), _isolation_cases())
+def test_a_stale_fence_is_refused_loudly_under_stricter_isolation(
+    alias: str, level: object, Invoice, isolation: None
+) -> None:
+    """The stale holder's transaction read (took its snapshot) before the newer holder
+    committed: its fenced writes must raise StaleFence (or, on PostgreSQL, the
+    database's serialization failure), and write nothing, whatever the level."""
+    from django.db import OperationalError
+
+    objects = Invoice.objects.using(alias)
+    invoice = Invoice(number="12.9", total=1)
+    invoice.save(using=alias, fence=33)
+    with fenced("invoice:12.9", 33, using=alias):
+        pass
+
+    def newer_holder() -> None:
+        try:
+            with fenced("invoice:12.9", 34, using=alias):
+                objects.filter(pk=invoice.pk).update(total=34, fence=34)
+        finally:
+            connections[alias].close()
+
+    attempts = {
+        "fenced": lambda: _fenced_write(alias, objects, invoice.pk),
+        "queryset update": lambda: objects.filter(pk=invoice.pk).update(total=-1, fence=33),
+        "save": lambda: _stale_save(objects, invoice.pk, alias),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises((StaleFence, OperationalError)) as refused:
+            with transaction.atomic(using=alias):
+                assert objects.get(pk=invoice.pk).total in (1, 34)  # the snapshot is taken
+                writer = threading.Thread(target=newer_holder)
+                writer.start()
+                writer.join(30)
+                assert not writer.is_alive()
+                result = attempt()
+                pytest.fail(f"{what}: a stale fence wrote (or matched {result!r} rows) silently")
+        if isinstance(refused.value, OperationalError):
+            assert connections[alias].vendor == "postgresql", f"{what}: {refused.value!r}"
+            assert _serialization_failure(refused.value), f"{what}: {refused.value!r}"
+        else:
+            assert (refused.value.fence, refused.value.current) == (33, 34), what
+        row = objects.get(pk=invoice.pk)
+        assert (row.total, row.fence) == (34, 34), what
+        assert _mark(alias, "invoice:12.9") == 34
+
+
+def _fenced_write(alias: str, objects, pk: int) -> int:
+    with fenced("invoice:12.9", 33, using=alias):
+        return objects.filter(pk=pk).update(total=-1)
+
+
+def _stale_save(objects, pk: int, alias: str) -> None:
+    stale = objects.get(pk=pk)
+    stale.total = -1
+    stale.save(using=alias, fence=33)
