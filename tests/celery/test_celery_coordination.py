@@ -89,6 +89,22 @@ def test_a_killed_permit_holder_frees_its_permit_within_3s(
     wait_until(lambda: not permits_held(cluster, f"t:{key}", 2), 3.0, "all permits free")
 
 
+def test_limit_three_redelivered_copy_of_a_running_message_is_refused(
+    cluster: Any, redelivery_worker: Any, key: str, intervals: Any
+) -> None:
+    """Issue 12.6: ``acks_late`` past the 5 s visibility timeout, ``limit=3``: Redis hands
+    the running message to the worker's other process, where two permits are free. The
+    copy must be refused as with ``limit=1``, not run the same task id a second time."""
+    log = f"log:{key}"
+    result = cluster.tasks.limited_redelivered_task.delay(key, log, 12)
+    assert result.get(timeout=40)["task_id"] == result.id
+    deliveries = intervals(log + ":deliveries")
+    assert len(deliveries) >= 2, "Redis did not redeliver the message: the test proved nothing"
+    assert [run["task_id"] for run in intervals(log)] == [result.id]  # one copy did the work
+    assert result.state == "SUCCESS"
+    assert permits_held(cluster, f"t:{key}", 3) == []
+
+
 # -- stale beat ticks: a message sent under an old term is refused ------------------------------
 
 
