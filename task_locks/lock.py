@@ -446,12 +446,16 @@ class _LockBase:
         return self.timeout if isinstance(timeout, _Unset) else validate_timeout(timeout, self.name)
 
     def _plan(
-        self, backend: Backend, timeout: float | None
+        self, backend: Backend, timeout: float | None, token: str | None = None
     ) -> Generator[Op, Any, tuple[str, int, float]]:
-        """The acquire loop: try, and while held, wait for the release or the holder's TTL."""
+        """The acquire loop: try, and while held, wait for the release or the holder's TTL.
+
+        ``token``: acquire under a token that may already hold the lock (private: the
+        Celery run taking over its publish-time lock in one step, same fence).
+        """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
-        token = secrets.token_hex(16)
+        token = token or secrets.token_hex(16)
         owner = current_owner()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout

@@ -135,19 +135,21 @@ def recover_task_locks(
 ) -> None:
     """Main process: free what a task that will never reach its ``finally`` holds.
 
-    ``token`` (from the message headers) frees the lock taken at publish; ``pid`` is the
-    child that ran the task, whose run lock (with ``limit`` > 1: its permit) is released
-    once the child is gone and only if the lock's owner metadata still names that task
-    and that pid.
+    ``token`` (from the message headers) frees the lock taken at publish, if the task
+    never started (``pid`` None) or dropped that lock as it started (``"enqueue"``);
+    a ``"both"`` run took that lock over, so it is its run lock. ``pid`` is the child that
+    ran the task, whose run lock (with ``limit`` > 1: its permit; and its run guard) is
+    released once the child is gone and only if the lock's owner metadata still names
+    that task and that pid: a redelivered copy may hold the same token by then.
     """
     try:
         name = task._lock_name(args, kwargs)
-        held_names = task._held_names(name)
+        held_names = task._held_names(name, task_id)
         backend = task._lock_backend()
     except LockError as exc:
         log.warning("cannot recover the lock of %s[%s]: %s", task.name, task_id, exc)
         return
-    if token:
+    if token and (pid is None or task.lock_on == "enqueue"):
         try:
             if backend.release(name, token):
                 log.info("released queued lock %r of %s[%s]: %s", name, task.name, task_id, why)
