@@ -9,7 +9,9 @@ wraps that one function on the app's ``amqp`` object instead:
 - it takes the key's lock (no renewal; owner = the new task id; TTL ``enqueue_ttl``,
   counted from the message's ETA when it has one) and puts the lock's token in the
   message headers. The worker that runs the message frees that lock, token-checked,
-  when the task starts (``"enqueue"``) or hands it over to the run lock (``"both"``).
+  when the task starts (``"enqueue"``), or (``"both"``) takes it over as the run lock
+  by acquiring under the same token: one server-side step that keeps the fence and
+  resets TTL and owner, so the key is never free between the two.
   A message that is never consumed frees the key after the TTL; a revoked or expired
   one frees it when a worker drops it (``task_revoked``).
 - if the key is taken, nothing is published: ``DuplicateTask`` (a ``LockHeld``) is
