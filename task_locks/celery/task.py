@@ -36,9 +36,11 @@ from ..types import Holder
 from .beat import (
     ELECTION_HEADER,
     BeatTick,
+    aclaim_holds,
     aelection_holder,
     beat_backend,
     beat_tick,
+    claim_holds,
     election_holder,
     stale_tick_term,
 )
@@ -351,11 +353,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._drop_queued_lock(name, handed)
             tick = _beat_tick(request)
             if tick is not None:
-                leader = self._election_holder(tick)
-                if handed and self.lock_on == "both" and stale_tick_term(tick, leader):
-                    self._drop_queued_lock(name, handed)  # refused below: free the key
-                if self._refuse_stale(tick, leader):
-                    return None
+                current = stale_tick_term(tick, self._election_holder(tick))
+                if current is not None and not claim_holds(self.app, tick):
+                    if handed and self.lock_on == "both":
+                        self._drop_queued_lock(name, handed)  # refused below: free the key
+                    if self._refuse_stale(tick, current):
+                        return None
             if self.lock_on == "enqueue":
                 return body(*args, **kwargs)
             guard = None
@@ -468,11 +471,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             await self._adrop_queued_lock(name, handed)
         tick = _beat_tick(self.request)
         if tick is not None:
-            leader = await self._aelection_holder(tick)
-            if handed and self.lock_on == "both" and stale_tick_term(tick, leader):
-                await self._adrop_queued_lock(name, handed)
-            if self._refuse_stale(tick, leader):
-                return None
+            current = stale_tick_term(tick, await self._aelection_holder(tick))
+            if current is not None and not await aclaim_holds(self.app, tick):
+                if handed and self.lock_on == "both":
+                    await self._adrop_queued_lock(name, handed)
+                if self._refuse_stale(tick, current):
+                    return None
         if self.lock_on == "enqueue":
             return await body(*args, **kwargs)
         task_id = self.request.id
@@ -592,20 +596,20 @@ class SingletonTask(Task):  # type: ignore[misc]
     async def _aelection_holder(self, tick: BeatTick) -> Holder | None:
         return await aelection_holder(self.app, tick.election)
 
-    def _refuse_stale(self, tick: BeatTick, leader: Holder | None) -> bool:
-        """Refuse a beat message sent under a term older than the current leader's.
+    def _refuse_stale(self, tick: BeatTick, current: int) -> bool:
+        """Refuse a beat message that may be a second send of its tick.
 
-        A deposed beat leader (paused, partitioned) may still publish a tick after a new
-        leader was elected; this layer runs it only if its term is still current.
+        Called for a message sent under a term older than the ``current`` leader's whose
+        tick claim no longer holds (expired, or another sender's): a deposed leader
+        (paused, partitioned) and the new one may both have sent that tick. A message
+        whose claim holds is the only send of its tick and runs (a clean hand-over).
         ``True`` to return without running (direct calls); else ends the run, ignored.
         """
-        current = stale_tick_term(tick, leader)
-        if current is None:
-            return False
         request = self.request
         log.warning(
-            "task %s[%s] refused: beat tick %s of %r was sent under term %s, but the "
-            "current leader's term is %s",
+            "task %s[%s] refused: beat tick %s of %r was sent under term %s, the current "
+            "leader's term is %s, and the tick's claim is gone: it may have been sent "
+            "twice; this copy is not run",
             self.name,
             request.id,
             tick.tick,
