@@ -57,6 +57,8 @@ ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
 LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
 TOKEN_HEADER: Final = "task_locks_token"
+#: Message header carrying the fence of that lock (to tell if it expired before the run).
+FENCE_HEADER: Final = "task_locks_fence"
 #: Joins a key and a task id into the name of that task id's run guard (see
 #: :func:`task_id_lock_name`).
 TASK_ID_SEPARATOR: Final = "#task:"
@@ -186,7 +188,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     lock_backend: str | Backend | None = None
     #: ``on_conflict="retry"``: base countdown in seconds, jittered by +-50%.
     retry_countdown: float = 1.0
-    #: Seconds a lock taken at publish outlives an unconsumed message (``None``: ``lock_ttl``).
+    #: Seconds a lock taken at publish outlives an unconsumed message (``None``: until the
+    #: message's ``expires``, else ``publish.DEFAULT_ENQUEUE_TTL``, an hour).
     enqueue_ttl: float | None = None
     #: Runs of one key allowed at once: 1 is a :class:`~task_locks.Lock` named by the
     #: key; N > 1 a :class:`~task_locks.Semaphore` of that name (``lock_on="run"`` only).
@@ -375,6 +378,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if lease is None:
                 self._release_guard(guard, request.id)
                 return None
+            if handed and _queued_fence(request) not in (None, lease.fence):
+                self._queued_lock_expired(name)
             return self._hold(lease, body, args, kwargs, request.id, guard)
 
     def _take(self, lock: Lock | Semaphore, name: str, token: str | None) -> Lease | None:
@@ -495,6 +500,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if lease is None:
             await self._arelease_guard(guard, task_id)
             return None
+        if handed and _queued_fence(self.request) not in (None, lease.fence):
+            self._queued_lock_expired(name)
         reset = _current.set(lease)
         live_leases.add(task_id, lease)
         if guard is not None:
@@ -583,10 +590,23 @@ class SingletonTask(Task):  # type: ignore[misc]
         queued lock over instead (:meth:`_run_token`), and drops it only for a run it
         refuses before that (a stale beat tick).
         """
-        self._lock_backend().release(name, token)
+        if not self._lock_backend().release(name, token):
+            self._queued_lock_expired(name)
 
     async def _adrop_queued_lock(self, name: str, token: str) -> None:
-        await self._lock_backend().arelease(name, token)
+        if not await self._lock_backend().arelease(name, token):
+            self._queued_lock_expired(name)
+
+    def _queued_lock_expired(self, name: str) -> None:
+        """The lock taken when this message was published was gone when it started."""
+        log.warning(
+            "task %s[%s]: the queued lock %r of this message expired before it ran (or this "
+            "is a second delivery of it): duplicates may have been queued meanwhile; raise "
+            "enqueue_ttl or set expires if the queue is that long",
+            self.name,
+            self.request.id,
+            name,
+        )
 
     # -- beat ticks sent under an old term (issue: HA beat) ------------------------------
 
@@ -798,6 +818,15 @@ def _beat_tick(request: Any) -> BeatTick | None:
         if not headers or ELECTION_HEADER not in headers:
             return None
     return beat_tick(request)
+
+
+def _queued_fence(request: Any) -> int | None:
+    """The fence of the lock taken when the running message was published, if it says."""
+    fence = getattr(request, FENCE_HEADER, None)
+    try:
+        return None if fence is None else int(fence)
+    except (TypeError, ValueError):
+        return None
 
 
 def _message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:

@@ -253,6 +253,23 @@ def enqueue_burst_task(self: Any, key: str, log: str, seconds: float) -> dict[st
     return work(self, log, seconds)
 
 
+@singleton_task(**common, ttl=30, lock_on="enqueue", enqueue_ttl=1)
+def short_queue_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """Its publish-time lock lasts 1 s: a queue slower than that outlives it."""
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=30, lock_on="both", enqueue_ttl=1)
+def short_both_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, lock_on="enqueue")
+def default_queue_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """No ttl, no enqueue_ttl: the defaults decide how long its queued lock lasts."""
+    return work(self, log, seconds)
+
+
 #: Tasks whose every delivery is counted in ``<log>:deliveries``.
 _COUNTED = {
     f"celery_tasks.{name}"
