@@ -32,6 +32,7 @@ from servers import wait_until
 
 from task_locks import get_backend
 from task_locks.celery import SKIPPED
+from task_locks.celery.task import TASK_ID_SEPARATOR
 from task_locks.semaphore import slot_name
 
 pytestmark = pytest.mark.slow
@@ -50,9 +51,13 @@ def most_inside_at_once(runs: list[dict[str, Any]]) -> int:
 
 
 def key_is_free(cluster: Any, key: str, limit: int) -> bool:
+    """No run of ``key`` holds anything: its lock (or permits) and its run guards
+    (``t:<key>#task:<id>``, held from the start of a run, while it waits, to its end)."""
     backend = get_backend(cluster.locks_url)
     names = [f"t:{key}"] if limit == 1 else [slot_name(f"t:{key}", i) for i in range(limit)]
-    return not any(backend.holder(name) for name in names)
+    return not any(backend.holder(name) for name in names) and not backend.holders(
+        f"t:{key}{TASK_ID_SEPARATOR}"
+    )
 
 
 def assert_runs_hold(runs: list[dict[str, Any]], limit: int) -> None:
@@ -78,7 +83,7 @@ def test_copies_delivered_at_once_run_once(
     ids = [str(uuid.uuid4()) for _ in range(4)]
     for task_id in ids:
         for _copy in range(3):
-            task.apply_async((key, log, 0.4), task_id=task_id)
+            task.apply_async((key, log, 1.0), task_id=task_id)
     wait_until(lambda: len(intervals(log + ":deliveries")) == 12, 30, "all 12 deliveries")
     wait_until(lambda: key_is_free(cluster, key, limit), 30, "every run to end")
     runs = intervals(log)
@@ -88,7 +93,16 @@ def test_copies_delivered_at_once_run_once(
     else:
         assert runs, "no copy ran at all"
         ran = {r["task_id"] for r in runs}
-        states = {task_id: task.AsyncResult(task_id).state for task_id in ids}
+        # A run's result is stored just after it released its lock: wait for the states.
+        states = wait_until(
+            lambda: (
+                (found := {i: task.AsyncResult(i).state for i in ids})
+                and all(state not in UNFINISHED for state in found.values())
+                and found
+            ),
+            10,
+            "every task id's final state",
+        )
         assert all(states[i] == ("SUCCESS" if i in ran else SKIPPED) for i in ids), states
 
 
