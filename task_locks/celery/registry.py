@@ -123,6 +123,20 @@ def _release_if_ours(backend: Backend, name: str, task_id: str, pid: int, why: s
         log.warning("released lock %r of task %s (pid %s): %s", name, task_id, pid, why)
 
 
+def _release_queued_if_never_taken(backend: Backend, name: str, token: str, why: str) -> None:
+    """``"both"``: free the publish-time lock of a run that died before taking it over.
+
+    Taken over, the lock names a worker (the run's owner); still queued, it names none.
+    A redelivered copy could take it over between this read and the release (same
+    token): the window is one round trip, and only with a copy already running.
+    """
+    holder = backend.holder(name)
+    if holder is None or holder.token != token or holder.owner.worker:
+        return
+    if backend.release(name, token):
+        log.warning("released queued lock %r of a run that died before taking it: %s", name, why)
+
+
 def recover_task_locks(
     task: SingletonTask,
     task_id: str,
@@ -176,6 +190,11 @@ def recover_task_locks(
                 _release_if_ours(backend, held, task_id, pid, why)
             except LockError as exc:
                 log.warning("releasing lock %r of dead pid %s failed: %s", held, pid, exc)
+        if token and task.lock_on == "both":
+            try:
+                _release_queued_if_never_taken(backend, name, token, why)
+            except LockError as exc:
+                log.warning("releasing queued lock %r failed: %s", name, exc)
 
     if process_gone(pid):
         release_when_gone()  # now, before the message can be redelivered

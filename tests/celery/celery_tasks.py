@@ -264,6 +264,14 @@ def short_both_task(self: Any, key: str, log: str, seconds: float) -> dict[str, 
     return work(self, log, seconds)
 
 
+@singleton_task(**common, ttl=60, lock_on="both", on_conflict="raise")
+def both_hold_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """``"both"``, holding the key a long time (ttl=60): killing it must free the key sooner."""
+    record(log, event="started", task_id=self.request.id)
+    time.sleep(seconds)
+    return "finished"
+
+
 @singleton_task(**common, lock_on="enqueue")
 def default_queue_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
     """No ttl, no enqueue_ttl: the defaults decide how long its queued lock lasts."""

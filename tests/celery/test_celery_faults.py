@@ -185,3 +185,22 @@ def test_concurrent_publishers_one_accepted_at_a_time_and_every_accepted_runs(
             f"{after['id']} was accepted at {after['returned']:.4f}, while {before['id']} "
             f"still held the key (until {freed:.4f})"
         )
+
+
+def test_a_killed_both_run_frees_the_lock_it_took_over(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any
+) -> None:
+    """``"both"``: the run holds the publish-time lock (same token, now its own): when its
+    child is SIGKILLed the worker's main process frees the key and the run guard within
+    seconds (ttl=60, and the queued lock's enqueue TTL is an hour)."""
+    task, name, log = cluster.tasks.both_hold_task, f"t:{key}", f"log:{key}"
+    result = task.delay(key, log, 30)
+    backend = get_backend(cluster.locks_url)
+    running = wait_until(
+        lambda: (h := backend.holder(name)) and h.owner.worker and h, 10, "the run to hold it"
+    )
+    assert running.owner.task_id == result.id
+    assert running.owner.pid == wait_until(lambda: intervals(log), 10, "a start")[0]["pid"]
+    result.revoke(terminate=True, signal="SIGKILL")
+    wait_until(lambda: key_is_free(cluster, key, 1), 3.0, "the key and guard to be free")
+    wait_until(lambda: result.state == "REVOKED", 10, "the result to say REVOKED")
