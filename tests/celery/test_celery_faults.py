@@ -24,10 +24,10 @@ import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, ROOT
 from servers import wait_until
 
 from task_locks import get_backend
@@ -36,6 +36,10 @@ from task_locks.celery.task import TASK_ID_SEPARATOR
 from task_locks.semaphore import slot_name
 
 pytestmark = pytest.mark.slow
+
+# Not imported from conftest: with several test directories, "conftest" may be another's.
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 #: States of a message that has not finished (SKIPPED is final but not in READY_STATES).
 UNFINISHED = ("PENDING", "RECEIVED", "STARTED", "RETRY")
@@ -134,16 +138,22 @@ def publish_concurrently(
     log, stop, accepted = f"log:{key}", f"stop:{key}", f"accepted:{key}"
     env = {**os.environ, **cluster.env, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
     command = [sys.executable, str(HERE / "publisher.py"), task_name, key, log, str(seconds)]
-    procs = [
-        subprocess.Popen([*command, stop, accepted, "30"], cwd=HERE, env=env)
-        for _ in range(publishers)
-    ]
+    errors = [cluster.tmp / f"publisher-{key}-{n}.stderr" for n in range(publishers)]
+    procs = []
+    for error in errors:
+        with open(error, "wb") as stderr:
+            procs.append(
+                subprocess.Popen([*command, stop, accepted, "30"], cwd=HERE, env=env, stderr=stderr)
+            )
+
+    def started() -> bool:
+        for proc, error in zip(procs, errors, strict=True):
+            if proc.poll() is not None:
+                raise AssertionError(f"a publisher exited:\n{error.read_text()}")
+        return cluster.store.llen(accepted + ":ready") == publishers
+
     try:
-        wait_until(
-            lambda: cluster.store.llen(accepted + ":ready") == publishers,
-            30,
-            "the publishers to start",
-        )
+        wait_until(started, 30, "the publishers to start")
         time.sleep(duration)  # the length of the burst itself, not a synchronisation
     finally:
         cluster.store.set(stop, 1)
