@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: help install servers lint test chaos demo bench clean
+.PHONY: help install servers lint package test chaos demo bench clean
 
 help:
 	@echo "make demo   - run the example project's main job on the embedded default (no server needed)"
@@ -19,6 +20,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[all,test,bench]'
 	touch $(STAMP)
 
+# The demo needs only the package with its Celery and Django extras.
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[demo]'
+	touch $(DEMO_STAMP)
+
 install: $(STAMP)
 
 servers:
@@ -28,13 +36,20 @@ lint: install
 	$(VENV)/bin/ruff check task_locks django_app tests bench example_project
 	$(VENV)/bin/mypy
 
-test: install servers lint
+# The sdist and wheel build, and their metadata passes twine's check.
+package: install
+	rm -rf build/dist
+	@$(PY) -m build --outdir build/dist . > build/package.log 2>&1 || { cat build/package.log; exit 1; }
+	@! grep -i "deprecat" build/package.log || { echo "package: setuptools deprecation warnings (above)"; exit 1; }
+	$(VENV)/bin/twine check --strict build/dist/*
+
+test: install servers lint package
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 chaos: install servers
 	$(PY) -m pytest -p no:cacheprovider tests/chaos -m chaos --chaos-long $(PYTEST_ARGS)
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(PY) example_project/demo.py
 
 bench: install servers

@@ -4,8 +4,11 @@ Lock holders is not a table: the page reads ``backend.holders()`` on every reque
 shows what the lock service holds right now, whichever backend ``TASK_LOCKS`` names.
 It hangs off the unmanaged :class:`~django_app.models.LockHolder` model so it sits in the
 admin index like any model, and viewing it needs ``task_locks.view_lockholder``.
-Force release needs ``task_locks.force_release_lock``, asks for confirmation, refuses if
-the lock changed hands meanwhile, and writes a ``forced`` :class:`LockEvent`.
+Force release needs ``task_locks.force_release_lock`` and asks for confirmation; the
+confirmation form carries the fence of the holder it showed (never the token, which is
+the holder's secret), and the release frees only that holder, atomically on the server.
+A lock that changed hands meanwhile is left alone: the page says who holds it now,
+records a ``conflict`` event and asks again; a release writes a ``forced`` event.
 
 The holders are grouped as ``locks list`` groups them (:func:`task_locks.ops.group_holders`):
 plain locks, then elections (leader, term, since, expiry), then semaphores ("holders /
@@ -30,6 +33,9 @@ from task_locks import LockError
 from task_locks.election import LeaderInfo
 from task_locks.ops import (
     Listing,
+    changed_hands_message,
+    describe_backend,
+    describe_holder,
     describe_role,
     format_duration,
     group_holders,
@@ -133,7 +139,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             "opts": self.opts,
             "app_label": self.opts.app_label,
             "title": title,
-            "backend": conf.backend().server,
+            "backend": describe_backend(conf.backend()),
         }
 
     def changelist_view(
@@ -176,14 +182,17 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             self.message_user(request, f"Lock “{name}” is not held.", messages.WARNING)
             return HttpResponseRedirect(changelist)
         if request.method == "POST":
-            if str(holder.fence) != data.get("fence"):
+            try:
+                fence = int(data.get("fence", ""))
+            except ValueError:
                 self.message_user(
                     request,
-                    f"Lock “{name}” changed hands since you looked (now fence {holder.fence}); "
-                    "check the new holder before releasing it.",
+                    f"No holder given for lock “{name}”: confirm the release on this page.",
                     messages.WARNING,
                 )
                 return HttpResponseRedirect(f"{request.path}?{urlencode({'name': name})}")
+            if holder.fence != fence:
+                return self._changed_hands(request, name, fence, holder)
             return self._force_release(request, holder, changelist)
         context = {
             **self._context(request, "Are you sure?"),
@@ -192,20 +201,25 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         return TemplateResponse(request, "admin/task_locks/force_release_confirm.html", context)
 
     def _force_release(self, request: HttpRequest, holder: Holder, changelist: str) -> HttpResponse:
+        backend = conf.backend()
         try:
-            released = conf.backend().force_release(holder.name)
+            # Frees only the holder with the fence the operator confirmed, atomically on the
+            # server: a lock that changed hands since the read above is left alone.
+            released = backend.force_release(holder.name, fence=holder.fence)
+            now = None if released else backend.holder(holder.name)
         except LockError as exc:
             self.message_user(request, f"Could not release “{holder.name}”: {exc}", messages.ERROR)
             return HttpResponseRedirect(changelist)
+        if now is not None:
+            return self._changed_hands(request, holder.name, holder.fence, now)
         if released:
-            user = request.user.get_username()  # type: ignore[union-attr]
             audit.record(
                 "forced",
                 holder.name,
                 fence=holder.fence,
                 owner=holder.owner,
-                actor=f"{user} (admin)",
-                detail=f"force-released in the admin; was held by {holder.owner.describe()}",
+                actor=self._actor(request),
+                detail=f"force-released in the admin; was held by {describe_holder(holder)}",
                 sync=True,
             )
             self.message_user(
@@ -216,6 +230,29 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         else:
             self.message_user(request, f"Lock “{holder.name}” was already free.", messages.INFO)
         return HttpResponseRedirect(changelist)
+
+    def _changed_hands(
+        self, request: HttpRequest, name: str, fence: int, now: Holder
+    ) -> HttpResponse:
+        """Nothing released: say who holds it now, record the refusal, ask about them."""
+        audit.record(
+            "conflict",
+            name,
+            fence=now.fence,
+            owner=now.owner,
+            actor=self._actor(request),
+            detail=f"force release in the admin refused: it was for the holder with fence "
+            f"{fence}, and the lock changed hands",
+            sync=True,
+        )
+        self.message_user(
+            request, f"Lock “{name}”: {changed_hands_message(now)}.", messages.WARNING
+        )
+        return HttpResponseRedirect(f"{request.path}?{urlencode({'name': name})}")
+
+    @staticmethod
+    def _actor(request: HttpRequest) -> str:
+        return f"{request.user.get_username()} (admin)"  # type: ignore[union-attr]
 
 
 @admin.register(LockEvent)

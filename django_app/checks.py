@@ -7,6 +7,9 @@
 ``task_locks.E003``  ``TASK_LOCKS`` has keys this version does not know (typos)
 ``task_locks.E004``  ``TASK_LOCKS`` is not a dict, or ``AUDIT`` / ``KEY_PREFIX`` /
                      ``EVENT_RETENTION_DAYS`` has a bad value
+``task_locks.E005``  ``TASK_LOCKS_URL`` is set (the ``task-locks`` CLI locks there) but
+                     ``TASK_LOCKS`` locks on another server or in another namespace:
+                     one lock name would be two locks
 ``task_locks.W001``  the backend did not answer (it may be down or unreachable)
 ``task_locks.W002``  ``KEY_PREFIX`` is set but the backend does not use it
 =================  =====================================================================
@@ -107,6 +110,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         )
         return messages
 
+    problem = conf.namespace_problem(url)
+    if problem is not None:
+        messages.append(
+            _error(
+                "E005", problem.removesuffix(conf.NAMESPACE_HINT).strip(), hint=conf.NAMESPACE_HINT
+            )
+        )
     scheme = urlsplit(url).scheme.lower()
     if prefix and scheme not in conf.PREFIX_SCHEMES:
         messages.append(

@@ -3,12 +3,20 @@
 ::
 
     TASK_LOCKS = {
-        "BACKEND": "redis://127.0.0.1:6379/0",   # any task-locks URL; default django://default
+        "BACKEND": "redis://127.0.0.1:6379/0",   # any task-locks URL; default: $TASK_LOCKS_URL
+                                                  # when set, else django://default
         "DEFAULT_TTL": 30,                        # seconds, > 0
         "KEY_PREFIX": "myproject:",               # namespace (the URL's ?prefix= option)
         "AUDIT": ["lost", "forced", "conflict"],  # event kinds to record; True = all, False = none
         "EVENT_RETENTION_DAYS": 30,               # ``manage.py locks prune`` deletes older events
     }
+
+**One lock name, one lock.** The namespace's one source of truth is the backend URL (its
+``prefix`` option; ``KEY_PREFIX`` is folded into it). The ``task-locks`` CLI cannot read
+these settings: it locks where ``TASK_LOCKS_URL`` says. So when ``TASK_LOCKS_URL`` is set,
+it is also ``BACKEND``'s default, and a ``TASK_LOCKS`` that would lock on another server or
+in another namespace is refused (system check ``task_locks.E005``, and :func:`backend`
+fails at first use) instead of taking other locks than the CLI for the same names.
 
 Values are parsed lazily and re-read when the setting changes (``override_settings`` in
 tests, ``setting_changed``). Parsing never raises at import: the system checks
@@ -19,6 +27,7 @@ fails loudly when used instead of silently falling back to another server.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +39,9 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 import task_locks
-from task_locks import Backend, InvalidArgument, get_backend
+from task_locks import Backend, InvalidArgument, LockError, get_backend
+from task_locks.backends.base import redact_url
+from task_locks.ops import backend_namespace
 from task_locks.types import AcquireResult, Holder, Owner
 
 SETTING = "TASK_LOCKS"
@@ -42,6 +53,25 @@ DEFAULTS: dict[str, Any] = {
     "AUDIT": ("lost", "forced", "conflict"),
     "EVENT_RETENTION_DAYS": 30,
 }
+#: The environment variable the ``task-locks`` CLI reads: ``BACKEND``'s default when set.
+ENV_URL = "TASK_LOCKS_URL"
+#: URL options that tune how a backend talks to its server, not where locks live: two URLs
+#: that differ only in these name the same locks.
+TUNING_OPTIONS = frozenset(
+    {
+        "socket_timeout",
+        "connect_timeout",
+        "wait_replicas",
+        "wait_timeout",
+        "fence_ttl",
+        "node_timeout",
+        "retry_delay",
+        "drift_factor",
+        "restart_delay",
+        "fence_sync",
+        "timeout",
+    }
+)
 #: Schemes whose URL takes a ``prefix`` option (where ``KEY_PREFIX`` goes).
 PREFIX_SCHEMES = frozenset(
     {"redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "redlock", "etcd", "django"}
@@ -71,9 +101,22 @@ def unknown_keys() -> list[str]:
     return sorted(set(raw()) - set(DEFAULTS))
 
 
+def env_url() -> str:
+    """``$TASK_LOCKS_URL`` (stripped), ``""`` when unset."""
+    return os.environ.get(ENV_URL, "").strip()
+
+
 def merged() -> dict[str, Any]:
-    """``TASK_LOCKS`` over :data:`DEFAULTS`, values not yet parsed."""
-    return {**DEFAULTS, **raw()}
+    """``TASK_LOCKS`` over :data:`DEFAULTS`, values not yet parsed.
+
+    ``BACKEND`` defaults to ``$TASK_LOCKS_URL`` when that is set, so one variable
+    configures the app and the ``task-locks`` CLI alike.
+    """
+    given = raw()
+    values = {**DEFAULTS, **given}
+    if "BACKEND" not in given and env_url():
+        values["BACKEND"] = env_url()
+    return values
 
 
 def parse_ttl(value: object) -> float:
@@ -111,15 +154,77 @@ def parse_retention(value: object) -> float:
 
 
 def with_prefix(url: str, prefix: str) -> str:
-    """``url`` with ``KEY_PREFIX`` as its ``prefix`` option, where the scheme takes one."""
+    """``url`` with ``KEY_PREFIX`` as its ``prefix`` option, where the scheme takes one.
+
+    A URL that already names another prefix is refused: which one would win is exactly
+    the kind of doubt that puts one name in two namespaces.
+    """
     if not prefix:
         return url
     parts = urlsplit(url)
     if parts.scheme.lower() not in PREFIX_SCHEMES:
         return url
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    query.setdefault("prefix", prefix)
+    if query.get("prefix", prefix) != prefix:
+        raise ImproperlyConfigured(
+            f"{SETTING}['KEY_PREFIX'] is {prefix!r} but the backend URL "
+            f"{redact_url(url)} has prefix={query['prefix']!r}: name the namespace once, "
+            "in the URL's prefix option"
+        )
+    query["prefix"] = prefix
     return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def lock_space(url: str) -> tuple[str, str, str, tuple[tuple[str, str], ...]]:
+    """Where ``url``'s locks live: scheme, server, path and the options that pick them.
+
+    No credentials, no :data:`TUNING_OPTIONS` and no ``prefix`` (compared separately,
+    with the backend's default filled in).
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    where = sorted((k, v) for k, v in query if k != "prefix" and k not in TUNING_OPTIONS)
+    return (
+        parts.scheme.lower(),
+        parts.netloc.rpartition("@")[2].lower(),
+        parts.path.rstrip("/"),
+        tuple(where),
+    )
+
+
+def _namespace(url: str) -> str | None:
+    return backend_namespace(get_backend(url))
+
+
+#: How to make the Django app and ``TASK_LOCKS_URL`` agree (E005's hint).
+NAMESPACE_HINT = (
+    f"Set the namespace in one place, the URL: e.g. {ENV_URL}="
+    "'redis://127.0.0.1:6379/0?prefix=myproject:', and drop BACKEND and KEY_PREFIX from "
+    f"{SETTING} (BACKEND then defaults to ${ENV_URL}); or give BACKEND the very URL "
+    f"of ${ENV_URL}."
+)
+
+
+def namespace_problem(url: str) -> str | None:
+    """Why the app's backend ``url`` would take other locks than ``$TASK_LOCKS_URL``.
+
+    ``None`` when the variable is unset or names the same server and namespace.
+    """
+    env = env_url()
+    if not env or env == url:
+        return None
+    try:
+        theirs = _namespace(env)
+    except (LockError, ValueError) as exc:
+        return f"${ENV_URL} ({redact_url(env)}) is not a usable backend URL: {exc}"
+    ours = _namespace(url)  # a bad url raises InvalidArgument, as get_backend(url) would
+    if lock_space(env) == lock_space(url) and theirs == ours:
+        return None
+    return (
+        f"{SETTING} locks on {redact_url(url)} (namespace {ours!r}) but ${ENV_URL}, which "
+        f"the task-locks CLI uses, is {redact_url(env)} (namespace {theirs!r}): the same "
+        "lock name would be two different locks. " + NAMESPACE_HINT
+    )
 
 
 def parse_backend_url(value: object, prefix: str = "") -> str:
@@ -138,12 +243,14 @@ def parse_prefix(value: object) -> str:
 
 
 _cache: LockSettings | None = None
+_cached_env: str = ""
 
 
 def lock_settings() -> LockSettings:
     """The parsed settings; raises ``ImproperlyConfigured`` naming the bad key."""
-    global _cache
-    if _cache is None:
+    global _cache, _cached_env
+    if _cache is None or _cached_env != env_url():  # BACKEND's default is the variable
+        _cached_env = env_url()
         values = merged()
         prefix = parse_prefix(values["KEY_PREFIX"])
         _cache = LockSettings(
@@ -189,14 +296,21 @@ class MisconfiguredBackend(Backend):
     def holders(self, prefix: str = "") -> list[Holder]:
         raise self._fail()
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, fence: int | None = None) -> bool:
         raise self._fail(name)
 
 
 def backend() -> Backend:
-    """The backend ``TASK_LOCKS`` names (a :class:`MisconfiguredBackend` if it is wrong)."""
+    """The backend ``TASK_LOCKS`` names (a :class:`MisconfiguredBackend` if it is wrong,
+    or if it would lock elsewhere than ``$TASK_LOCKS_URL``: see :func:`namespace_problem`).
+    """
     try:
-        return get_backend(lock_settings().backend_url)
+        url = lock_settings().backend_url
+        chosen = get_backend(url)
+        problem = namespace_problem(url)
+        if problem is not None:
+            return MisconfiguredBackend(problem)
+        return chosen
     except (ImproperlyConfigured, InvalidArgument) as exc:
         return MisconfiguredBackend(str(exc))
 
@@ -223,6 +337,7 @@ def _setting_changed(*, setting: str, **kwargs: Any) -> None:
 
 __all__ = [
     "DEFAULTS",
+    "ENV_URL",
     "EVENT_KINDS",
     "LockSettings",
     "MisconfiguredBackend",
@@ -230,8 +345,11 @@ __all__ = [
     "audit_kinds",
     "backend",
     "default_ttl",
+    "env_url",
     "lock_settings",
+    "lock_space",
     "merged",
+    "namespace_problem",
     "raw",
     "unknown_keys",
 ]

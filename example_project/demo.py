@@ -6,8 +6,9 @@ SQLite for task results. It starts two real Celery worker processes (three pool
 processes each), fires bursts of duplicate calls at singleton tasks (one per conflict
 policy, one with a fenced write), runs a locked management command twice at once, shows
 who holds what while it runs, and ends with a verdict table built from what the jobs
-recorded. ``TASK_LOCKS_URL=redis://127.0.0.1:6379/0`` runs the same with the locks on
-Redis (under the key prefix ``task-locks-demo:``; nothing else there is touched).
+recorded. ``TASK_LOCKS_URL='redis://127.0.0.1:6379/0?prefix=task-locks-demo:'`` runs the
+same with the locks on Redis (under the key prefix ``task-locks-demo:``, the URL's
+``prefix``; nothing else there is touched).
 Exit status 0 only when every check holds.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -341,8 +343,8 @@ def verdict(
     say()
     python, manage = os.path.relpath(sys.executable), os.path.relpath(HERE / "manage.py")
     env = "" if VAR == HERE / "var" else f"DEMO_VAR_DIR={VAR} "
-    if settings.TASK_LOCKS_URL != "django://default":
-        env += f"TASK_LOCKS_URL={settings.TASK_LOCKS_URL} "
+    if os.environ.get("TASK_LOCKS_URL"):  # the CLI and the site read it alike
+        env += f"TASK_LOCKS_URL={shlex.quote(settings.TASK_LOCKS_URL)} "
     say("look next:")
     say(f"  {env}{python} {manage} runserver")
     say("  then http://127.0.0.1:8000/admin/ (login admin / admin): Task locks > Lock holders,")

@@ -7,6 +7,8 @@ and token-checked release. See ``README.md`` for the guarantees each backend giv
 from .backends import close_all, get_backend, register_backend
 from .backends.base import Backend
 from .config import configure
+from .context import current_lease
+from .decorators import locked
 from .election import AsyncElection, Election
 from .errors import (
     BackendUnavailable,
@@ -15,6 +17,7 @@ from .errors import (
     LockHeld,
     LockLost,
     MissingCapability,
+    NotConfigured,
     NotOwned,
     StaleFence,
 )
@@ -41,14 +44,17 @@ __all__ = [
     "LockHeld",
     "LockLost",
     "MissingCapability",
+    "NotConfigured",
     "NotOwned",
     "Owner",
     "Semaphore",
     "StaleFence",
     "close_all",
     "configure",
+    "current_lease",
     "current_owner",
     "get_backend",
+    "locked",
     "owner_context",
     "register_backend",
 ]

@@ -2,6 +2,9 @@
 
 Without Django, call :func:`configure` once at start-up (or set ``TASK_LOCKS_URL``). With
 Django, the app's ``ready()`` calls :func:`configure` from the ``TASK_LOCKS`` setting.
+There is no silent default server: two hosts that each forgot the setting would each
+lock on their own local Redis, with no exclusion between them and nothing saying so. A
+lock used with no backend configured raises :class:`~task_locks.errors.NotConfigured`.
 """
 
 from __future__ import annotations
@@ -13,11 +16,21 @@ from dataclasses import dataclass
 
 from .backends import get_backend
 from .backends.base import Backend
-from .errors import InvalidArgument
+from .errors import InvalidArgument, NotConfigured
 
-#: Used when nothing is configured: the Redis most development machines run.
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TTL = 30.0
+#: The longest TTL accepted, in seconds (one year). Far below what every backend can
+#: store (Redis refuses an expiry past 2**63 ms, etcd a lease past 2**63 s...), so a TTL
+#: is refused here, before any write, never half-written by a server (a lock without
+#: expiry would be held forever).
+MAX_TTL = 31_536_000.0
+#: How to configure a backend, for the error raised when none is.
+HOW_TO_CONFIGURE = (
+    "no lock backend is configured (task-locks has no default server): pass backend=URL, "
+    "call task_locks.configure(backend=URL) at start-up, set the TASK_LOCKS_URL "
+    "environment variable, or, with Django, set TASK_LOCKS['BACKEND'] "
+    "(the task_locks Django app's default is django://default)"
+)
 
 
 @dataclass(slots=True)
@@ -40,7 +53,26 @@ def validate_ttl(ttl: object, what: str = "ttl", *, name: str | None = None) -> 
         )
     if ttl < 0.01:
         raise InvalidArgument(f"{what} must be at least 0.01 seconds, got {ttl!r}", name=name)
+    if ttl > MAX_TTL:
+        raise InvalidArgument(
+            f"{what} must be at most {MAX_TTL:,.0f} seconds (1 year), got {ttl!r}", name=name
+        )
     return float(ttl)
+
+
+def check_ttl_ms(ttl_ms: int, name: str | None = None) -> int:
+    """A backend's own guard on the TTL it is asked to write (:data:`MAX_TTL` at most).
+
+    :func:`validate_ttl` already bounds every public TTL; this refuses a direct backend
+    call with more, before anything is written.
+    """
+    if not 0 < ttl_ms <= MAX_TTL * 1000:
+        raise InvalidArgument(
+            f"lock {name!r}: ttl must be > 0 and at most {MAX_TTL:,.0f} seconds (1 year), "
+            f"got {ttl_ms} ms",
+            name=name,
+        )
+    return ttl_ms
 
 
 def configure(*, backend: str | Backend | None = None, default_ttl: float | None = None) -> None:
@@ -67,10 +99,17 @@ def default_ttl() -> float:
     return _settings.default_ttl
 
 
-def resolve_backend(backend: str | Backend | None = None) -> Backend:
-    """The backend to use: the one given, else the configured one, else ``TASK_LOCKS_URL``."""
+def resolve_backend(backend: str | Backend | None = None, *, name: str | None = None) -> Backend:
+    """The backend to use: the one given, else the configured one, else ``TASK_LOCKS_URL``.
+
+    With none of them, :class:`NotConfigured` (about lock ``name``), saying how to set one.
+    """
     if backend is None:
-        backend = _settings.backend or os.environ.get("TASK_LOCKS_URL") or DEFAULT_URL
+        backend = _settings.backend or os.environ.get("TASK_LOCKS_URL", "").strip() or None
+    if backend is None:
+        raise NotConfigured(
+            f"lock {name!r}: {HOW_TO_CONFIGURE}" if name else HOW_TO_CONFIGURE, name=name
+        )
     if isinstance(backend, Backend):
         return backend
     return get_backend(backend)

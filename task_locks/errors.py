@@ -86,6 +86,14 @@ class MissingCapability(LockError):
     """The backend lacks a capability the caller demanded with ``require=``."""
 
 
+class NotConfigured(LockError):
+    """No backend was given or configured; the message says how to configure one.
+
+    There is no default server: a silent local default would let two hosts that both
+    forgot the setting each lock on their own Redis, with no exclusion between them.
+    """
+
+
 __all__ = [
     "BackendUnavailable",
     "InvalidArgument",
@@ -93,6 +101,7 @@ __all__ = [
     "LockHeld",
     "LockLost",
     "MissingCapability",
+    "NotConfigured",
     "NotOwned",
     "StaleFence",
 ]

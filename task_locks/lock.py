@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -21,7 +23,7 @@ from collections.abc import Callable, Collection, Generator
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
-from .backends.base import Backend
+from .backends.base import CAPABILITIES, Backend
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
@@ -38,6 +40,7 @@ from .watchdog import AsyncRenewer, ThreadRenewer, async_renewer, thread_renewer
 log = logging.getLogger("task_locks.lock")
 
 MAX_NAME_LENGTH: Final = 512
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
 UNKNOWN_TTL_POLL: Final = 0.5
 #: Shortest wait between attempts: a TTL reported as "0 ms left" must not spin.
@@ -63,6 +66,23 @@ def validate_name(name: object) -> str:
             f"a lock name must be at most {MAX_NAME_LENGTH} characters, got {len(name)}",
             name=name[:40] + "...",
         )
+    # Every backend must store the name as given: no database text column holds NUL, no
+    # server takes a lone surrogate, and control characters would garble listings and logs.
+    control = _CONTROL.search(name)
+    if control:
+        raise InvalidArgument(
+            f"a lock name must not contain control characters, got {control.group()!r} "
+            f"at position {control.start()}",
+            name=name.encode("unicode_escape").decode(),
+        )
+    try:
+        name.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"a lock name must be valid unicode text (UTF-8 encodable): {exc.reason} at "
+            f"position {exc.start}",
+            name=name.encode("unicode_escape").decode(),
+        ) from None
     return name
 
 
@@ -181,6 +201,10 @@ class _LeaseBase:
         # never late; the backend's clock margin (Redlock's drift) makes it early enough.
         self._valid_for = ttl - backend.clock_margin(ttl)
         self._expires_mono = sent_at + self._valid_for
+        # renew(ttl=...): the smallest validity any TTL this lease has had gives, and when
+        # the TTL last changed (a watchdog renewal sent before that used an older TTL).
+        self._ttl_since = -math.inf
+        self._valid_before = self._valid_for
         self._released = False
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
@@ -236,8 +260,36 @@ class _LeaseBase:
     # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
 
     def _renewed(self, sent_at: float) -> None:
-        self._expires_mono = sent_at + self._valid_for
+        valid = self._valid_for
+        if sent_at < self._ttl_since:
+            # Sent before renew(ttl=...) changed the TTL: it may have carried the old TTL
+            # and reached the server last, so count the shortest TTL this lease has had.
+            valid = min(valid, self._valid_before)
+        self._expires_mono = sent_at + valid
         self.renewals += 1
+
+    def _begin_renew(self, ttl: object) -> tuple[float, int]:
+        """Check the lease and put ``ttl`` (if given) in force: ``(sent_at, ttl_ms)``.
+
+        The new TTL is in force before the request leaves, so every later watchdog batch
+        carries it too. A shorter TTL shortens the local deadline at once: if the request
+        fails, the server may hold either TTL, and the shorter one is the safe guess.
+        """
+        self.check()
+        sent_at = time.monotonic()
+        if ttl is not None:
+            new_ttl = validate_ttl(ttl, name=self.name)
+            new_valid = new_ttl - self.backend.clock_margin(new_ttl)
+            self._valid_before = min(self._valid_before, self._valid_for, new_valid)
+            self._ttl_since = sent_at
+            self.ttl, self._valid_for = new_ttl, new_valid
+            self._expires_mono = min(self._expires_mono, sent_at + new_valid)
+        return sent_at, max(1, int(self.ttl * 1000))
+
+    def _reschedule(self) -> None:
+        """After renew(ttl=...): the watchdog's next renewal is a third of the new TTL on."""
+        if self._renewer is not None and not self._released and not self.lost.is_set():
+            self._renewer.add(self)
 
     def _renew_failed(self, now: float, error: BaseException) -> bool:
         """A renewal could not reach the server: retry (``True``) while time remains."""
@@ -334,11 +386,17 @@ class Lease(_LeaseBase):
         self._renewer = thread_renewer()
         self._renewer.add(self)
 
-    def renew(self) -> None:
-        """Extend the TTL now (the watchdog also does this on its own)."""
-        self.check()
-        sent_at = time.monotonic()
-        self._finish_renew(self.backend.renew(self.name, self.token, int(self.ttl * 1000)), sent_at)
+    def renew(self, ttl: float | None = None) -> None:
+        """Extend the TTL now (the watchdog also does this on its own), token-checked.
+
+        ``ttl`` (seconds) replaces the lease's TTL: the server's expiry becomes ``ttl``
+        from now, and the watchdog renews to ``ttl`` (every ``ttl/3``) from then on.
+        Raises :class:`NotOwned` if the lock is no longer ours.
+        """
+        sent_at, ttl_ms = self._begin_renew(ttl)
+        self._finish_renew(self.backend.renew(self.name, self.token, ttl_ms), sent_at)
+        if ttl is not None:
+            self._reschedule()
 
     def release(self) -> None:
         """Free the lock if it is still ours; raise :class:`NotOwned` if it was lost.
@@ -367,11 +425,12 @@ class AsyncLease(_LeaseBase):
         self._renewer = async_renewer()
         self._renewer.add(self)
 
-    async def renew(self) -> None:
-        self.check()
-        sent_at = time.monotonic()
-        ok = await self.backend.arenew(self.name, self.token, int(self.ttl * 1000))
-        self._finish_renew(ok, sent_at)
+    async def renew(self, ttl: float | None = None) -> None:
+        """The asyncio twin of :meth:`Lease.renew` (same ``ttl``)."""
+        sent_at, ttl_ms = self._begin_renew(ttl)
+        self._finish_renew(await self.backend.arenew(self.name, self.token, ttl_ms), sent_at)
+        if ttl is not None:
+            self._reschedule()
 
     def _release_in_background(self) -> None:
         # Called from the loop's renewal task: release without blocking the loop.
@@ -402,6 +461,11 @@ class AsyncLease(_LeaseBase):
 class _LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
+    #: Private: acquire under this token instead of a fresh one. A token that already
+    #: holds the lock gets it back with the same fence (a Celery run taking over its
+    #: publish-time lock in one server-side step); subclasses' ``acquire`` keep working.
+    _token: str | None = None
+
     def __init__(
         self,
         name: str,
@@ -421,6 +485,13 @@ class _LockBase:
         self.on_lost = on_lost
         self.renew = renew
         self.require = frozenset(require)
+        unknown = self.require - CAPABILITIES  # a typo must not pass as "nothing required"
+        if unknown:
+            raise InvalidArgument(
+                f"lock {self.name!r}: unknown capabilities in require=: {sorted(unknown)}; "
+                f"known: {sorted(CAPABILITIES)}",
+                name=self.name,
+            )
         if isinstance(backend, str):
             backend = resolve_backend(backend)  # a bad URL fails here, not at acquire
         self._backend = backend
@@ -428,7 +499,7 @@ class _LockBase:
 
     @property
     def backend(self) -> Backend:
-        backend = resolve_backend(self._backend)
+        backend = resolve_backend(self._backend, name=self.name)
         if self.require:
             missing = backend.missing(self.require)
             if missing:
@@ -446,16 +517,12 @@ class _LockBase:
         return self.timeout if isinstance(timeout, _Unset) else validate_timeout(timeout, self.name)
 
     def _plan(
-        self, backend: Backend, timeout: float | None, token: str | None = None
+        self, backend: Backend, timeout: float | None
     ) -> Generator[Op, Any, tuple[str, int, float]]:
-        """The acquire loop: try, and while held, wait for the release or the holder's TTL.
-
-        ``token``: acquire under a token that may already hold the lock (private: the
-        Celery run taking over its publish-time lock in one step, same fence).
-        """
+        """The acquire loop: try, and while held, wait for the release or the holder's TTL."""
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
-        token = token or secrets.token_hex(16)
+        token = self._token or secrets.token_hex(16)
         owner = current_owner()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout

@@ -16,8 +16,10 @@ permit. ``--json`` prints one array: a plain lock or an election is one object (
 
 Exit statuses follow ``sysexits.h``: 75 (``EX_TEMPFAIL``) when the lock is held by
 someone else, 69 (``EX_UNAVAILABLE``) when the backend cannot be reached, 1 when ``show``
-finds no holder or a release is not confirmed; ``run`` passes the program's own status
-through (128 + N when it died of signal N).
+finds no holder or a release is not confirmed, 3 (``EX_CHANGED_HANDS``) when ``release``
+found the lock in other hands than the ones it showed (nothing is released: the backend
+frees only the holder with the fence the operator saw, in one atomic step); ``run``
+passes the program's own status through (128 + N when it died of signal N).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from .types import Holder, Owner
 EX_OK: Final = 0
 EX_NOT_HELD: Final = 1
 EX_USAGE: Final = 2
+#: ``release``: the lock changed hands while the operator was asked; nothing was released.
+EX_CHANGED_HANDS: Final = 3
 EX_UNAVAILABLE: Final = 69
 EX_TEMPFAIL: Final = 75
 #: Signals ``run`` forwards to its program.
@@ -118,6 +122,29 @@ def holder_to_dict(holder: Holder) -> dict[str, Any]:
         "expires_in": holder.expires_in,
         "renewals": holder.renewals,
     }
+
+
+def backend_namespace(backend: Backend) -> str | None:
+    """The prefix ``backend`` puts before every lock name (its URL's ``prefix`` option,
+    else the backend's default); ``None`` for a backend without namespaces (memory)."""
+    prefix = getattr(backend, "prefix", None)
+    if isinstance(prefix, bytes):
+        return prefix.decode(errors="replace")
+    return prefix if isinstance(prefix, str) else None
+
+
+def describe_backend(backend: Backend) -> str:
+    """``redis://127.0.0.1:6379/0 (namespace 'task_locks:')``: where the verbs look.
+
+    Without the password. One lock name is one lock only within one server and namespace,
+    so every listing says which it read.
+    """
+    problem = getattr(backend, "problem", None)
+    if isinstance(problem, str):  # django_app.conf.MisconfiguredBackend
+        return f"misconfigured ({problem})"
+    namespace = backend_namespace(backend)
+    where = "no namespace" if namespace is None else f"namespace {namespace!r}"
+    return f"{backend.server} ({where})"
 
 
 # -- elections and semaphores among the holders ----------------------------------------
@@ -365,19 +392,35 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def add_verbs(parser: argparse.ArgumentParser) -> Any:
-    """Add the ``list``/``show``/``release``/``run`` subcommands; returns the subparsers."""
+def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
+    """Add the ``list``/``show``/``release``/``run`` subcommands; returns the subparsers.
+
+    ``where`` (:func:`describe_backend`'s line) ends every ``--help``, so the operator
+    sees which server and namespace the verbs act on before running them.
+    """
+    epilog = f"backend: {where}" if where else None
+    if epilog:
+        parser.epilog = epilog
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    p = verbs.add_parser("list", help="list the live locks (a table, or --json)")
+    p = verbs.add_parser("list", help="list the live locks (a table, or --json)", epilog=epilog)
     p.add_argument("prefix", nargs="?", default="", metavar="PREFIX")
     p.add_argument("--json", action="store_true", dest="as_json", help="one JSON array")
 
-    p = verbs.add_parser("show", help="show who holds one lock")
+    p = verbs.add_parser("show", help="show who holds one lock", epilog=epilog)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--json", action="store_true", dest="as_json")
 
-    p = verbs.add_parser("release", help="operator override: free a lock whoever holds it")
+    p = verbs.add_parser(
+        "release",
+        help="operator override: free the lock from the holder it shows you",
+        description="Show the holder, ask (unless --yes), then free the lock only if that "
+        "same holder (its fence) still holds it. Exit status 0 when released, "
+        f"{EX_NOT_HELD} when not held or not confirmed, {EX_CHANGED_HANDS} when the lock "
+        "changed hands meanwhile (nothing released: look again), "
+        f"{EX_UNAVAILABLE} when the backend cannot be reached.",
+        epilog=epilog,
+    )
     p.add_argument("name", metavar="NAME")
     p.add_argument("--force", action="store_true", help="required: says you mean it")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -387,6 +430,7 @@ def add_verbs(parser: argparse.ArgumentParser) -> Any:
         help="run a program under the lock, like flock(1) for the whole cluster",
         description="Take the lock, run CMD while renewing it, release it when CMD ends, "
         f"and exit with CMD's status ({EX_TEMPFAIL} if the lock is held elsewhere).",
+        epilog=epilog,
     )
     p.add_argument("name", metavar="NAME")
     p.add_argument("--ttl", type=_positive_seconds, default=None, help="seconds")
@@ -504,14 +548,43 @@ def cmd_release(
     if not yes and not confirm(f"Force-release {what}, held by {describe_holder(holder)}?"):
         err.write("not released (not confirmed; pass --yes to skip the question)\n")
         return EX_NOT_HELD
-    released = backend.force_release(name)
-    if not released:
-        err.write(f"lock {name!r} was released before we got to it\n")
-        return EX_NOT_HELD
-    detail = f"force-released by {actor}" if actor else "force-released"
-    audit("forced", name, fence=holder.fence, owner=holder.owner, detail=detail)
+    by = f" by {actor}" if actor else ""
+    # Only the holder the operator was shown: the lock may have changed hands while the
+    # question was on screen, and the backend checks the fence in the same atomic step.
+    if not backend.force_release(name, fence=holder.fence):
+        return _not_released(backend, holder, err, audit, by)
+    audit(
+        "forced",
+        name,
+        fence=holder.fence,
+        owner=holder.owner,
+        detail=f"force-released{by}; was held by {describe_holder(holder)}",
+    )
     out.write(f"released {name!r} (was held by {describe_holder(holder)})\n")
     return EX_OK
+
+
+def changed_hands_message(now: Holder) -> str:
+    """The one line for a force release refused because someone else holds the lock now."""
+    return f"the lock changed hands: now held by {describe_holder(now)}; nothing released"
+
+
+def _not_released(backend: Backend, seen: Holder, err: TextIO, audit: Audit, by: str) -> int:
+    """Say why a conditional force release freed nothing, and record a refusal."""
+    now = backend.holder(seen.name)
+    if now is None:
+        err.write(f"lock {seen.name!r} was released before we got to it; nothing released\n")
+        return EX_NOT_HELD
+    err.write(f"task-locks: lock {seen.name!r}: {changed_hands_message(now)}\n")
+    audit(
+        "conflict",
+        seen.name,
+        fence=now.fence,
+        owner=now.owner,
+        detail=f"force release{by} refused: it was for {describe_holder(seen)}, "
+        f"and the lock changed hands",
+    )
+    return EX_CHANGED_HANDS
 
 
 class _Interrupted(BaseException):
@@ -654,6 +727,8 @@ def run_verb(
 ) -> int:
     """Dispatch one parsed verb; backend errors become a message and status 69."""
     verb = options["verb"]
+    if verb in ("list", "show"):  # on stderr: stdout stays the table or the JSON
+        err.write(f"backend: {describe_backend(backend)}\n")
     try:
         if verb == "list":
             return cmd_list(backend, options.get("prefix") or "", options["as_json"], out)
@@ -691,6 +766,7 @@ def run_verb(
 
 
 __all__ = [
+    "EX_CHANGED_HANDS",
     "EX_NOT_HELD",
     "EX_OK",
     "EX_TEMPFAIL",
@@ -700,12 +776,15 @@ __all__ = [
     "Listing",
     "add_verbs",
     "ask",
+    "backend_namespace",
+    "changed_hands_message",
     "cmd_list",
     "cmd_release",
     "cmd_run",
     "cmd_show",
     "conflict_holder",
     "conflict_message",
+    "describe_backend",
     "describe_holder",
     "describe_role",
     "election_to_dict",

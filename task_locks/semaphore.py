@@ -25,7 +25,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -154,6 +154,7 @@ class _SemaphoreBase(_LockBase):
         on_lost: Callable[[Any], object] | None = None,
         max_hold: float | None = None,
         renew: bool = True,
+        require: Collection[str] = (),
     ) -> None:
         super().__init__(
             name,
@@ -163,6 +164,7 @@ class _SemaphoreBase(_LockBase):
             on_lost=on_lost,
             max_hold=max_hold,
             renew=renew,
+            require=require,
         )
         self.limit = _validate_limit(limit, self.name)
         self.slot_names = tuple(slot_name(self.name, i) for i in range(self.limit))

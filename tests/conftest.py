@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings as hypothesis_settings
 
 import task_locks
 from task_locks import config
@@ -16,6 +17,11 @@ from task_locks import config
 sys.path.insert(0, str(Path(__file__).parent))
 
 from servers import RedisServer
+
+# CI runs in a fresh clone: keep no example database there, and print the seed to replay.
+hypothesis_settings.register_profile("ci", database=None, print_blob=True)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    hypothesis_settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +65,24 @@ def _fresh_task_locks() -> Iterator[None]:
 
 def pytest_report_header() -> list[str]:
     return [f"task-locks tests, pid {os.getpid()}"]
+
+
+#: A skip whose reason starts with this is by design (the test does not apply to that
+#: parameter), not a missing server; every other skip fails the run under ``CI=true``.
+NOT_APPLICABLE = "not applicable: "
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under ``CI=true`` a missing server is a failure: a skipped backend is untested."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes") or not report.skipped:
+        return
+    if hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if reason.removeprefix("Skipped: ").startswith(NOT_APPLICABLE):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true, where every server must be there: {reason}"

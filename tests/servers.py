@@ -342,7 +342,9 @@ class RedisClusterNodes:
     works (the default bus port, port + 10000, needs ports <= 55535).
     """
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, replicas: int = 0) -> None:
+        #: ``replicas`` per primary (``size`` primaries): ``size * (1 + replicas)`` nodes.
+        self.replicas = replicas
         self.nodes = [
             RedisServer(
                 extra=[
@@ -354,9 +356,11 @@ class RedisClusterNodes:
                     str(free_port()),
                     "--cluster-node-timeout",
                     "2000",
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ]
             )
-            for _ in range(size)
+            for _ in range(size * (1 + replicas))
         ]
 
     def start(self, timeout: float = 30.0) -> RedisClusterNodes:
@@ -367,7 +371,15 @@ class RedisClusterNodes:
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         cli = shutil.which("redis-cli") or "redis-cli"
         done = subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -382,7 +394,28 @@ class RedisClusterNodes:
             )
 
         wait_until(agreed, timeout, "the Redis cluster to report cluster_state:ok")
+        if self.replicas:
+
+            def replicas_synced() -> bool:
+                roles = [redis.Redis(port=n.port).info("replication") for n in self.nodes]
+                return all(
+                    r.get("master_link_status") == "up" for r in roles if r["role"] == "slave"
+                ) and sum(r["role"] == "slave" for r in roles) == len(self.nodes) - len(
+                    self.nodes
+                ) // (1 + self.replicas)
+
+            wait_until(replicas_synced, timeout, "the cluster's replicas to sync")
         return self
+
+    def replica_of(self, primary_port: int) -> RedisServer:
+        """The (first) replica of the primary listening on ``primary_port``."""
+        import redis
+
+        for node in self.nodes:
+            info = redis.Redis(port=node.port).info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == primary_port:
+                return node
+        raise LookupError(f"no replica of port {primary_port}")
 
     def url(self, **options: object) -> str:
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
@@ -393,7 +426,8 @@ class RedisClusterNodes:
         import redis
 
         for node in self.nodes:
-            redis.Redis(port=node.port).flushall()
+            if redis.Redis(port=node.port).info("replication")["role"] == "master":
+                redis.Redis(port=node.port).flushall()
 
     def cleanup(self) -> None:
         for node in self.nodes:

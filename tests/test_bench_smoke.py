@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "bench" / "run.py"
 
 
-def load_runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", RUNNER)
+def load_bench(module: str) -> ModuleType:
+    """One of bench/'s modules (they import each other by plain name, from bench/)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{module}", RUNNER.with_name(f"{module}.py")
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
@@ -75,7 +78,7 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
 
 def test_contention_figures_from_known_records() -> None:
     """Two processes taking turns: rate, utilisation, fairness and hand-off come out exact."""
-    runner = load_runner()
+    runner = load_bench("measure")
     # [asked, acquired, releasing]: A holds 0-1, B waits from 0.5 and gets it at 1.1, A asks
     # again at 1.5 and gets it at 2.2 after B releases at 2.0; the window is 0-4 s.
     a = [[0.0, 0.0, 1.0], [1.5, 2.2, 3.0]]

@@ -14,6 +14,9 @@ system checks, a ``LockedCommand`` is run with ``call_command``, a ``LOGGING`` d
 applied. The reference tables are checked against the code (every ``TASK_LOCKS`` key and
 every ``singleton_task`` option, with its default).
 
+The same goes for the guides in ``docs/`` (:data:`DOCS`): their blocks carry the same
+markers and run the same way (docs/migrating.md's "after" code, one block per peer).
+
 ``python tests/test_readme.py BLOCKS.json RESULTS.json`` is the subprocess's entry point.
 """
 
@@ -26,12 +29,15 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: Guides whose blocks are run like the README's.
+DOCS = [ROOT / "docs" / "migrating.md"]
 EXAMPLE = ROOT / "example_project"
 #: The Redis URL the README uses; the tests substitute their own server's.
 README_REDIS = "redis://127.0.0.1:6379/0"
@@ -50,14 +56,15 @@ class Block:
     code: str
     marker: str | None  # "run", "not-run" or None
     reason: str
+    file: str = "README.md"
 
     @property
     def where(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'no language'})"
+        return f"{self.file}:{self.line} ({self.lang or 'no language'})"
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    text = README.read_text() if text is None else text
+def readme_blocks(text: str | None = None, path: Path = README) -> list[Block]:
+    text = path.read_text() if text is None else text
     lines = text.splitlines()
     found = []
     for match in FENCE.finditer(text):
@@ -71,6 +78,7 @@ def readme_blocks(text: str | None = None) -> list[Block]:
                 code=match.group(2),
                 marker=marker.group(1) if marker else None,
                 reason=marker.group(2) if marker else "",
+                file=str(path.relative_to(ROOT)),
             )
         )
     return found
@@ -181,6 +189,19 @@ def test_task_locks_reference_block_is_the_defaults() -> None:
 
 def test_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
     blocks = to_run("python")
+    outputs = run_python_blocks(blocks, redis_url, tmp_path)
+    printed = "\n".join(outputs.values())
+    # What the blocks say they do, they did.
+    assert "holding fence" in printed and "got it without waiting" in printed
+    assert "refreshed under fence" in printed
+    assert "refused a write with fence" in printed and "A's release refused" in printed
+    assert "leading, term" in printed and "one of at most 3 renders" in printed
+    assert "building the report under fence" in printed  # the LockedCommand ran
+    assert "celery result: SUCCESS" in printed  # the singleton task ran under its lock
+
+
+def run_python_blocks(blocks: list[Block], redis_url: str, tmp_path: Path) -> dict[str, str]:
+    """Run ``blocks`` in the user-like subprocess; each block's output, by ``where``."""
     spec = tmp_path / "blocks.json"
     spec.write_text(
         json.dumps([{"where": b.where, "code": localised(b.code, redis_url)} for b in blocks])
@@ -206,15 +227,89 @@ def test_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
     assert [r["where"] for r in results] == [b.where for b in blocks]
     failed = [f"{r['where']}:\n{r['output']}\n{r['error']}" for r in results if r["error"]]
     assert not failed, "\n\n".join(failed)
-    outputs = {r["where"]: r["output"] for r in results}
+    return {r["where"]: r["output"] for r in results}
+
+
+# -- the guides in docs/ --------------------------------------------------------------------
+
+MIGRATING = ROOT / "docs" / "migrating.md"
+PEERS = ["celery-singleton", "celery-once", "python-redis-lock", "redis-py Lock", "pottery Redlock"]
+
+
+def _sections(path: Path) -> dict[str, list[Block]]:
+    """The blocks under each ``## `` heading of ``path``."""
+    text = path.read_text()
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^## (.+)$", text, re.M)]
+    sections: dict[str, list[Block]] = {title: [] for _, title in starts}
+    for block in readme_blocks(text, path):
+        offset = len("\n".join(text.splitlines()[: block.line - 1]))
+        title = [t for start, t in starts if start <= offset]
+        if title:
+            sections[title[-1]].append(block)
+    return sections
+
+
+def test_docs_blocks_are_marked_and_parse() -> None:
+    for path in DOCS:
+        blocks = readme_blocks(path=path)
+        assert blocks, path
+        unmarked = [b.where for b in blocks if b.marker is None]
+        assert not unmarked, f"mark these <!-- run: how --> or <!-- not-run: why -->: {unmarked}"
+        for block in blocks:
+            if block.marker == "run":
+                assert block.lang in RUNNABLE, block.where
+                assert "6379" not in block.code.replace(README_REDIS, ""), block.where
+            if block.lang == "python" and block.marker == "run":
+                ast.parse(block.code, filename=block.where)
+
+
+def test_migrating_guide_has_a_run_after_block_per_peer() -> None:
+    sections = _sections(MIGRATING)
+    for peer in PEERS:
+        title = next((t for t in sections if t.replace("`", "") == peer), None)
+        assert title is not None, f"docs/migrating.md has no section for {peer}"
+        blocks = sections[title]
+        assert any(b.marker == "not-run" and b.lang == "python" for b in blocks), peer
+        assert any(b.marker == "run" and b.lang == "python" for b in blocks), peer
+        table = MIGRATING.read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+        assert table.count("\n| ") >= 8, f"{peer}: the mapping table is missing or short"
+
+
+def test_readme_comparison_links_the_migrating_guide() -> None:
+    comparison = README.read_text().split("## Comparison", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/migrating.md)" in comparison
+
+
+def test_docs_links_and_anchors_resolve() -> None:
+    for path in DOCS:
+        text = path.read_text()
+        slugs = set()
+        for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+            slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+            slugs.add(slug.replace(" ", "-"))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            if target.startswith("#"):
+                assert target[1:] in slugs, f"{path.name}: no heading for {target}"
+            else:
+                assert (path.parent / target.split("#")[0]).exists(), f"{path.name}: {target}"
+
+
+def test_docs_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
+    blocks = [b for path in DOCS for b in readme_blocks(path=path) if b.marker == "run"]
+    assert all(b.lang == "python" for b in blocks)
+    outputs = run_python_blocks(blocks, redis_url, tmp_path)
     printed = "\n".join(outputs.values())
-    # What the blocks say they do, they did.
-    assert "holding fence" in printed and "got it without waiting" in printed
-    assert "refreshed under fence" in printed
-    assert "refused a write with fence" in printed and "A's release refused" in printed
-    assert "leading, term" in printed and "one of at most 3 renders" in printed
-    assert "building the report under fence" in printed  # the LockedCommand ran
-    assert "celery result: SUCCESS" in printed  # the singleton task ran under its lock
+    # What the guide's blocks say they do, they did.
+    # celery-singleton, celery-once, PeerCheckedTask
+    assert printed.count("celery result: SUCCESS") >= 3
+    assert "report under fence" in printed and "report 2026-12-01 under fence" in printed
+    assert "exporting under fence" in printed
+    assert "printing under fence" in printed and "nightly run" in printed
+    assert "old code still holds it:" in printed and "new code holds it, fence" in printed
+    assert "sync:42 free for new code: False" in printed
+    assert "after the old run ended: True" in printed
 
 
 def test_shell_blocks_run(redis_url: str, tmp_path: Path) -> None:
@@ -266,10 +361,21 @@ def _run_blocks(spec: Path, results_file: Path) -> None:
     app.conf.task_always_eager = True
     app.conf.task_eager_propagates = True
 
+    @contextlib.contextmanager
+    def without_env_url() -> Iterator[None]:
+        saved = os.environ.pop("TASK_LOCKS_URL", None)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.environ["TASK_LOCKS_URL"] = saved
+
     def exercise(namespace: dict[str, Any], out: io.StringIO) -> None:
         module = namespace["__name__"]
         if isinstance(namespace.get("TASK_LOCKS"), dict):
-            with override_settings(TASK_LOCKS=namespace["TASK_LOCKS"]):
+            # Checked as written, in a project without TASK_LOCKS_URL: with the variable
+            # set, a BACKEND that differs from it is refused (task_locks.E005).
+            with override_settings(TASK_LOCKS=namespace["TASK_LOCKS"]), without_env_url():
                 problems = checks.check_settings()
             assert not problems, f"TASK_LOCKS fails the system checks: {problems}"
         if isinstance(namespace.get("LOGGING"), dict):

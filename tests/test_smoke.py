@@ -21,6 +21,9 @@ def test_public_surface_is_sorted_and_complete() -> None:
         "NotOwned",
         "StaleFence",
         "BackendUnavailable",
+        "NotConfigured",
+        "locked",
+        "current_lease",
     ]:
         assert name in task_locks.__all__
         assert hasattr(task_locks, name)
@@ -31,9 +34,16 @@ PUBLIC_MODULES = [
     "task_locks.backends",
     "task_locks.celery",
     "task_locks.celery.beat",
+    "task_locks.celery.keys",
+    "task_locks.celery.options",
+    "task_locks.celery.peers",
+    "task_locks.context",
+    "task_locks.decorators",
     "task_locks.election",
     "task_locks.errors",
     "task_locks.fencing",
+    "task_locks.keys",
+    "task_locks.peers",
     "task_locks.semaphore",
     "django_app.commands",
     "django_app.fencing",
@@ -42,6 +52,7 @@ PUBLIC_MODULES = [
 CONTRACT = {
     "task_locks.celery": ["current_lease", "singleton_task"],
     "task_locks.celery.beat": ["LeaderScheduler"],
+    "task_locks.decorators": ["locked"],
     "django_app.commands": ["LockedCommand"],
     "django_app.fencing": ["fenced"],
 }

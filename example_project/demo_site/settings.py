@@ -5,7 +5,9 @@ Two environment variables pick the servers; with neither set, everything runs em
 the Celery broker is a folder of files (kombu's filesystem transport) and task results go
 to SQLite through SQLAlchemy.
 
-- ``TASK_LOCKS_URL``: the lock backend, e.g. ``redis://127.0.0.1:6379/0`` or ``etcd://...``
+- ``TASK_LOCKS_URL``: the lock backend, e.g. ``redis://127.0.0.1:6379/0?prefix=shop:`` or
+  ``etcd://...``; its ``prefix`` option is the namespace. ``task-locks`` reads the same
+  variable, so a name is one lock whether this site or the CLI takes it.
 - ``CELERY_BROKER_URL``: the broker, e.g. ``redis://127.0.0.1:6379/1`` or ``amqp://...``
 
 ``DEMO_VAR_DIR`` moves the databases and the broker folder (default ``example_project/var``).
@@ -127,13 +129,14 @@ TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 
 # -- task-locks --------------------------------------------------------------------------
-# One variable picks the lock backend; the default needs no server (the database above).
-TASK_LOCKS_URL = os.environ.get("TASK_LOCKS_URL") or "django://default"
+# One variable picks the lock backend, for this site and for the `task-locks` CLI alike;
+# the default needs no server (the database above). The namespace is part of the URL
+# (`?prefix=task-locks-demo:` keeps a shared Redis's other keys untouched), never a
+# separate KEY_PREFIX the CLI could not see: one lock name is then one lock everywhere.
+TASK_LOCKS_URL = os.environ.get("TASK_LOCKS_URL") or "django://default?prefix=task-locks-demo:"
 TASK_LOCKS = {
     "BACKEND": TASK_LOCKS_URL,
     "DEFAULT_TTL": 30,
-    # The demo's own namespace: on a shared Redis it never touches anyone else's keys.
-    "KEY_PREFIX": "task-locks-demo:",
     "AUDIT": ["lost", "forced", "conflict"],
 }
 

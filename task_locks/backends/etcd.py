@@ -10,14 +10,25 @@ when the acquire failed, so the protocol below is ours.
 
 - **acquire**: grant a lease of ``ceil(ttl)`` seconds, then one transaction: if the key's
   ``create_revision == 0`` (absent), put our value (token, owner, lease) with that lease;
-  else read the holder. A failed acquire revokes its lease at once instead of leaking
-  it, and reports the holder's remaining lease TTL so the caller knows how long to wait.
+  else read the holder. Held by someone else: the attempt revokes its lease at once
+  instead of leaking it, and reports the holder's remaining lease TTL so the caller
+  knows how long to wait. Held by our own token with *our* lease: our write went through
+  and only its reply was lost (the transaction was retried on another endpoint), so the
+  lease is kept, never revoked. Held by our token with another lease (a publish-time
+  lock becoming the run lock): a compare-and-swap on create_revision and value moves the
+  key onto the fresh lease with the new owner, which resets the TTL and keeps the fence.
+  Every put carries a lease, so no key is ever left without an expiry.
 - **renew**: lease keep-alive; an answer without a TTL (or TTL 0) means the lease is
   gone. A keep-alive alone proves nothing about the key, so ownership is then checked by
   a transaction comparing the key's ``create_revision`` with ours before the renewal is
   reported (one transaction for a whole batch; a batch that fails is read back per key).
 - **release**: a transaction deleting the key only if its ``create_revision`` and value
-  are still ours, then a lease revoke.
+  are still ours, then a lease revoke. A lost reply is retried on the next endpoint; a
+  retry that finds the key gone cannot tell our delete from an expiry, and raises
+  :class:`~task_locks.errors.BackendUnavailable` rather than guess.
+- **force release**: a transaction deleting the key only if its ``create_revision`` is
+  the fence the operator saw; the holder's lease (from the delete's ``prev_kv``) is
+  revoked only when that delete happened. Lost replies as for release.
 - **wait**: a watch on the key (DELETE events only) from the revision at which we saw it
   held, so a release between our failed acquire and the watch is not missed; it ends at
   the first event or after the timeout.
@@ -25,12 +36,15 @@ when the acquire failed, so the protocol below is ours.
 
 Every request has a short timeout (``timeout``, default 2 s). A request that could not
 even be delivered (connection refused) moves on to the next endpoint; reads, lease
-calls and the acquire transaction (idempotent: a retry finds our own token) also move on
-after other transport errors. Errors from ``requests``/``etcd3gw`` become
+calls, the acquire transaction (a retry finds our own token and lease) and the deletes
+of release and force release (a retry that finds nothing to delete says it cannot
+tell) also move on after other transport errors. Errors from ``requests``/``etcd3gw`` become
 :class:`~task_locks.errors.BackendUnavailable` (or :class:`~task_locks.errors.LockError`
 for a refused request) here.
 
-Limits: lease TTLs are whole seconds (rounded up) and the server enforces a minimum
+Limits: lease TTLs are whole seconds (rounded up), at most :data:`MAX_LEASE_SECONDS`
+(etcd's own maximum, about 285 years: a longer TTL is refused before anything is
+written), and the server enforces a minimum
 (1.5 election timeouts rounded up: 2 s with etcd's defaults); the leader checks expiry
 about every 500 ms, so a dead holder's lock ends within ``ceil(ttl)`` + 0.5 s; a new
 leader restarts every lease's TTL, so a leader change can lengthen (never shorten) a
@@ -72,6 +86,10 @@ _OPTIONS: Final = {"prefix", "timeout"}
 _POOL_SIZE: Final = 32
 #: Names whose last-seen revision is remembered for watches (a bounded hint).
 _SEEN_MAX: Final = 10_000
+#: etcd's longest lease (``MaxLeaseTTL`` in its lessor, seconds): a longer grant is refused.
+MAX_LEASE_SECONDS: Final = 9_000_000_000
+#: Compare-and-swap rounds a same-token acquire tries while the key changes under it.
+_TAKE_ROUNDS: Final = 4
 #: Transport failures: the server may or may not have seen the request.
 _TRANSPORT = (
     etcd_errors.ConnectionFailedError,
@@ -80,6 +98,10 @@ _TRANSPORT = (
     requests.RequestException,
     OSError,
 )
+
+
+class _LeaseGone(LockError):
+    """etcd refused a request because the lease it names no longer exists."""
 
 
 def _b64(data: bytes) -> str:
@@ -124,6 +146,20 @@ class _Held:
             {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": self.revision},
             {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(self.value)},
         ]
+
+
+def _seconds(ttl_ms: int) -> int:
+    """The whole-second TTL etcd grants for ``ttl_ms``."""
+    return max(1, math.ceil(ttl_ms / 1000))
+
+
+def _granted_seconds(held: _Held) -> int | None:
+    """The TTL ``held``'s lease was granted with, from the value acquire/relet wrote."""
+    try:
+        ttl_ms = json.loads(held.value).get("ttl_ms")
+    except (ValueError, AttributeError):
+        return None
+    return _seconds(ttl_ms) if isinstance(ttl_ms, int) else None
 
 
 class EtcdBackend(Backend):
@@ -191,19 +227,34 @@ class EtcdBackend(Backend):
 
     def _post(self, name: str | None, path: str, payload: dict[str, Any], retry: bool) -> Any:
         """One gateway request; on failure, the next endpoint when that is safe."""
+        return self._send(name, path, payload, retry)[0]
+
+    def _send(
+        self, name: str | None, path: str, payload: dict[str, Any], retry: bool
+    ) -> tuple[Any, bool]:
+        """:meth:`_post`, also saying whether an earlier attempt may have been applied.
+
+        ``True`` when the answer comes from a retry after a failure that does not prove
+        the request undelivered (a lost or late reply, a reset): the server may then
+        have applied the request twice, and a conditional write's "not applied" may
+        mean "already applied by the first attempt".
+        """
         failures: list[str] = []
         last: BaseException | None = None
+        repeated = False
         for index, client in self._order():
             try:
                 answer = client.post(client.get_url(path), json=payload)
                 self._current = index
-                return answer
+                return answer, repeated
             except _TRANSPORT as exc:
                 last = exc
                 failures.append(f"{client.host}:{client.port}: {self._reason(exc)}")
                 self._current = (index + 1) % len(self.endpoints)
-                if not (retry or _undelivered(exc)):
-                    break
+                if not _undelivered(exc):
+                    repeated = True
+                    if not retry:
+                        break
             except etcd_errors.Etcd3Exception as exc:
                 self._refused(name, path, exc)
         what = f"lock {name!r}" if name else "listing locks"
@@ -228,9 +279,9 @@ class EtcdBackend(Backend):
 
     def _refused(self, name: str | None, path: str, exc: etcd_errors.Etcd3Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
-        raise LockError(
-            f"{what}: etcd at {self.server} refused {path}: {self._reason(exc)}", name=name
-        ) from exc
+        reason = self._reason(exc)
+        refusal = _LeaseGone if "lease not found" in reason else LockError
+        raise refusal(f"{what}: etcd at {self.server} refused {path}: {reason}", name=name) from exc
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -267,9 +318,8 @@ class EtcdBackend(Backend):
         """Revoke a lease we no longer need; one that already expired is fine."""
         try:
             self._post(name, "/lease/revoke", {"ID": lease}, retry=True)
-        except LockError as exc:
-            if "not found" not in str(exc):
-                raise
+        except _LeaseGone:
+            pass
 
     def _decode(self, kv: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         raw = b64decode(kv.get("value", ""))
@@ -296,56 +346,113 @@ class EtcdBackend(Backend):
     # -- the protocol ------------------------------------------------------------------------
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        key = self._key(name)
-        grant = self._post(name, "/lease/grant", {"TTL": max(1, math.ceil(ttl_ms / 1000))}, True)
-        lease = int(grant["ID"])
-        value = json.dumps(
-            {
-                "token": token,
-                "owner": json.loads(owner.to_json()),
-                "lease": lease,
-                "acquired": time.time(),
-                "ttl_ms": ttl_ms,
-            },
-            separators=(",", ":"),
-        ).encode()
-        txn = {
-            "compare": [
-                {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-            ],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease}}],
-            "failure": [{"request_range": {"key": _b64(key)}}],
-        }
-        try:
-            answer = self._txn(name, txn, retry=True)
-        except LockError:
-            self._revoke_quietly(name, lease)
-            raise
-        if answer.get("succeeded"):
-            revision = int(answer["header"]["revision"])
-            self._held[(name, token)] = _Held(lease, revision, value)
-            self._seen.pop(name, None)
-            return AcquireResult(revision)
-        self._revoke(name, lease)  # never leak the lease of a failed attempt
-        kvs = answer["responses"][0].get("response_range", {}).get("kvs", [])
-        if not kvs:  # gone between compare and read cannot happen in one txn; be safe
-            return AcquireResult(None, retry_after=0.0)
-        self._note_held(name, answer)
-        kv = kvs[0]
-        data, raw = self._decode(kv)
-        revision = int(kv.get("create_revision", 0))
-        if data.get("token") == token:  # our own earlier attempt got through: idempotent
-            self._held[(name, token)] = _Held(int(kv.get("lease", 0)), revision, raw)
-            return AcquireResult(revision)
-        remaining = self._lease_ttl(name, int(kv.get("lease", 0)))
-        return AcquireResult(
-            None,
-            # whole seconds, rounded down; the watch wakes us sooner anyway
-            retry_after=None if remaining is None else remaining + 1.0,
-            holder=Owner.from_json(json.dumps(data.get("owner", {}))),
-            holder_fence=revision,
-            holder_acquired_at=data.get("acquired"),
+        seconds = max(1, math.ceil(ttl_ms / 1000))
+        if seconds > MAX_LEASE_SECONDS:
+            raise InvalidArgument(
+                f"lock {name!r}: a TTL of {ttl_ms / 1000:g}s is longer than etcd's longest "
+                f"lease ({MAX_LEASE_SECONDS} s)",
+                name=name,
+            )
+        for attempt in range(2):
+            lease = self._grant(name, seconds)
+            value = json.dumps(
+                {
+                    "token": token,
+                    "owner": json.loads(owner.to_json()),
+                    "lease": lease,
+                    "acquired": time.time(),
+                    "ttl_ms": ttl_ms,
+                },
+                separators=(",", ":"),
+            ).encode()
+            try:
+                return self._take(name, token, lease, value)
+            except _LeaseGone:
+                # The grant's reply came after its TTL: the lease ended unused (etcd
+                # refused the write, nothing changed). Once more with a fresh lease.
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _grant(self, name: str, seconds: int) -> int:
+        """A fresh lease of ``seconds``: every lock key is written with one (never without)."""
+        lease = int(self._post(name, "/lease/grant", {"TTL": seconds}, True).get("ID", 0))
+        if not lease:
+            raise BackendUnavailable(
+                f"lock {name!r}: etcd at {self.server} granted no lease",
+                name=name,
+                server=self.server,
+            )
+        return lease
+
+    def _take(self, name: str, token: str, lease: int, value: bytes) -> AcquireResult:
+        """Put ``value`` with our fresh ``lease`` if the key is free or already ``token``'s.
+
+        Free: one transaction creates it (create_revision 0 -> ours). Held by our token
+        (a retry after a lost reply, or a publish-time lock becoming the run lock): the
+        key is moved onto the fresh lease with the new value (TTL and owner reset) by a
+        compare-and-swap on its create_revision and value, which keeps the fence. A
+        transaction whose reply was lost and was retried elsewhere finds the key with
+        our lease: that is our own write, and ``lease`` is kept. ``lease`` is revoked
+        only when the key is someone else's (then it carries nothing).
+        """
+        key = _b64(self._key(name))
+        put = [{"request_put": {"key": key, "value": _b64(value), "lease": lease}}]
+        read = [{"request_range": {"key": key}}]
+        free = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
+        compare, previous = free, None  # previous: the _Held our token had before
+        for _ in range(_TAKE_ROUNDS):
+            try:
+                answer = self._txn(
+                    name, {"compare": compare, "success": put, "failure": read}, True
+                )
+            except LockError:
+                if previous is None:
+                    # Unknown outcome: the lease carries at most a key created by this
+                    # call, which nobody was told they hold; drop it rather than leave
+                    # a lock nobody holds for a whole TTL.
+                    self._revoke_quietly(name, lease)
+                # After a takeover, the key may now be on our lease: revoking it would
+                # free a lock its token's holder still believes held. It expires.
+                raise
+            if answer.get("succeeded"):
+                fence = previous.revision if previous else int(answer["header"]["revision"])
+                return self._taken(name, token, _Held(lease, fence, value), previous)
+            kvs = answer["responses"][0].get("response_range", {}).get("kvs", [])
+            if not kvs:  # freed since we looked: create it
+                compare, previous = free, None
+                continue
+            kv = kvs[0]
+            data, raw = self._decode(kv)
+            revision = int(kv.get("create_revision", 0))
+            if data.get("token") != token:
+                self._revoke_quietly(name, lease)  # never attached: the key is not ours
+                self._note_held(name, answer)
+                remaining = self._lease_ttl(name, int(kv.get("lease", 0)))
+                return AcquireResult(
+                    None,
+                    # whole seconds, rounded down; the watch wakes us sooner anyway
+                    retry_after=None if remaining is None else remaining + 1.0,
+                    holder=Owner.from_json(json.dumps(data.get("owner", {}))),
+                    holder_fence=revision,
+                    holder_acquired_at=data.get("acquired"),
+                )
+            if int(kv.get("lease", 0)) == lease:  # our own write, its reply lost: keep it
+                return self._taken(name, token, _Held(lease, revision, raw), previous)
+            previous = _Held(int(kv.get("lease", 0)), revision, raw)
+            compare = previous.compare(key)
+        raise BackendUnavailable(
+            f"lock {name!r}: its key kept changing under a same-token acquire at {self.server}",
+            name=name,
+            server=self.server,
         )
+
+    def _taken(self, name: str, token: str, held: _Held, previous: _Held | None) -> AcquireResult:
+        self._held[(name, token)] = held
+        self._seen.pop(name, None)
+        if previous is not None and previous.lease not in (0, held.lease):
+            self._revoke_quietly(name, previous.lease)  # the key has left it: it carries nothing
+        return AcquireResult(held.revision)
 
     def _revoke_quietly(self, name: str, lease: int) -> None:
         try:
@@ -375,6 +482,8 @@ class EtcdBackend(Backend):
         for index, item in enumerate(items):
             held = self._ours(item.name, item.token)
             ok = False
+            if held is not None and _granted_seconds(held) != _seconds(item.ttl_ms):
+                held = self._relet(item, held)  # renew(ttl=...) with a different TTL
             if held is not None:
                 answer = self._post(item.name, "/lease/keepalive", {"ID": held.lease}, True)
                 ok = int(answer.get("result", {}).get("TTL", 0)) > 0
@@ -391,6 +500,37 @@ class EtcdBackend(Backend):
                     self._held.pop((item.name, item.token), None)
         return results
 
+    def _relet(self, item: RenewItem, held: _Held) -> _Held | None:
+        """Move our key onto a new lease of ``item.ttl_ms``: an etcd lease's TTL is fixed.
+
+        One transaction puts the same value (new lease id and TTL) under the same
+        conditions as a release (our create_revision, our value), so the fence is kept.
+        ``None`` if the key is no longer ours. A reply lost in transit is settled by
+        reading the key back by token.
+        """
+        name, token = item.name, item.token
+        lease = int(self._post(name, "/lease/grant", {"TTL": _seconds(item.ttl_ms)}, True)["ID"])
+        try:
+            data = json.loads(held.value)
+        except ValueError:
+            data = {}
+        value = json.dumps(
+            {**data, "lease": lease, "ttl_ms": item.ttl_ms}, separators=(",", ":")
+        ).encode()
+        key = _b64(self._key(name))
+        put = {"request_put": {"key": key, "value": _b64(value), "lease": lease}}
+        self._held.pop((name, token), None)  # from now on, read it back if unsure
+        answer = self._txn(name, {"compare": held.compare(key), "success": [put], "failure": []})
+        if not answer.get("succeeded"):
+            current = self._ours(name, token)
+            if current is None or current.lease != lease:  # not ours any more
+                self._revoke_quietly(name, lease)
+                return None
+        self._revoke_quietly(name, held.lease)
+        relet = _Held(lease, held.revision, value)
+        self._held[(name, token)] = relet
+        return relet
+
     def _still_ours(self, keys: list[tuple[str, _Held]]) -> bool:
         """One transaction: does every key still have our create_revision and value?"""
         compare = [c for name, held in keys for c in held.compare(_b64(self._key(name)))]
@@ -398,7 +538,7 @@ class EtcdBackend(Backend):
         return bool(answer.get("succeeded"))
 
     def release(self, name: str, token: str) -> bool:
-        held = self._held.pop((name, token), None) or self._ours(name, token)
+        held = self._held.get((name, token)) or self._ours(name, token)
         if held is None:
             return False
         key = _b64(self._key(name))
@@ -407,26 +547,56 @@ class EtcdBackend(Backend):
             "success": [{"request_delete_range": {"key": key}}],
             "failure": [],
         }
-        released = bool(self._txn(name, txn).get("succeeded"))
-        self._revoke_quietly(name, held.lease)  # only ever carried this one key
+        released = self._delete_once(name, txn, "release") is not None
+        self._held.pop((name, token), None)
+        # It carried only this key, and the compare proves the key is not on it now.
+        self._revoke_quietly(name, held.lease)
         return released
 
-    def force_release(self, name: str) -> bool:
-        for kv in self._range(name, self._key(name)):
-            key = kv["key"]
-            revision = int(kv.get("create_revision", 0))
-            txn = {
-                "compare": [
-                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": revision}
-                ],
-                "success": [{"request_delete_range": {"key": key}}],
-                "failure": [],
-            }
-            released = bool(self._txn(name, txn).get("succeeded"))
-            if int(kv.get("lease", 0)):
+    def _delete_once(self, name: str, txn: dict[str, Any], what: str) -> Any | None:
+        """Run a conditional delete: its answer if it deleted, ``None`` if its compare failed.
+
+        A lost reply is retried on the next endpoint. If the retry's compare fails, the
+        first attempt may have deleted the key, or the key may have gone (expired, been
+        taken) before it: neither answer would be sure, so it raises
+        :class:`BackendUnavailable` instead.
+        """
+        answer, repeated = self._send(name, "/kv/txn", txn, retry=True)
+        if answer.get("succeeded"):
+            return answer
+        if repeated:
+            raise BackendUnavailable(
+                f"lock {name!r}: the {what}'s reply from etcd at {self.server} was lost and "
+                "its retry found the holder gone: cannot tell whether this call freed it",
+                name=name,
+                server=self.server,
+            )
+        return None
+
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        key = _b64(self._key(name))
+        if fence is None:  # legacy: whoever holds it now
+            kvs = self._range(name, self._key(name))
+            if not kvs:
+                return False
+            fence = int(kvs[0].get("create_revision", 0))
+        if fence <= 0:  # create_revision 0 means "absent": it would "delete" nothing
+            return False
+        txn = {
+            "compare": [
+                {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": fence}
+            ],
+            "success": [{"request_delete_range": {"key": key, "prev_kv": True}}],
+            "failure": [],
+        }
+        answer = self._delete_once(name, txn, "force release")
+        if answer is None:
+            return False
+        deleted = answer["responses"][0].get("response_delete_range", {})
+        for kv in deleted.get("prev_kvs", []):
+            if int(kv.get("lease", 0)):  # the holder's lease: it carried only this key
                 self._revoke_quietly(name, int(kv["lease"]))
-            return released
-        return False
+        return int(deleted.get("deleted", 0)) > 0
 
     def holders(self, prefix: str = "") -> list[Holder]:
         start = self._key(prefix)
@@ -503,4 +673,4 @@ class EtcdBackend(Backend):
         self._pid = -1
 
 
-__all__ = ["EtcdBackend"]
+__all__ = ["MAX_LEASE_SECONDS", "EtcdBackend"]

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..config import check_ttl_ms
 from ..types import AcquireResult, Holder, Owner
 from .base import Backend
 
@@ -46,6 +47,7 @@ class MemoryBackend(Backend):
         return entry
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        check_ttl_ms(ttl_ms, name)
         with self._cond:
             now = time.monotonic()
             entry = self._live(name, now)
@@ -58,9 +60,13 @@ class MemoryBackend(Backend):
                 self._fences[name] = fence
                 entry = _Entry(token, fence, owner, time.time(), now + ttl_ms / 1000)
                 self._locks[name] = entry
+            else:  # ours already (a retried acquire): its lease counts from this request
+                entry.deadline = now + ttl_ms / 1000
+                entry.owner = owner
             return AcquireResult(entry.fence)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
+        check_ttl_ms(ttl_ms, name)
         with self._cond:
             now = time.monotonic()
             entry = self._live(name, now)
@@ -79,11 +85,11 @@ class MemoryBackend(Backend):
             self._cond.notify_all()
             return True
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, fence: int | None = None) -> bool:
         with self._cond:
             entry = self._live(name, time.monotonic())
-            if entry is None:
-                return False
+            if entry is None or (fence is not None and entry.fence != fence):
+                return False  # free, or no longer the holder the operator saw
             del self._locks[name]
             self._cond.notify_all()
         log.warning("lock %r was force-released at %s (operator override)", name, self.server)

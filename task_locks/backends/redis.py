@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -49,18 +50,22 @@ import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AskError,
     BusyLoadingError,
     ClusterDownError,
+    MovedError,
     NoScriptError,
     ReadOnlyError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import MasterNotFoundError
 
+from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
@@ -69,36 +74,64 @@ T = TypeVar("T")
 
 log = logging.getLogger("task_locks.backends.redis")
 
+# The longest TTL a script writes, in ms (config.MAX_TTL): checked before any write, so
+# that no failure of PEXPIRE can leave a lock (or a fence counter) without expiry.
+MAX_TTL_MS = int(MAX_TTL * 1000)
+
 # KEYS[1] lock hash, KEYS[2] fence counter
 # ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms
-# Returns the fence (integer) when the lock is now ours (or already was, for this token:
-# a retried acquire is idempotent); else {holder pttl ms, owner JSON, fence, acquired ms}.
+# Returns the fence (integer) when the lock is now ours: taken now, or already held by
+# this token (a retried acquire), whose TTL then restarts at ARGV[2] and owner becomes
+# ARGV[3], keeping its fence: the caller counts its lease from this request's send time.
+# Else {holder pttl ms, owner JSON, fence, acquired ms}.
+# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
 # fence = max(last fence + 1, server time in microseconds): increasing even when the
 # counter was lost in a restart without persistence.
+# Every write carries its expiry: SET ... PX for the counter (one command), and HSET then
+# PEXPIRE with the TTL checked first; should PEXPIRE still fail, the hash is deleted.
 ACQUIRE = """
+local ttl, counter_ttl = tonumber(ARGV[2]), tonumber(ARGV[4])
+if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
+  or counter_ttl > MAX_TTL_MS then
+  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
+end
 local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-if held[1] then
-  if held[1] == ARGV[1] then return tonumber(held[2]) end
+if held[1] and held[1] ~= ARGV[1] then
   return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 end
-local now = redis.call('time')
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('get', KEYS[2]) or '0')
-if last >= fence then fence = last + 1 end
-local text = string.format('%.0f', fence)
-redis.call('set', KEYS[2], text, 'px', ARGV[4])
-redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', text, 'owner', ARGV[3],
-  'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
-  'renewals', 0, 'ttl', ARGV[2])
-redis.call('pexpire', KEYS[1], ARGV[2])
-return fence
-"""
+local fence = held[2]
+if not held[1] then
+  local now = redis.call('time')
+  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local last = tonumber(redis.call('get', KEYS[2]) or '0')
+  if last >= next_fence then next_fence = last + 1 end
+  fence = string.format('%.0f', next_fence)
+  redis.call('set', KEYS[2], fence, 'px', ARGV[4])
+  redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence,
+    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
+    'renewals', 0)
+end
+redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
+local expired = redis.pcall('pexpire', KEYS[1], ARGV[2])
+if type(expired) == 'table' and expired.err then
+  redis.call('del', KEYS[1])
+  return expired
+end
+return tonumber(fence)
+""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
 
 # KEYS[i] lock hashes; ARGV[2i-1] the token and ARGV[2i] the ttl ms for KEYS[i]
 # Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours
-# (that lease is lost). The watchdog's batches: one command for many leases is far
-# cheaper than one each; a single renew is a batch of one.
+# (that lease is lost). Raises (having written nothing) when a ttl is not in
+# 1..MAX_TTL_MS. The watchdog's batches: one command for many leases is far cheaper than
+# one each; a single renew is a batch of one.
 RENEW_MANY = """
+for i = 1, #KEYS do
+  local ttl = tonumber(ARGV[2 * i])
+  if not ttl or ttl < 1 or ttl > MAX_TTL_MS then
+    return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
+  end
+end
 local renewed = {}
 for i, key in ipairs(KEYS) do
   if redis.call('hget', key, 'token') == ARGV[2 * i - 1] then
@@ -110,17 +143,23 @@ for i, key in ipairs(KEYS) do
   end
 end
 return renewed
-"""
+""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
 #: Redis's timer tick at the default ``hz 10``: how late a BLPOP timeout may fire.
 BLOCK_TICK = 0.1
 #: Leases per RENEW_MANY call (a few ms of server time at most); a batch is pipelined.
 RENEW_CHUNK = 500
 
-# KEYS[1] lock hash, KEYS[2] signal list; ARGV[1] token, or '' to release whoever holds it
-# Returns 1 if the lock was deleted (and one waiter signalled), 0 if not held / not ours.
+# KEYS[1] lock hash, KEYS[2] signal list
+# ARGV[1] token, or '' to release whoever holds it (operator override)
+# ARGV[2] (optional) fence, or '': then the lock is deleted only if its holder has this
+#   fence, so an operator's force release cannot free a holder that came after the one
+#   they saw
+# Returns 1 if the lock was deleted (and one waiter signalled), 0 if not held / not ours /
+# held under another fence.
 RELEASE = """
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl')
+local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
 if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then return 0 end
+if ARGV[2] and ARGV[2] ~= '' and held[3] ~= ARGV[2] then return 0 end
 redis.call('del', KEYS[1])
 if redis.call('exists', KEYS[2]) == 0 then
   redis.call('rpush', KEYS[2], '1')
@@ -151,6 +190,23 @@ _OUR_OPTIONS = {
     "fence_ttl",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
+
+
+def _tag(name: str) -> str:
+    """``name`` as a Redis Cluster hash tag: the tag ends at the first ``}``, so a ``}``
+    in a name (or an empty tag) would scatter one lock's keys over several slots.
+
+    ``%`` and ``}`` are percent-encoded; names without them keep their plain keys.
+    """
+    if "%" not in name and "}" not in name:
+        return name
+    return name.replace("%", "%25").replace("}", "%7D")
+
+
+def _untag(tag: str) -> str:
+    if "%" not in tag:
+        return tag
+    return tag.replace("%7D", "}").replace("%25", "%")
 
 
 def _text(value: Any) -> str:
@@ -238,11 +294,22 @@ class RedisBackend(Backend):
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options = {k: query.pop(k) for k in list(query) if k in _OUR_OPTIONS}
         self.prefix = options.get("prefix", "task_locks:")
+        if "{" in self.prefix or "}" in self.prefix:
+            raise InvalidArgument(
+                f"{self.server}: option prefix={self.prefix!r} must not contain '{{' or '}}' "
+                "(the lock name is the key's cluster hash tag)"
+            )
         self.socket_timeout = self._number(options, "socket_timeout", 5.0, positive=True)
         self.connect_timeout = self._number(options, "connect_timeout", 2.0, positive=True)
         self.wait_replicas = int(self._number(options, "wait_replicas", 0))
         self.wait_timeout_ms = int(self._number(options, "wait_timeout", 100))
-        self.fence_ttl_ms = int(self._number(options, "fence_ttl", 7 * 86400, positive=True) * 1000)
+        fence_ttl = self._number(options, "fence_ttl", 7 * 86400, positive=True)
+        if fence_ttl > MAX_TTL:
+            raise InvalidArgument(
+                f"{self.server}: option fence_ttl must be at most {MAX_TTL:,.0f} seconds "
+                f"(1 year), got {fence_ttl:g}"
+            )
+        self.fence_ttl_ms = max(1, int(fence_ttl * 1000))
         self.scheme = parts.scheme.lower()
         self.cluster = self.scheme == "redis+cluster"
         # (not urlunsplit: it would turn unix:///path into unix:/path)
@@ -309,7 +376,11 @@ class RedisBackend(Backend):
             )
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
-            sentinel = flavour.sentinel.Sentinel(self._hosts(), **common)
+            # The sentinels get the same single quick retry: redis-py's default (three
+            # retries with backoff) made an unreachable sentinel take 8 s to report.
+            sentinel = flavour.sentinel.Sentinel(
+                self._hosts(), sentinel_kwargs=dict(common, retry=retry), **common
+            )
             master = sentinel.master_for(path[0], **kwargs)
             master.task_locks_sentinels = sentinel.sentinels  # closed with the client
             return master
@@ -362,10 +433,10 @@ class RedisBackend(Backend):
     # -- keys ---------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}{{{name}}}"
+        return f"{self.prefix}{{{_tag(name)}}}"
 
     def _name(self, key: Any) -> str:
-        return _text(key)[len(self.prefix) + 1 : -1]
+        return _untag(_text(key)[len(self.prefix) + 1 : -1])
 
     def _signals(self, names: Sequence[str]) -> list[str]:
         """The lists a release pushes to, one per name: waiters BLPOP them."""
@@ -386,12 +457,40 @@ class RedisBackend(Backend):
     # -- request shaping shared by sync and async paths ----------------------------------
 
     def _acquire_args(self, name: str, token: str, ttl_ms: int, owner: Owner) -> list[Any]:
+        check_ttl_ms(ttl_ms, name)
         key = self._key(name)
         return [2, key, key + ":fence", token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
 
-    def _release_args(self, name: str, token: str) -> list[Any]:
+    def _acquire_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
+        """The acquire script and, with ``wait_replicas``, WAIT right after it.
+
+        Sent as one pipeline, so on one connection: WAIT answers only for the writes of
+        the connection it runs on; on any other pooled connection it would count
+        replicas for someone else's writes (or none), not for this lock.
+        """
+        args = self._acquire_args(name, token, ttl_ms, owner)
+        wait = [("WAIT", self.wait_replicas, self.wait_timeout_ms)] if self.wait_replicas else []
+        return lambda by_sha: [script_command("acquire", by_sha, args), *wait]
+
+    def _acquired(self, name: str, replies: list[Any]) -> tuple[AcquireResult, int | None]:
+        """The acquire's result and, if it was granted without enough replicas, how many
+        acknowledged it (else ``None``)."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._fail(name, reply)
+        result = self._acquire_result(replies[0])
+        if result.acquired and self.wait_replicas and int(replies[1]) < self.wait_replicas:
+            return result, int(replies[1])
+        return result, None
+
+    def _on_primary(self, name: str) -> bool:
+        """Whether the acquire goes straight to the lock's primary, bypassing the cluster
+        client: WAIT has no key, so the cluster client would send it elsewhere."""
+        return self.cluster and bool(self.wait_replicas)
+
+    def _release_args(self, name: str, token: str, fence: int | None = None) -> list[Any]:
         key = self._key(name)
-        return [2, key, key + ":signal", token]
+        return [2, key, key + ":signal", token, "" if fence is None else str(int(fence))]
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
@@ -405,14 +504,13 @@ class RedisBackend(Backend):
             holder_acquired_at=int(acquired) / 1000 if acquired else None,
         )
 
-    def _check_replicas(self, name: str, acked: Any) -> None:
-        if int(acked) < self.wait_replicas:
-            raise BackendUnavailable(
-                f"lock {name!r}: only {acked} of {self.wait_replicas} replicas acknowledged the "
-                f"acquire within {self.wait_timeout_ms} ms at {self.server}",
-                name=name,
-                server=self.server,
-            )
+    def _too_few_replicas(self, name: str, acked: int) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"lock {name!r}: only {acked} of {self.wait_replicas} replicas acknowledged the "
+            f"acquire within {self.wait_timeout_ms} ms at {self.server}",
+            name=name,
+            server=self.server,
+        )
 
     def _renew_chunks(self, items: Sequence[RenewItem]) -> list[Sequence[RenewItem]]:
         # A cluster spreads the keys over slots, and one script call must stay in one.
@@ -481,7 +579,7 @@ class RedisBackend(Backend):
         return sorted((h for h in found if h is not None), key=lambda h: h.name)
 
     def _match(self, prefix: str) -> str:
-        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{prefix}") + "*"
+        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{_tag(prefix)}") + "*"
 
     def _forced(self, name: str, released: bool) -> bool:
         if released:
@@ -521,26 +619,39 @@ class RedisBackend(Backend):
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
+    def _one_connection(self, client: Any, commands: Commands) -> list[Any]:
+        """``commands`` in one pipeline (one connection); all again by source after NOSCRIPT."""
+        replies = self._pipeline(client, commands(True))
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            replies = self._pipeline(client, commands(False))
+        return replies
+
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        args = self._acquire_args(name, token, ttl_ms, owner)
+        commands = self._acquire_commands(name, token, ttl_ms, owner)
         try:
             client = self.client
-            result = self._acquire_result(self._eval(client, "acquire", args))
-            if result.acquired and self.wait_replicas:
-                acked = client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-                try:
-                    self._check_replicas(name, acked)
-                except BackendUnavailable:
-                    # Granted on the master only: give it back rather than block every
-                    # other client until its TTL. A failover may already have lost it.
-                    with contextlib.suppress(LockError):
-                        self.release(name, token)
-                    raise
-            return result
+            if self._on_primary(name):
+                client = client.get_redis_connection(client.get_node_from_key(self._key(name)))
+            replies = self._one_connection(client, commands)
+            if self.cluster and isinstance(replies[0], MovedError | AskError):
+                self.client.nodes_manager.initialize()  # the slot moved: once more, anew
+                client = self.client.get_redis_connection(
+                    self.client.get_node_from_key(self._key(name))
+                )
+                replies = self._one_connection(client, commands)
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
+        result, acked = self._acquired(name, replies)
+        if acked is not None:
+            # Granted on the master only: give it back rather than block every other
+            # client until its TTL. A failover may already have lost it.
+            with contextlib.suppress(LockError):
+                self.release(name, token)
+            raise self._too_few_replicas(name, acked)
+        return result
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
+        check_ttl_ms(ttl_ms, name)
         args = self._renew_args(name, token, ttl_ms)
         try:
             return bool(self._eval(self.client, "renew_many", args)[0])
@@ -551,18 +662,24 @@ class RedisBackend(Backend):
         """All ``items`` in one pipelined round trip (a second one only after NOSCRIPT)."""
         if not items:
             return []
+        for item in items:
+            check_ttl_ms(item.ttl_ms, item.name)
         chunks = self._renew_chunks(items)
         replies = self._scripts(items[0].name, self._renew_commands(chunks))
         return self._renew_results(chunks, replies)
 
     def release(self, name: str, token: str) -> bool:
+        return self._release(name, token, None)
+
+    def _release(self, name: str, token: str, fence: int | None) -> bool:
+        args = self._release_args(name, token, fence)
         try:
-            return bool(self._eval(self.client, "release", self._release_args(name, token)))
+            return bool(self._eval(self.client, "release", args))
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def force_release(self, name: str) -> bool:
-        return self._forced(name, self.release(name, ""))
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        return self._forced(name, self._release(name, "", fence))
 
     def _blpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)
@@ -653,26 +770,65 @@ class RedisBackend(Backend):
 
         return await self._acall(name, run)
 
-    async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+    async def _aone_connection(
+        self, run: Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]], commands: Commands
+    ) -> list[Any]:
+        """The asyncio twin of :meth:`_one_connection`; ``run`` sends one pipeline."""
+        replies = await run(commands(True))
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            replies = await run(commands(False))
+        return replies
+
+    async def _aprimary_pipeline(self, name: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` on one connection to the lock's cluster primary (asyncio).
+
+        redis.asyncio has no per-node client: take one of the node's connections, send
+        everything, read every reply; a connection left mid-reply is closed, never reused.
+        """
         client = self._async_client()
-        args = self._acquire_args(name, token, ttl_ms, owner)
-        result = self._acquire_result(
-            await self._acall(name, lambda: self._aeval(client, "acquire", args))
-        )
-        if result.acquired and self.wait_replicas:
-            acked = await self._acall(
-                name,
-                lambda: client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms),
-            )
-            try:
-                self._check_replicas(name, acked)
-            except BackendUnavailable:
-                with contextlib.suppress(LockError):
-                    await self.arelease(name, token)
-                raise
+        await client.initialize()
+        node = client.get_node_from_key(self._key(name))
+        connection = node.acquire_connection()
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands))
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            node.release(connection)
+        return replies
+
+    async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        commands = self._acquire_commands(name, token, ttl_ms, owner)
+        client = self._async_client()
+
+        async def send() -> list[Any]:
+            if not self._on_primary(name):
+                return await self._aone_connection(
+                    lambda batch: self._apipeline(client, batch), commands
+                )
+            direct = partial(self._aprimary_pipeline, name)
+            replies = await self._aone_connection(direct, commands)
+            if isinstance(replies[0], MovedError | AskError):
+                await client.nodes_manager.initialize()  # the slot moved: once more, anew
+                replies = await self._aone_connection(direct, commands)
+            return replies
+
+        result, acked = self._acquired(name, await self._acall(name, send))
+        if acked is not None:
+            with contextlib.suppress(LockError):
+                await self.arelease(name, token)
+            raise self._too_few_replicas(name, acked)
         return result
 
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
+        check_ttl_ms(ttl_ms, name)
         client = self._async_client()
         args = self._renew_args(name, token, ttl_ms)
         return bool((await self._acall(name, lambda: self._aeval(client, "renew_many", args)))[0])
@@ -680,17 +836,22 @@ class RedisBackend(Backend):
     async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
         if not items:
             return []
+        for item in items:
+            check_ttl_ms(item.ttl_ms, item.name)
         chunks = self._renew_chunks(items)
         replies = await self._ascripts(items[0].name, self._renew_commands(chunks))
         return self._renew_results(chunks, replies)
 
-    async def arelease(self, name: str, token: str) -> bool:
+    async def _arelease(self, name: str, token: str, fence: int | None) -> bool:
         client = self._async_client()
-        args = self._release_args(name, token)
+        args = self._release_args(name, token, fence)
         return bool(await self._acall(name, lambda: self._aeval(client, "release", args)))
 
-    async def aforce_release(self, name: str) -> bool:
-        return self._forced(name, await self.arelease(name, ""))
+    async def arelease(self, name: str, token: str) -> bool:
+        return await self._arelease(name, token, None)
+
+    async def aforce_release(self, name: str, fence: int | None = None) -> bool:
+        return self._forced(name, await self._arelease(name, "", fence))
 
     async def _ablpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)

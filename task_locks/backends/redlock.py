@@ -89,6 +89,7 @@ from urllib.parse import quote, urlsplit
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..config import check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
@@ -175,24 +176,16 @@ class _MasterBackend(RedisBackend):
     # -- requests shaped once, sent by the sync or the async client --------------------
 
     def _grant_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
-        # ACQUIRE then RENEW in one round trip: a grant that was already ours (left by a
-        # straggler of an earlier attempt) gets its TTL restarted, so every vote lasts
-        # ttl from now.
+        # A grant that was already ours (left by a straggler of an earlier attempt) gets
+        # its TTL restarted by ACQUIRE itself (same token), so every vote lasts ttl from now.
         acquire = self._acquire_args(name, token, ttl_ms, owner)
-        renew = self._renew_args(name, token, ttl_ms)
-        return lambda by_sha: [
-            script_command("acquire", by_sha, acquire),
-            script_command("renew_many", by_sha, renew),
-        ]
+        return lambda by_sha: [script_command("acquire", by_sha, acquire)]
 
     def _grant_result(self, name: str, replies: list[Any]) -> AcquireResult:
         for reply in replies:
             if isinstance(reply, Exception):
                 self._fail(name, reply)
-        result = self._acquire_result(replies[0])
-        if result.acquired and not replies[1][0]:
-            return AcquireResult(None, retry_after=0.0)  # taken away between the two scripts
-        return result
+        return self._acquire_result(replies[0])
 
     def _bump_commands(self, name: str, token: str, fence: int) -> Commands:
         key = self._key(name)
@@ -455,6 +448,7 @@ class RedlockBackend(Backend):
     def _acquire_plan(
         self, name: str, token: str, ttl_ms: int, owner: Owner
     ) -> _Plan[AcquireResult]:
+        check_ttl_ms(ttl_ms, name)  # here: a master's refusal would only count as no vote
         ttl = ttl_ms / 1000
         self._longest_ttl = max(self._longest_ttl, ttl)
         started = time.monotonic()
@@ -524,6 +518,8 @@ class RedlockBackend(Backend):
         )
 
     def _renew_plan(self, items: Sequence[RenewItem]) -> _Plan[list[bool]]:
+        for item in items:
+            check_ttl_ms(item.ttl_ms, item.name)
         started = time.monotonic()
 
         def enough(answers: list[Any]) -> bool:
@@ -555,8 +551,20 @@ class RedlockBackend(Backend):
             return False
         raise self._unavailable(name, "cannot release", answers)
 
-    def _force_release_plan(self, name: str) -> _Plan[bool]:
-        answers = yield _Call("force_release", (name,), self._all_answered)
+    def _force_release_plan(self, name: str, fence: int | None) -> _Plan[bool]:
+        if fence is None:
+            answers = yield _Call("force_release", (name,), self._all_answered)
+        else:
+            # The masters need not agree on the fence (without fence_sync each keeps its
+            # own), so "the holder with this fence" is decided here, from a majority's
+            # copies, the way holder() reports it; then that holder's *token* is deleted,
+            # atomically on each master. A lock that changed hands has another token:
+            # it stays, wherever it is.
+            holders = yield from self._holders_plan(name, exact=True)
+            seen = next(iter(holders), None)
+            if seen is None or seen.fence != fence:
+                return False
+            answers = yield _Call("release", (name, seen.token), self._all_answered)
         yes, no = self._tally(answers)
         if yes + no < self.quorum:
             raise self._unavailable(name, "cannot force-release", answers)
@@ -594,8 +602,7 @@ class RedlockBackend(Backend):
             owner=first.owner,
             acquired_at=min(acquired) if acquired else None,
             expires_at=expiries[self.quorum - 1] if len(expiries) >= self.quorum else None,
-            # Each grant restarts its TTL with RENEW, which counts one renewal.
-            renewals=max(0, max(h.renewals for h in copies) - 1),
+            renewals=max(h.renewals for h in copies),
             token=first.token,
         )
 
@@ -694,8 +701,8 @@ class RedlockBackend(Backend):
     def release(self, name: str, token: str) -> bool:
         return self._drive(self._release_plan(name, token))
 
-    def force_release(self, name: str) -> bool:
-        return self._drive(self._force_release_plan(name))
+    def force_release(self, name: str, fence: int | None = None) -> bool:
+        return self._drive(self._force_release_plan(name, fence))
 
     def holders(self, prefix: str = "") -> list[Holder]:
         return self._drive(self._holders_plan(prefix, exact=False))
@@ -836,8 +843,8 @@ class RedlockBackend(Backend):
     async def arelease(self, name: str, token: str) -> bool:
         return await self._adrive(self._release_plan(name, token))
 
-    async def aforce_release(self, name: str) -> bool:
-        return await self._adrive(self._force_release_plan(name))
+    async def aforce_release(self, name: str, fence: int | None = None) -> bool:
+        return await self._adrive(self._force_release_plan(name, fence))
 
     async def aholders(self, prefix: str = "") -> list[Holder]:
         return await self._adrive(self._holders_plan(prefix, exact=False))

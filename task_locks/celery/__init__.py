@@ -23,6 +23,9 @@
 - ``lock_on``: ``"run"`` (default), ``"enqueue"`` (at most one *queued* message per key;
   the key is freed when it starts), ``"both"`` (at most one queued-or-running). See
   :mod:`task_locks.celery.publish`.
+- Per call: ``apply_async(..., lock_options={"ttl": ..., "on_conflict": ..., "timeout":
+  ..., "max_hold": ...})`` (:mod:`task_locks.celery.options`), validated at the call.
+- ``AlreadyQueued`` is ``DuplicateTask`` (celery-once's name for it).
 - A second delivery of a message that is still running (``acks_late`` redelivery)
   finds its own task id holding the key and is ignored (no state is written) under
   ``"skip"``/``"raise"``; under ``"wait"``/``"retry"`` it runs after the first, never
@@ -52,12 +55,18 @@ from .task import (
 
 _signals.connect()
 
+#: celery-once's name for a dropped duplicate: ``except AlreadyQueued`` catches
+#: :class:`DuplicateTask` (the same class). It is not celery-once's own exception class:
+#: code that imports ``celery_once.AlreadyQueued`` must import this one instead.
+AlreadyQueued = DuplicateTask
+
 __all__ = [
     "LOCK_ON",
     "ON_CONFLICT",
     "SKIPPED",
     "STALE_TICK",
     "TOKEN_HEADER",
+    "AlreadyQueued",
     "DuplicateTask",
     "SingletonTask",
     "current_lease",

@@ -20,7 +20,6 @@ import logging
 import random
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
-from contextvars import ContextVar
 from typing import Any, Final
 
 from celery import Task, shared_task
@@ -28,8 +27,9 @@ from celery.exceptions import Ignore
 
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
+from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
-from ..lock import AsyncLease, AsyncLock, Lease, Lock, _adrive, _drive, validate_timeout
+from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
 from ..types import Holder
@@ -45,6 +45,7 @@ from .beat import (
     stale_tick_term,
 )
 from .keys import KeySpec, TaskKey
+from .options import call_options, for_this_call, with_lock_options
 from .registry import live_leases
 
 log = logging.getLogger("task_locks.celery")
@@ -66,8 +67,6 @@ TASK_ID_SEPARATOR: Final = "#task:"
 #: the same task id and may still be letting go of the key, before refusing as a copy.
 RETRY_HANDOVER_WAIT: Final = 5.0
 
-AnyLease = Lease | AsyncLease
-_current: ContextVar[AnyLease | None] = ContextVar("task_locks_current_lease", default=None)
 #: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
 _parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
 
@@ -83,15 +82,6 @@ def task_id_lock_name(name: str, task_id: str) -> str:
     finds it held by its own task id and is refused, as with ``limit=1``.
     """
     return f"{name}{TASK_ID_SEPARATOR}{task_id}"
-
-
-def current_lease() -> AnyLease | None:
-    """The lease of the singleton task running in this thread / asyncio task, if any.
-
-    Pass ``lease.fence`` to the resources the task writes; check ``lease.lost`` (or call
-    ``lease.check()``) before acting when the work is long.
-    """
-    return _current.get()
 
 
 class DuplicateTask(LockHeld):
@@ -257,13 +247,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         shadow: Any = None,
         **options: Any,
     ) -> Any:
-        """Publish; a duplicate dropped at enqueue returns the queued task's result handle."""
+        """Publish; a duplicate dropped at enqueue returns the queued task's result handle.
+
+        ``lock_options={...}``: this call's lock options (:mod:`task_locks.celery.options`).
+        """
+        lock_options = options.pop("lock_options", None)
+        if lock_options is not None:
+            options["headers"] = with_lock_options(self.name, lock_options, options.get("headers"))
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         except DuplicateTask as duplicate:
-            if self.on_conflict == "raise" or duplicate.existing is None:
+            on_conflict = (lock_options or {}).get("on_conflict", self.on_conflict)
+            if on_conflict == "raise" or duplicate.existing is None:
                 raise
             return duplicate.existing
 
@@ -297,8 +294,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         names = [name]
         if self.lock_limit > 1:
             names = [slot_name(name, index) for index in range(self.lock_limit)]
-        guard = self._guard_name(name, task_id)
-        return names if guard is None else [*names, guard]
+        # Always the guard too: a call's lock_options may have needed one (owner-checked).
+        return names if task_id is None else [*names, task_id_lock_name(name, task_id)]
 
     def _guard_name(self, name: str, task_id: str | None) -> str | None:
         """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
@@ -342,6 +339,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     # -- the run -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        per_call = call_options(self)  # apply_async(lock_options=...): run on a copy
+        if per_call is not None:
+            return for_this_call(self, per_call)(*args, **kwargs)
         # In a worker the tracer has pushed the request; a direct call has none, and
         # Task.__call__ pushes one for it.
         direct = self.request_stack.top is None
@@ -367,11 +367,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             guard = None
             guard_name = self._guard_name(name, request.id)
             if guard_name is not None:
-                guard = self._take(Lock(guard_name, **self._lock_options()), guard_name, None)
+                guard = self._take(Lock(guard_name, **self._lock_options()), guard_name)
                 if guard is None:
                     return None
             try:
-                lease = self._take(self._run_lock(name), name, self._run_token(handed))
+                run_lock = self._run_lock(name)
+                run_lock._token = self._run_token(handed)
+                lease = self._take(run_lock, name)
             except BaseException:
                 self._release_guard(guard, request.id)
                 raise
@@ -382,7 +384,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._queued_lock_expired(name)
             return self._hold(lease, body, args, kwargs, request.id, guard)
 
-    def _take(self, lock: Lock | Semaphore, name: str, token: str | None) -> Lease | None:
+    def _take(self, lock: Lock | Semaphore, name: str) -> Lease | None:
         """Acquire ``lock`` as ``on_conflict`` says; ``None``: return without running."""
         attempts = self._attempts()
         number = 0
@@ -390,11 +392,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             timeout = attempts[number]
             number += 1
             try:
-                if token is None or not isinstance(lock, Lock):
-                    return lock.acquire(timeout=timeout)
-                backend = lock.backend
-                granted = _drive(lock._plan(backend, timeout, token), backend)
-                return lock._keep(lock._lease(Lease, backend, lock.name, *granted))
+                return lock.acquire(timeout=timeout)
             except LockHeld as held:
                 if self._conflict(name, held, attempts, number):
                     return None
@@ -489,11 +487,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         guard_name = self._guard_name(name, task_id)
         if guard_name is not None:
             guard_lock = AsyncLock(guard_name, **self._lock_options())
-            guard = await self._atake(guard_lock, guard_name, None)
+            guard = await self._atake(guard_lock, guard_name)
             if guard is None:
                 return None
         try:
-            lease = await self._atake(self._async_run_lock(name), name, self._run_token(handed))
+            run_lock = self._async_run_lock(name)
+            run_lock._token = self._run_token(handed)
+            lease = await self._atake(run_lock, name)
         except BaseException:
             await self._arelease_guard(guard, task_id)
             raise
@@ -519,9 +519,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         await self._arelease_guard(guard, task_id)
         return result
 
-    async def _atake(
-        self, lock: AsyncLock | AsyncSemaphore, name: str, token: str | None
-    ) -> AsyncLease | None:
+    async def _atake(self, lock: AsyncLock | AsyncSemaphore, name: str) -> AsyncLease | None:
         """The async twin of :meth:`_take`."""
         attempts = self._attempts()
         number = 0
@@ -529,11 +527,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             timeout = attempts[number]
             number += 1
             try:
-                if token is None or not isinstance(lock, AsyncLock):
-                    return await lock.acquire(timeout=timeout)
-                backend = lock.backend
-                granted = await _adrive(lock._plan(backend, timeout, token), backend)
-                return lock._keep(lock._lease(AsyncLease, backend, lock.name, *granted))
+                return await lock.acquire(timeout=timeout)
             except LockHeld as held:
                 if self._conflict(name, held, attempts, number):
                     return None

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import shutil
 import time
+import urllib.error
 import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from servers import EtcdCluster, EtcdServer
 
 from task_locks import BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
-from task_locks.backends.etcd import EtcdBackend
+from task_locks.backends.etcd import MAX_LEASE_SECONDS, EtcdBackend
+from task_locks.errors import InvalidArgument
+from task_locks.types import Owner
 
 
 def gateway(member: EtcdServer, path: str, body: dict[str, object]) -> dict[str, object]:
@@ -126,3 +134,125 @@ def test_fence_is_the_keys_create_revision(etcd_cluster: EtcdCluster) -> None:
     kvs = gateway(etcd_cluster[2], "kv/range", {"key": key})["kvs"]
     assert int(kvs[0]["create_revision"]) == lease.fence  # type: ignore[index]
     lease.release()
+
+
+# -- issue 12: the backend contract (same-token acquire, fence-checked force release), TTLs --
+
+
+@pytest.fixture(scope="module")
+def etcd_node() -> Iterator[EtcdServer]:
+    """One member is enough for the contract: these tests cut no links."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (scripts/install-servers.sh installs etcd-server)")
+    server = EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def node_backend(etcd_node: EtcdServer) -> EtcdBackend:
+    backend = get_backend(etcd_node.url(prefix=f"contract-{uuid.uuid4().hex[:8]}/"))
+    assert isinstance(backend, EtcdBackend)
+    return backend
+
+
+def lock_key(backend: EtcdBackend, member: EtcdServer, name: str) -> dict[str, Any] | None:
+    key = base64.b64encode(backend.prefix + name.encode()).decode()
+    kvs = gateway(member, "kv/range", {"key": key}).get("kvs", [])
+    return kvs[0] if kvs else None  # type: ignore[index,no-any-return]
+
+
+def lease_ttl(member: EtcdServer, lease: int | str) -> int:
+    return int(gateway(member, "lease/timetolive", {"ID": int(lease)}).get("TTL", 0))  # type: ignore[call-overload]
+
+
+def test_same_token_acquire_keeps_the_fence_and_resets_ttl_and_owner(
+    node_backend: EtcdBackend, etcd_node: EtcdServer
+) -> None:
+    first = node_backend.acquire("again", "tok", 30_000, Owner(host="queued", pid=1))
+    assert first.fence is not None
+    old_lease = lock_key(node_backend, etcd_node, "again")["lease"]  # type: ignore[index]
+
+    again = node_backend.acquire("again", "tok", 3_000, Owner(host="running", pid=2))
+    assert again.fence == first.fence
+    kv = lock_key(node_backend, etcd_node, "again")
+    assert kv is not None and int(kv["create_revision"]) == first.fence
+    assert 0 < lease_ttl(etcd_node, kv["lease"]) <= 3, "the TTL was not reset to ttl_ms"
+    holder = node_backend.holder("again")
+    assert holder is not None and holder.owner.host == "running" and holder.token == "tok"
+    # The old lease no longer carries the key: it was revoked, nothing leaks.
+    assert str(old_lease) not in live_leases(etcd_node)
+    assert live_leases(etcd_node) == {str(kv["lease"])}
+    # And the lock goes on as one: renew and release work on the new lease.
+    assert node_backend.renew("again", "tok", 3_000)
+    assert node_backend.release("again", "tok")
+    assert lock_key(node_backend, etcd_node, "again") is None
+    assert live_leases(etcd_node) == set()
+
+
+def test_same_token_acquire_from_another_client_takes_over_the_same_lock(
+    node_backend: EtcdBackend, etcd_node: EtcdServer
+) -> None:
+    """A publish-time lock becoming the run lock in another process: one lock, one fence."""
+    fence = node_backend.acquire("handover", "tok", 2_000, Owner(host="publisher")).fence
+    worker = EtcdBackend(node_backend.url)
+    assert worker.acquire("handover", "tok", 30_000, Owner(host="worker")).fence == fence
+    kv = lock_key(node_backend, etcd_node, "handover")
+    assert kv is not None and lease_ttl(etcd_node, kv["lease"]) > 2
+    assert node_backend.acquire("handover", "other", 2_000, Owner()).fence is None
+    assert worker.release("handover", "tok")
+    worker.close()
+
+
+def test_force_release_with_a_fence_frees_only_that_holder(
+    node_backend: EtcdBackend, etcd_node: EtcdServer
+) -> None:
+    seen = node_backend.acquire("forced", "first", 30_000, Owner()).fence
+    assert seen is not None
+    assert node_backend.force_release("forced", seen) is True
+    assert lock_key(node_backend, etcd_node, "forced") is None
+    assert live_leases(etcd_node) == set(), "the freed holder's lease was not revoked"
+
+    # The lock changed hands after the operator looked: the old fence frees nothing.
+    now = node_backend.acquire("forced", "second", 30_000, Owner()).fence
+    assert now is not None and now > seen
+    kv = lock_key(node_backend, etcd_node, "forced")
+    assert node_backend.force_release("forced", seen) is False
+    assert lock_key(node_backend, etcd_node, "forced") == kv
+    assert live_leases(etcd_node) == {str(kv["lease"])}, "a lease revoked without a delete"  # type: ignore[index]
+    assert node_backend.force_release("never-held", 1) is False
+    assert node_backend.force_release("forced") is True  # fence=None: whoever holds it
+    assert live_leases(etcd_node) == set()
+
+
+def test_aforce_release_takes_the_fence_too(node_backend: EtcdBackend) -> None:
+    fence = node_backend.acquire("async-forced", "tok", 30_000, Owner()).fence
+    assert fence is not None
+    assert asyncio.run(node_backend.aforce_release("async-forced", fence + 1)) is False
+    assert asyncio.run(node_backend.aforce_release("async-forced", fence)) is True
+
+
+def test_a_ttl_beyond_etcds_longest_lease_is_refused_and_writes_nothing(
+    node_backend: EtcdBackend, etcd_node: EtcdServer
+) -> None:
+    # etcd refuses a grant above MaxLeaseTTL ("too large lease TTL"): check the constant.
+    with pytest.raises(urllib.error.HTTPError):
+        gateway(etcd_node, "lease/grant", {"TTL": MAX_LEASE_SECONDS + 1})
+    granted = gateway(etcd_node, "lease/grant", {"TTL": MAX_LEASE_SECONDS})
+    gateway(etcd_node, "lease/revoke", {"ID": int(granted["ID"])})  # type: ignore[call-overload]
+
+    with pytest.raises(InvalidArgument, match="longest lease"):
+        node_backend.acquire("huge", "tok", (MAX_LEASE_SECONDS + 1) * 1000, Owner())
+    with pytest.raises(InvalidArgument):  # refused here, or by the TTL's validation first
+        Lock("huge", ttl=1e16, backend=node_backend).acquire(timeout=0)
+    assert lock_key(node_backend, etcd_node, "huge") is None
+    assert live_leases(etcd_node) == set()
+
+
+def test_a_year_long_ttl_is_a_real_lease(node_backend: EtcdBackend, etcd_node: EtcdServer) -> None:
+    """The longest TTL the library accepts (a year) fits etcd's lease, whole."""
+    year = 365 * 24 * 3600
+    assert node_backend.acquire("yearly", "tok", year * 1000, Owner()).fence is not None
+    kv = lock_key(node_backend, etcd_node, "yearly")
+    assert kv is not None and year - 60 < lease_ttl(etcd_node, kv["lease"]) <= year
+    assert node_backend.release("yearly", "tok")

@@ -177,3 +177,49 @@ def test_url_options_and_capabilities(masters_factory: MastersFactory) -> None:
     assert "consensus" not in backend.capabilities
     assert {"fencing", "multiprocess", "wakeup", "holders"} <= backend.capabilities
     assert all(m.run_id is None for m in backend.masters)  # made without contacting them
+
+
+@pytest.mark.parametrize("fence_sync", [1, 0])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_force_release_by_fence_frees_the_holder_on_every_master(
+    masters_factory: MastersFactory, fence_sync: int, mode: str
+) -> None:
+    """Without ``fence_sync`` each master keeps its own fence for the same holder, so a
+    per-master "delete if the fence matches" would free it on one master only and leave
+    a majority holding it. The fence is matched once, against the holder a majority
+    reports; that holder's token is then deleted everywhere."""
+    from task_locks.types import Owner
+
+    masters = masters_factory(3)
+    url = masters.url(fence_sync=fence_sync)
+    backend = get_backend(url)
+    # Each master far apart: the fences they hand out for one acquire all differ.
+    for offset, server in enumerate(masters):
+        ahead = int((time.time() + 3600 * offset) * 1e6)
+        redis.Redis(port=server.port).set("task_locks:{audit}:fence", ahead)
+
+    def force(fence: int) -> bool:
+        if mode == "sync":
+            return backend.force_release("audit", fence)
+
+        async def run() -> bool:
+            try:
+                return await backend.aforce_release("audit", fence)
+            finally:
+                await backend.aclose()
+
+        return asyncio.run(run())
+
+    assert backend.acquire("audit", "token-a", 30_000, Owner()).acquired
+    stored = {redis.Redis(port=s.port).hget("task_locks:{audit}", "fence") for s in masters}
+    assert len(stored) == (1 if fence_sync else 3)
+    seen = backend.holder("audit")
+    assert seen is not None
+    assert backend.release("audit", "token-a")
+    assert backend.acquire("audit", "token-b", 30_000, Owner()).acquired
+    assert force(seen.fence) is False  # changed hands: the new holder stays, everywhere
+    now = backend.holder("audit")
+    assert now is not None and now.token == "token-b"
+    assert force(now.fence) is True
+    for server in masters:
+        assert redis.Redis(port=server.port).exists("task_locks:{audit}") == 0

@@ -294,3 +294,15 @@ def _count_deliveries(task_id: str, task: Any, args: Any, **_: Any) -> None:
     """Every delivery that reached a worker child, before the lock is even looked at."""
     if task.name in _COUNTED:
         record(args[1] + ":deliveries", task_id=task_id, at=time.time())
+
+
+@singleton_task(**common, ttl=10, on_conflict="skip")
+def options_task(self: Any, key: str, log: str, retries: int = 0) -> dict[str, Any]:
+    """Reports the lock options its run got (apply_async(lock_options=...), issue 16);
+    retries itself ``retries`` times first."""
+    lease = current_lease()
+    assert lease is not None
+    record(log, task_id=self.request.id, ttl=lease.ttl, attempt=self.request.retries)
+    if self.request.retries < retries:
+        raise self.retry(countdown=0.1)
+    return {"ttl": lease.ttl, "on_conflict": self.on_conflict, "wait_timeout": self.wait_timeout}

@@ -9,7 +9,6 @@ answer to "where does a lock alone fail", and they go to the report.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
@@ -18,8 +17,6 @@ from chaoskit.scenario import Run, Settings
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
-HAVE_ETCD_BACKEND = importlib.util.find_spec("task_locks.backends.etcd") is not None
-HAVE_REDLOCK_BACKEND = importlib.util.find_spec("task_locks.backends.redlock") is not None
 WAIT_REPLICAS = "wait_replicas=1&wait_timeout=100"
 
 BACKENDS = {
@@ -74,14 +71,6 @@ LONG = [
 ]
 
 
-def _available(backend: str) -> str | None:
-    if backend == "etcd" and not HAVE_ETCD_BACKEND:
-        return "the etcd backend is not there yet"
-    if backend == "redlock" and not HAVE_REDLOCK_BACKEND:
-        return "the redlock backend is not there yet"
-    return None
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "scenario" not in metafunc.fixturenames:
         return
@@ -97,9 +86,6 @@ def test_fenced_resources_never_accept_a_stale_write(
     chaos_database: str | None,
 ) -> None:
     backend, fault = scenario
-    missing = _available(backend)
-    if missing:
-        pytest.skip(missing)
     if backend == "django" and chaos_database is None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
     settings = Settings(duration=8.0 if chaos_long else 3.0)

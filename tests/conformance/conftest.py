@@ -25,8 +25,9 @@ from task_locks.backends import get_backend
 
 KINDS = ["memory", "redis", "redlock", "etcd", "etcd-cluster"]
 #: django:// on these DATABASES aliases of tests/django/settings.py (pytest-django's
-#: settings for the whole suite): SQLite always, PostgreSQL when its port answers.
-DJANGO_KINDS = {"django-sqlite": "default", "django-postgres": "pg"}
+#: settings for the whole suite): SQLite always, PostgreSQL and MariaDB/MySQL when their
+#: ports answer.
+DJANGO_KINDS = {"django-sqlite": "default", "django-postgres": "pg", "django-mysql": "mysql"}
 
 
 def _django_params() -> list[object]:
@@ -35,9 +36,7 @@ def _django_params() -> list[object]:
     params: list[object] = []
     for kind, alias in DJANGO_KINDS.items():
         marks = [pytest.mark.django_db(transaction=True, databases=sorted({"default", alias}))]
-        if importlib.util.find_spec("django_app.backend") is None:
-            marks.append(pytest.mark.skip(reason="django_app/backend.py is not there yet"))
-        elif alias not in settings.DATABASES:
+        if alias not in settings.DATABASES:
             marks.append(pytest.mark.skip(reason=f"no {alias!r} database on this machine"))
         params.append(pytest.param(kind, marks=marks, id=kind))
     return params
@@ -66,11 +65,8 @@ class Deployment:
 
 def _have(module: str, binary: str | None = None) -> str | None:
     """Why a backend cannot run here, or ``None`` if it can."""
-    try:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not there yet"
-    except ImportError:
-        return f"{module} is not there yet"
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install task-locks[etcd])"
     if binary and shutil.which(binary) is None:
         return f"no {binary} binary (scripts/install-servers.sh installs it)"
     return None
@@ -138,7 +134,11 @@ def etcd_cluster() -> Iterator[EtcdCluster]:
 @pytest.fixture(params=[*KINDS, *_django_params()])
 def deployment(request: pytest.FixtureRequest) -> Deployment:
     """A backend on the session's servers, in a namespace of its own."""
-    kind: str = request.param
+    return build_deployment(request, request.param)
+
+
+def build_deployment(request: pytest.FixtureRequest, kind: str) -> Deployment:
+    """The deployment of ``kind`` (for fixtures that add kinds of their own)."""
     prefix = f"conf-{_unique()}:"
     if kind == "memory":
         url = f"memory://{_unique()}"
@@ -164,6 +164,8 @@ def _django(kind: str) -> Deployment:
     env["TASK_LOCKS_TEST_SQLITE"] = str(connections["default"].settings_dict["NAME"])
     if "pg" in connections.settings:
         env["TASK_LOCKS_TEST_PG"] = str(connections["pg"].settings_dict["NAME"])
+    if "mysql" in connections.settings:
+        env["TASK_LOCKS_TEST_MYSQL"] = str(connections["mysql"].settings_dict["NAME"])
     bad = ["django://no-such-alias", "django://default?bogus=1"]
     return Deployment(kind, f"django://{DJANGO_KINDS[kind]}", bad_urls=bad, env=env)
 

@@ -88,7 +88,9 @@ def test_mutual_exclusion_between_threads(deployment: Deployment) -> None:
 
 def test_mutual_exclusion_between_processes(deployment: Deployment, tmp_path: Path) -> None:
     if "multiprocess" not in deployment.capabilities:
-        pytest.skip(f"{deployment.kind}:// locks live in one process (no 'multiprocess')")
+        pytest.skip(
+            f"not applicable: {deployment.kind}:// locks live in one process (no 'multiprocess')"
+        )
     processes, rounds = 3, 6
     log = tmp_path / "turns.log"
     env = dict(os.environ, **deployment.env)

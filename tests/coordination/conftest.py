@@ -9,7 +9,6 @@ database). Each shared backend that cannot run here is skipped with the reason.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -27,13 +26,6 @@ ROOT = HERE.parents[1]
 PROCS = HERE / "procs.py"
 
 
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
-
-
 @pytest.fixture(params=["memory", "redis"])
 def local_url(request: pytest.FixtureRequest) -> str:
     if request.param == "memory":
@@ -44,8 +36,6 @@ def local_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[object]:
-    if not _module_exists("task_locks.backends.etcd"):
-        pytest.skip("the etcd backend (task_locks/backends/etcd.py) is not there yet")
     if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (scripts/install-servers.sh installs etcd-server)")
     from servers import EtcdServer
@@ -57,8 +47,6 @@ def etcd_server() -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def redlock_masters() -> Iterator[object]:
-    if not _module_exists("task_locks.backends.redlock"):
-        pytest.skip("the redlock backend (task_locks/backends/redlock.py) is not there yet")
     from servers import RedisMasters
 
     masters = RedisMasters(3).start()
@@ -68,8 +56,6 @@ def redlock_masters() -> Iterator[object]:
 
 def _django_pg(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``django://pg`` on pytest-django's test database, shared with child processes."""
-    if not _module_exists("django_app.backend"):
-        pytest.skip("the Django backend (django_app/backend.py) is not there yet")
     from django.conf import settings
 
     if "pg" not in settings.DATABASES:

@@ -18,6 +18,10 @@ LOCK_CASES: list[tuple[dict[str, Any], str]] = [
     ({"name": "   "}, "empty or blank"),
     ({"name": 42}, "must be a string"),
     ({"name": "x" * 600}, "at most 512"),
+    ({"name": "a\x00b"}, "must not contain control characters, got '\\x00' at position 1"),
+    ({"name": "line\nbreak"}, "must not contain control characters"),
+    ({"name": "half\ud800"}, "must be valid unicode text"),
+    ({"backend": "redis://127.0.0.1:6379/0?prefix=a{b}"}, "must not contain '{' or '}'"),
     ({"ttl": 0}, "ttl must be a finite number of seconds > 0, got 0"),
     ({"ttl": -5}, "ttl must be a finite number of seconds > 0, got -5"),
     ({"ttl": float("nan")}, "ttl must be a finite number"),
@@ -84,3 +88,54 @@ def test_password_never_appears_in_messages() -> None:
         get_backend("redis://user:hunter2@127.0.0.1:6379/0?socket_timeout=x")
     assert "hunter2" not in str(caught.value)
     assert "***" in str(caught.value)
+
+
+def test_a_lock_without_any_configured_backend_says_how_to_configure_one(
+    driver: SyncDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No silent default server: two hosts that forgot the setting would each lock on
+    their own local Redis, and nothing would say so."""
+    from task_locks.errors import NotConfigured
+
+    monkeypatch.delenv("TASK_LOCKS_URL", raising=False)
+    lock = driver.lock_class("nightly", ttl=5)  # made at import, configured later: fine
+    with pytest.raises(NotConfigured) as caught:
+        driver.call(lock.acquire, timeout=0)
+    assert isinstance(caught.value, LockError) and caught.value.name == "nightly"
+    message = str(caught.value)
+    for hint in ("configure(backend=", "TASK_LOCKS_URL", "TASK_LOCKS['BACKEND']"):
+        assert hint in message
+    configure(backend="memory://configured-later")
+    lease = driver.call(lock.acquire, timeout=0)
+    driver.call(lease.release)
+
+
+def test_an_empty_task_locks_url_is_not_a_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    from task_locks.config import resolve_backend
+    from task_locks.errors import NotConfigured
+
+    monkeypatch.setenv("TASK_LOCKS_URL", "")
+    with pytest.raises(NotConfigured, match="no lock backend is configured"):
+        resolve_backend()
+    monkeypatch.setenv("TASK_LOCKS_URL", "memory://from-env")
+    assert resolve_backend().url == "memory://from-env"
+
+
+def test_require_refuses_unknown_capability_names_at_construction(driver: SyncDriver) -> None:
+    from task_locks.backends.base import CAPABILITIES
+
+    with pytest.raises(InvalidArgument) as caught:  # NOWHERE: no I/O may happen
+        driver.lock_class("valid", ttl=5, backend=NOWHERE, require={"fencing", "consenus", "x"})
+    message = str(caught.value)
+    assert "['consenus', 'x']" in message
+    assert str(sorted(CAPABILITIES)) in message
+    driver.lock_class("valid", ttl=5, backend=NOWHERE, require={"fencing", "consensus"})
+
+
+def test_semaphore_require_refuses_unknown_capability_names_at_construction() -> None:
+    from task_locks.semaphore import AsyncSemaphore, Semaphore
+
+    for semaphore in (Semaphore, AsyncSemaphore):
+        with pytest.raises(InvalidArgument, match=r"unknown capabilities.*\['teleport'\]"):
+            semaphore("valid", 2, ttl=5, backend=NOWHERE, require={"fencing", "teleport"})
+        semaphore("valid", 2, ttl=5, backend=NOWHERE, require={"fencing"})

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from django_app import audit, conf
+
+# The tests pick their backend through TASK_LOCKS_TEST_BACKEND (tests/django/settings.py).
+# A TASK_LOCKS_URL exported in the developer's shell would be BACKEND's default and, where
+# it differs, make the app refuse every lock (task_locks.E005): tests that want the
+# variable set it themselves, in the environment of the process they start.
+os.environ.pop("TASK_LOCKS_URL", None)
 
 
 @pytest.fixture(autouse=True)

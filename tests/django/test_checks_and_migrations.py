@@ -59,9 +59,6 @@ def test_manage_py_check_reports_ids(redis_url: str) -> None:
     assert "System check identified no issues" in out
 
 
-@pytest.mark.skipif(
-    not (ROOT / "example_project" / "manage.py").exists(), reason="no example project yet"
-)
 def test_example_project_check_is_clean() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "TASK_LOCKS"))}
     proc = subprocess.run(

@@ -8,7 +8,11 @@
     manage.py locks run NAME [--ttl S] [--wait S] -- CMD ARGS...
     manage.py locks prune [--days N]                  # delete events older than the retention
 
-The backend is ``TASK_LOCKS["BACKEND"]``. Exit statuses: see :mod:`task_locks.ops`.
+The backend is ``TASK_LOCKS["BACKEND"]`` (default: ``$TASK_LOCKS_URL`` when set, the URL
+the ``task-locks`` CLI uses; a setting that would lock in another namespace than that
+variable is refused: :mod:`django_app.conf`). ``--help``, ``list`` and ``show`` name the
+backend and namespace. Exit statuses: see :mod:`task_locks.ops` (3 when ``release``
+found the lock in other hands than it showed: nothing released).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Command(BaseCommand):
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
-        verbs = ops.add_verbs(parser)
+        verbs = ops.add_verbs(parser, where=ops.describe_backend(conf.backend()))
         prune = verbs.add_parser("prune", help="delete lock events older than the retention")
         prune.add_argument(
             "--days",

@@ -1,0 +1,121 @@
+"""Shared by the benchmark modules: what each mode measures, and small statistics."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(BENCH))
+
+
+PEER_VENV = BENCH / ".peers"
+
+
+#: PyPI distributions measured from the peers' venv; redis-py's Lock runs in ``.venv``.
+PEERS = ("python-redis-lock", "pottery", "sherlock", "celery-singleton", "celery-once")
+
+
+#: Which adapter (bench/workers.py) measures which peer distribution.
+PEER_ADAPTERS = {
+    "python-redis-lock": "python-redis-lock",
+    "pottery": "pottery",
+    "sherlock": "sherlock",
+}
+
+
+FLOOR = "our client (.venv)"
+
+
+PEER_FLOOR = "peers' client (.peers)"
+
+
+TTL = 30.0  # long enough that no renewal or expiry happens inside a latency sample
+
+
+@dataclass
+class Plan:
+    mode: str
+    rounds: int  # uncontended rounds (each runs every subject once, rotated)
+    cycles: int  # acquire+release cycles per subject per round
+    procs: tuple[int, ...]
+    holds: tuple[float, ...]
+    contention_seconds: float
+    contention_rounds: int
+    target_rounds: int  # rounds for the cell the targets read (4 procs, 1 ms)
+    leases: tuple[int, ...]
+    renew_ttl: float
+    renew_periods: float
+    block_seconds: float = 0.5  # cap per subject per round, so slow backends stay cheap
+    other_backends: bool = True  # redlock:// and etcd:// on servers of their own
+    celery: bool = True
+    libraries: tuple[str, ...] = ("task-locks", "redis-py", "python-redis-lock")
+
+
+PLANS = {
+    "full": Plan(
+        "full", 15, 300, (2, 4, 8), (0.0, 0.001, 0.01), 1.5, 2, 4, (100, 1000, 10000), 3.0, 3
+    ),
+    "quick": Plan(
+        "quick", 5, 150, (2, 4, 8), (0.001,), 1.5, 1, 2, (100, 1000), 1.5, 2, block_seconds=0.25
+    ),
+    "smoke": Plan(
+        "smoke",
+        2,
+        40,
+        (2,),
+        (0.001,),
+        0.4,
+        1,
+        1,
+        (100,),
+        1.5,
+        1.5,
+        block_seconds=0.2,
+        other_backends=False,
+        celery=False,
+        libraries=("task-locks", "redis-py"),
+    ),
+}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile (p99 of 4,000 samples is the 40th largest)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+def summary_us(samples_ns: Sequence[float]) -> dict[str, float]:
+    return {
+        "median_us": quantile(samples_ns, 0.5) / 1000,
+        "p99_us": quantile(samples_ns, 0.99) / 1000,
+        "n": len(samples_ns),
+    }
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or a != a or b != b:
+        return None
+    return a / b
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)

@@ -1,0 +1,436 @@
+"""Measuring: worker processes, subjects, and each measurement (uncontended, contention,
+renewal, the optional hooks).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import itertools
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(BENCH))
+
+from common import TTL, Plan, log, quantile  # noqa: E402
+from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """One ``bench/workers.py`` process: a JSON request per line, a JSON reply per line."""
+
+    def __init__(self, python: str, label: str, log_dir: Path) -> None:
+        self.label = label
+        self.log_path = log_dir / f"{label.replace(' ', '_').replace('/', '_')}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PYTHONPATH", None)
+        with open(self.log_path, "ab") as err:
+            self.proc = subprocess.Popen(
+                [python, str(BENCH / "workers.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=str(ROOT),
+            )
+
+    def send(self, **request: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = self.log_path.read_text(errors="replace")[-1500:]
+            why = "timed out" if not ready else f"exited ({self.proc.poll()})"
+            raise WorkerError(f"worker {self.label} {why}; its log ends:\n{tail}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise WorkerError(f"worker {self.label}: {reply['error']}")
+        return reply
+
+    def call(self, timeout: float = 120.0, **request: Any) -> dict[str, Any]:
+        self.send(**request)
+        return self.receive(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="quit")
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    redis_server = subprocess.run(
+        [RedisServer.binary, "--version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "redis_server": redis_server.split(" sha=")[0],
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+@dataclass
+class Subject:
+    label: str  # what the tables call it
+    backend: str  # which server / backend kind
+    python: str
+    adapter: str
+    url: str
+    diagnostic: bool = False  # shown, but not a peer and not in targets
+    worker: Worker | None = None
+    samples: dict[str, list[int]] = field(default_factory=dict)
+    error: str | None = None
+    cpu_ns: int = 0
+    cpu_cycles: int = 0
+    server_us: float | None = None  # redis-server's CPU per cycle (INFO cpu)
+    server_calls: float | None = None  # commands executed per cycle (inside scripts too)
+
+
+def start_subjects(subjects: list[Subject], log_dir: Path) -> None:
+    for index, subject in enumerate(subjects):
+        if subject.error is None:
+            subject.worker = Worker(
+                subject.python, f"uncontended-{index}-{subject.adapter}", log_dir
+            )
+    for index, subject in enumerate(subjects):
+        if subject.worker is None:
+            continue
+        try:
+            subject.worker.call(
+                op="setup",
+                adapter=subject.adapter,
+                url=subject.url,
+                name=f"bench:uncontended:{index}",
+                ttl=TTL,
+            )
+            subject.worker.call(op="cycles", n=30)  # warm: connect, load scripts, threads
+        except WorkerError as exc:
+            subject.error = str(exc).splitlines()[-1][:300]
+            log(f"{subject.label} ({subject.backend}) failed to start: {subject.error}")
+
+
+def measure_uncontended(
+    subjects: list[Subject], plan: Plan, floor_workers: dict[str, Worker]
+) -> dict[str, dict[str, list[int]]]:
+    """Rotate through the subjects each round; the floor is one more subject in the rotation."""
+    floors: dict[str, dict[str, list[int]]] = {
+        key: {"ping": [], "set": []} for key in floor_workers
+    }
+    steps: list[tuple[str, Any]] = [("subject", s) for s in subjects if s.error is None]
+    steps += [("floor", key) for key in floor_workers]
+    for round_no in range(plan.rounds):
+        shift = round_no % len(steps)
+        order = steps[shift:] + steps[:shift]
+        if round_no % 2:
+            order.reverse()
+        for kind, item in order:
+            if kind == "floor":
+                try:
+                    reply = floor_workers[item].call(op="floor", n=plan.cycles)
+                except WorkerError as exc:
+                    log(f"floor on {item} failed: {exc}")
+                    continue
+                for key in ("ping", "set"):
+                    floors[item][key] += reply.get(key, [])
+                continue
+            if item.error is not None:
+                continue
+            try:
+                reply = item.worker.call(op="cycles", n=plan.cycles, max_seconds=plan.block_seconds)
+            except WorkerError as exc:
+                item.error = str(exc).splitlines()[-1][:300]
+                continue
+            cpu_ns, count = reply.pop("cpu")
+            item.cpu_ns += cpu_ns
+            item.cpu_cycles += count
+            for key, values in reply.items():
+                item.samples.setdefault(key, []).extend(values)
+    return floors
+
+
+def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> None:
+    """Redis's CPU per cycle (INFO cpu) and commands per cycle (INFO commandstats, which
+    also counts the commands a script runs), one subject alone on the server."""
+    for subject in subjects:
+        if subject.error is not None or subject.backend != "redis" or subject.worker is None:
+            continue
+        admin.config_resetstat()
+        before = server_cpu(admin)
+        try:
+            subject.worker.call(op="cycles", n=cycles)
+        except WorkerError as exc:
+            subject.error = str(exc).splitlines()[-1][:300]
+            continue
+        spent = server_cpu(admin) - before
+        stats = admin.info("commandstats")
+        calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+        subject.server_us = spent * 1e6 / cycles
+        subject.server_calls = calls / cycles
+
+
+def server_cpu(admin: Any) -> float:
+    cpu = admin.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def contention_stats(runs: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """Pool several runs of one cell. Each run: per-process records, start, end.
+
+    - rate: acquisitions that began in the window / window seconds;
+    - utilisation: critical-section time (acquire returned -> release() called), clipped
+      to the window, over the window;
+    - fairness: slowest process's count / fastest's, per run, then averaged;
+    - hand-off: the next holder's acquire returning minus the previous holder calling
+      release(), counted only when the next holder was already waiting (another process
+      that asked before the release began).
+    """
+    total = held = wall = 0.0
+    fairness: list[float] = []
+    handoffs: list[float] = []
+    server = {"cpu": 0.0, "calls": 0, "blpop": 0, "acquisitions": 0}
+    for per_process, start, end, *measured in runs:
+        if measured:  # what Redis ran, over every acquisition of the run
+            for key, value in measured[0].items():
+                server[key] += value
+            server["acquisitions"] += sum(len(records) for records in per_process)
+        wall += end - start
+        counts = []
+        events = []
+        for proc, records in enumerate(per_process):
+            kept = [r for r in records if start <= r[1] < end]
+            counts.append(len(kept))
+            for asked, got, releasing in kept:
+                held += max(0.0, min(releasing, end) - got)
+                events.append((got, releasing, asked, proc))
+        total += sum(counts)
+        fairness.append(min(counts) / max(counts) if max(counts) else 0.0)
+        events.sort()
+        for prev, nxt in itertools.pairwise(events):
+            if nxt[3] != prev[3] and nxt[2] < prev[1]:
+                handoffs.append((nxt[0] - prev[1]) * 1e9)
+    return {
+        "rate": total / wall if wall else 0.0,
+        "utilisation": held / wall if wall else 0.0,
+        "fairness": statistics.fmean(fairness) if fairness else 0.0,
+        "fairness_min": min(fairness) if fairness else 0.0,
+        "handoff_median_us": quantile(handoffs, 0.5) / 1000,
+        "handoff_p99_us": quantile(handoffs, 0.99) / 1000,
+        "handoffs": len(handoffs),
+        "acquisitions": int(total),
+        **(
+            {
+                "server_calls_per_acq": server["calls"] / server["acquisitions"],
+                "blpop_per_acq": server["blpop"] / server["acquisitions"],
+                "server_cpu_per_acq_us": server["cpu"] * 1e6 / server["acquisitions"],
+            }
+            if server["acquisitions"]
+            else {}
+        ),
+    }
+
+
+def measure_contention(
+    libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path, admin: Any
+) -> dict[str, dict[str, Any]]:
+    """``libraries``: (label, python, adapter). A pool of max(procs) workers per library."""
+    size = max(plan.procs)
+    pools: dict[str, list[Worker]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    try:
+        for label, python, adapter in libraries:
+            pools[label] = [Worker(python, f"contend-{adapter}-{i}", log_dir) for i in range(size)]
+            try:
+                for worker in pools[label]:
+                    worker.call(
+                        op="setup",
+                        adapter=adapter,
+                        url=url,
+                        name=f"bench:contend:{adapter}",
+                        ttl=TTL,
+                    )
+                _contend_once(pools[label][:2], 0.0005, 0.001, 0.3)  # warm up
+            except WorkerError as exc:
+                failed[label] = str(exc).splitlines()[-1][:300]
+                log(f"contention: {label} failed to start: {failed[label]}")
+                for worker in pools.pop(label):
+                    worker.close()
+        cells = [(n, hold) for hold in plan.holds for n in plan.procs]
+        runs: dict[tuple[str, int, float], list[Any]] = {}
+        labels = list(pools)
+        for round_no in range(max(plan.contention_rounds, plan.target_rounds)):
+            for n, hold in cells:
+                target_cell = n == 4 and hold == 0.001
+                if round_no >= (plan.target_rounds if target_cell else plan.contention_rounds):
+                    continue
+                shift = round_no % len(labels)
+                for label in labels[shift:] + labels[:shift]:
+                    if label in failed:
+                        continue
+                    try:
+                        run = _contend_once(
+                            pools[label][:n], hold, 2 * hold, plan.contention_seconds, admin
+                        )
+                    except WorkerError as exc:
+                        failed[label] = str(exc).splitlines()[-1][:300]
+                        log(f"contention: {label} failed: {failed[label]}")
+                        continue
+                    runs.setdefault((label, n, hold), []).append(run)
+            log(f"contention round {round_no + 1} done")
+        for (label, n, hold), cell_runs in runs.items():
+            results[f"{label}|{n}|{hold}"] = {
+                "library": label,
+                "procs": n,
+                "hold": hold,
+                "out": 2 * hold,
+                **contention_stats(cell_runs),
+            }
+        for label, reason in failed.items():
+            results[f"{label}|failed"] = {"library": label, "error": reason}
+    finally:
+        for pool in pools.values():
+            for worker in pool:
+                worker.close()
+    return results
+
+
+def _contend_once(
+    workers: list[Worker], hold: float, out: float, seconds: float, admin: Any = None
+) -> Any:
+    """One run; with ``admin``, also what Redis executed (this library alone on it)."""
+    if admin is not None:
+        admin.config_resetstat()
+        cpu = server_cpu(admin)
+    start = time.monotonic() + 0.2 + 0.03 * len(workers)
+    end = start + seconds
+    for worker in workers:
+        worker.send(op="contend", start=start, end=end, hold=hold, out=out)
+    per_process = [w.receive(timeout=seconds + 60)["records"] for w in workers]
+    if admin is None:
+        return per_process, start, end
+    stats = admin.info("commandstats")
+    server = {
+        "cpu": server_cpu(admin) - cpu,
+        "calls": sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+        "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
+    }
+    return per_process, start, end, server
+
+
+def measure_renewal(
+    url: str, plan: Plan, log_dir: Path, flush: Callable[[], None]
+) -> list[dict[str, Any]]:
+    rows = []
+    for leases in plan.leases:
+        flush()
+        worker = Worker(sys.executable, f"renewal-{leases}", log_dir)
+        try:
+            reply = worker.call(
+                timeout=600,
+                op="renewal",
+                url=url,
+                leases=leases,
+                ttl=plan.renew_ttl,
+                periods=plan.renew_periods,
+            )
+        except WorkerError as exc:
+            rows.append({"leases": leases, "error": str(exc).splitlines()[-1][:300]})
+            continue
+        finally:
+            worker.close()
+        sizes, seconds = reply.pop("batch_sizes"), reply.pop("batch_seconds")
+        reply["batch_size_median"] = quantile(sizes, 0.5) if sizes else 0
+        reply["batch_seconds_median"] = quantile(seconds, 0.5) if seconds else 0
+        rows.append(reply)
+        log(f"renewal of {leases} leases: {reply['cpu_per_round_s'] * 1000:.1f} ms CPU per round")
+    return rows
+
+
+def run_hook(module_name: str, **kwargs: Any) -> dict[str, Any]:
+    """Call ``bench/<module_name>.py``'s ``run(**kwargs)`` if the module exists.
+
+    TODO(bench owners): ``bench/celery_bench.py`` and ``bench/backends_bench.py`` are
+    written by the Celery and backends engineers; this hook is adapted to their
+    interface once they exist. Until then the results say "not measured".
+    """
+    path = BENCH / f"{module_name}.py"
+    if not path.exists():
+        return {"status": f"not measured: bench/{module_name}.py does not exist yet"}
+    try:
+        module = importlib.import_module(module_name)
+        entry = getattr(module, "run", None)
+        if entry is None:
+            return {"status": f"not measured: bench/{module_name}.py has no run()"}
+        result = entry(**kwargs)
+        return {"status": "ok", **(result if isinstance(result, dict) else {"result": result})}
+    except Exception as exc:
+        log(f"{module_name} failed: {exc}")
+        return {
+            "status": f"failed: {type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+
+
+def other_backends(python: str, started: list[Any]) -> list[Subject]:
+    """Our other backends on servers of their own: redlock (3 masters), etcd (1 member).
+
+    ``django://`` needs a configured Django project; it is left to
+    ``bench/backends_bench.py`` (see :func:`run_hook`).
+    """
+    import servers
+
+    subjects = []
+    for backend, factory in (
+        ("redlock (3 masters)", lambda: servers.RedisMasters(3)),
+        ("etcd (1 member)", lambda: servers.EtcdServer()),
+    ):
+        subject = Subject("task-locks", backend, python, "task-locks", "")
+        try:
+            server = factory()
+            started.append(server)
+            server.start()
+            subject.url = server.url()
+        except Exception as exc:  # a missing binary or harness class: say so, carry on
+            subject.error = f"not available: {type(exc).__name__}: {exc}"[:300]
+        subjects.append(subject)
+    return subjects

@@ -1,0 +1,113 @@
+"""Per-call lock options of a singleton task: ``apply_async(..., lock_options={...})``.
+
+celery-once users pass ``once={"timeout": ..., "graceful": ...}`` per call; this is the
+task-locks equivalent::
+
+    sync_account.apply_async((42,), lock_options={"ttl": 600, "on_conflict": "raise"})
+
+Keys (each replaces the task's option for this call only; :data:`PER_CALL`):
+
+- ``ttl``: the run lock's TTL (``@singleton_task(ttl=)``);
+- ``on_conflict``: ``"skip"``, ``"retry"``, ``"wait"`` or ``"raise"``; also decides, for
+  ``lock_on="enqueue"``/``"both"``, whether ``apply_async`` raises ``DuplicateTask``
+  (``"raise"``) or returns the queued task's handle;
+- ``timeout``: how long ``on_conflict="wait"`` waits (``wait_timeout``);
+- ``max_hold``: seconds after which renewal stops (``max_hold``).
+
+They are validated in ``apply_async`` (a bad key or value raises
+:class:`~task_locks.InvalidArgument` there, and nothing is sent) and travel in the
+message's headers (:data:`OPTIONS_HEADER`), so they reach the worker, eager runs and the
+task's own retries. The enqueue-time lock of ``lock_on="enqueue"``/``"both"`` keeps the
+task's ``enqueue_ttl`` and ``wait_timeout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from ..config import validate_ttl
+from ..errors import InvalidArgument
+from ..lock import validate_timeout
+
+if TYPE_CHECKING:
+    from .task import SingletonTask
+
+#: Message header carrying a call's lock options.
+OPTIONS_HEADER: Final = "task_locks_options"
+#: ``lock_options`` key -> the task attribute it replaces for one call.
+PER_CALL: Final = {
+    "ttl": "lock_ttl",
+    "on_conflict": "on_conflict",
+    "timeout": "wait_timeout",
+    "max_hold": "max_hold",
+}
+_APPLIED: Final = "_task_locks_per_call"
+
+
+def check_lock_options(task_name: str, options: object) -> dict[str, Any]:
+    """``options`` validated (a plain dict, JSON-able), or :class:`InvalidArgument`."""
+    from .task import ON_CONFLICT
+
+    if not isinstance(options, Mapping):
+        raise InvalidArgument(
+            f"task {task_name}: lock_options must be a dict, got {type(options).__name__}"
+        )
+    unknown = sorted(map(str, set(options) - PER_CALL.keys()))
+    if unknown:
+        raise InvalidArgument(
+            f"task {task_name}: unknown lock_options {unknown}; known: {sorted(PER_CALL)}"
+        )
+    checked = dict(options)
+    what = f"task {task_name}: lock_options"
+    if "on_conflict" in checked and checked["on_conflict"] not in ON_CONFLICT:
+        raise InvalidArgument(
+            f"{what}: on_conflict must be one of {', '.join(map(repr, ON_CONFLICT))}, "
+            f"got {checked['on_conflict']!r}"
+        )
+    for key in ("ttl", "max_hold"):
+        if checked.get(key) is not None:
+            checked[key] = validate_ttl(checked[key], f"{what}: {key}")
+    if "timeout" in checked:
+        try:
+            checked["timeout"] = validate_timeout(checked["timeout"])
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{what}: {exc}") from None
+    return checked
+
+
+def with_lock_options(
+    task_name: str, lock_options: object, headers: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``apply_async``'s ``headers`` with the validated ``lock_options`` added."""
+    return {**(headers or {}), OPTIONS_HEADER: check_lock_options(task_name, lock_options)}
+
+
+def call_options(task: SingletonTask) -> dict[str, Any] | None:
+    """The lock options the message being run carries (``None``: none, or applied)."""
+    if task.__dict__.get(_APPLIED):
+        return None
+    request = task.request
+    found = getattr(request, OPTIONS_HEADER, None)  # a worker: headers are attributes
+    if found is None:
+        headers = getattr(request, "headers", None)  # eager runs keep them in .headers
+        found = headers.get(OPTIONS_HEADER) if isinstance(headers, Mapping) else None
+    return found or None
+
+
+def for_this_call(task: SingletonTask, options: Mapping[str, Any]) -> SingletonTask:
+    """A copy of ``task`` with ``options`` in place of its own, for one run.
+
+    Celery shares one task object between the threads of a worker, so the options are
+    not set on it. The copy shares its class, hence its request stack, app and key.
+    (``copy.copy`` would not do: a Celery task pickles as a reference to itself.)
+    """
+    clone = object.__new__(type(task))
+    clone.__dict__.update(task.__dict__)
+    for key, value in check_lock_options(task.name, options).items():
+        setattr(clone, PER_CALL[key], value)
+    setattr(clone, _APPLIED, True)
+    return clone
+
+
+__all__ = ["OPTIONS_HEADER", "PER_CALL", "call_options", "check_lock_options", "for_this_call"]

@@ -1,0 +1,162 @@
+"""Prometheus metrics from the lock event stream (extra ``metrics``: prometheus_client).
+
+::
+
+    from task_locks.metrics import install
+    install()                       # prometheus_client's default registry, or registry=...
+
+With the Django app, ``TASK_LOCKS["METRICS"] = True`` calls it at start-up. The ``lock``
+label is the lock name's *family*, the part before the first ``:`` (``sync:42`` ->
+``sync``), never the full name, which would give one time series per account id.
+
+The collectors are fed by a subscriber of :mod:`task_locks.events`, in the events'
+dispatcher thread: counting never happens on a lock's path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from . import events
+from .events import LockEvent
+
+#: Buckets for waits and holds: from a hand-off (ms) to a long job (an hour).
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
+#: Buckets for renewal round trips.
+RENEWAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+_installed: dict[int, _Collectors] = {}
+_guard = threading.Lock()
+
+
+class _Collectors:
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.acquisitions = Counter(
+            "task_locks_acquisitions",
+            "Lock acquisitions by outcome (acquired, conflict, timeout, error).",
+            ["lock", "outcome"],
+            registry=registry,
+        )
+        self.wait = Histogram(
+            "task_locks_wait_seconds",
+            "Time spent waiting for a lock before it was acquired or given up.",
+            ["lock"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.hold = Histogram(
+            "task_locks_hold_seconds",
+            "Time a lock was held, from acquire to release or loss.",
+            ["lock"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.held = Gauge(
+            "task_locks_held",
+            "Leases this process holds now.",
+            ["lock"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.lost = Counter(
+            "task_locks_lost", "Leases lost, by reason.", ["lock", "reason"], registry=registry
+        )
+        self.renewal = Histogram(
+            "task_locks_renewal_seconds",
+            "Round trip of one renewal batch, per backend.",
+            ["backend"],
+            buckets=RENEWAL_BUCKETS,
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "task_locks_events_dropped",
+            "Lock events dropped because the event queue was full.",
+            registry=registry,
+        )
+        self._dropped_seen = 0
+        self.subscription = events.subscribe(self.observe, batch=True, name="prometheus")
+
+    def observe(self, batch: Sequence[LockEvent]) -> None:
+        for event in batch:
+            self._observe(event)
+        dropped = events.dropped()
+        if dropped > self._dropped_seen:
+            self.dropped.inc(dropped - self._dropped_seen)
+            self._dropped_seen = dropped
+
+    def _observe(self, event: LockEvent) -> None:
+        kind, family = event.kind, event.family
+        if kind == "acquired":
+            self.acquisitions.labels(family, "acquired").inc()
+            self.held.labels(family).inc()
+            if event.waited is not None:
+                self.wait.labels(family).observe(event.waited)
+        elif kind == "conflict":
+            outcome = "timeout" if event.waited else "conflict"
+            self.acquisitions.labels(family, outcome).inc()
+            if event.waited is not None:
+                self.wait.labels(family).observe(event.waited)
+        elif kind == "error":
+            self.acquisitions.labels(family, "error").inc()
+        elif kind in ("released", "lost"):
+            self.held.labels(family).dec()
+            if event.held is not None:
+                self.hold.labels(family).observe(event.held)
+            if kind == "lost":
+                self.lost.labels(family, _reason_label(event.reason)).inc()
+        elif kind == "renewed" and event.duration is not None:
+            self.renewal.labels(event.backend.split("://", 1)[0]).observe(event.duration)
+
+
+#: Reasons as short label values (a free-text reason would explode cardinality).
+_REASONS = (
+    ("max_hold", "max_hold"),
+    ("deadline", "deadline"),
+    ("TTL ran out", "deadline"),
+    ("unreachable", "unreachable"),
+    ("token gone", "taken"),
+    ("force", "forced"),
+    ("release", "taken"),
+)
+
+
+def _reason_label(reason: str) -> str:
+    for needle, label in _REASONS:
+        if needle in reason:
+            return label
+    return "other"
+
+
+def install(registry: Any = None) -> None:
+    """Register the collectors in ``registry`` (default: prometheus_client's); idempotent."""
+    try:
+        import prometheus_client
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        raise ImportError(
+            "task_locks.metrics needs prometheus_client: pip install 'task-locks[metrics]'"
+        ) from exc
+    registry = prometheus_client.REGISTRY if registry is None else registry
+    with _guard:
+        if id(registry) not in _installed:
+            _installed[id(registry)] = _Collectors(registry)
+
+
+def uninstall(registry: Any = None) -> None:
+    """Stop feeding and unregister the collectors (tests, reloads)."""
+    import prometheus_client
+
+    registry = prometheus_client.REGISTRY if registry is None else registry
+    with _guard:
+        collectors = _installed.pop(id(registry), None)
+    if collectors is None:
+        return
+    collectors.subscription.close()
+    for name in ("acquisitions", "wait", "hold", "held", "lost", "renewal", "dropped"):
+        registry.unregister(getattr(collectors, name))
+
+
+__all__ = ["install", "uninstall"]

@@ -1,0 +1,180 @@
+"""Per-call lock options (celery-once's ``once={...}``) and ``AlreadyQueued`` (issue 16).
+
+``apply_async(..., lock_options={...})`` is validated at the call and applies to that run
+only: in eager mode (the run in this process, through the same ``__call__`` a worker
+uses) and in a real ``celery worker``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from task_locks import InvalidArgument, Lock, LockHeld, get_backend
+from task_locks.celery import AlreadyQueued, DuplicateTask, current_lease, singleton_task
+
+
+@pytest.fixture
+def eager(redis_url: str) -> Iterator[tuple[Celery, Any]]:
+    app = Celery(f"opts-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+
+    # Unique task names: these apps outlive the test, and Celery warns (an error here)
+    # when a later shared task is registered beside a same-named one.
+    name = f"opt_job_{uuid.uuid4().hex[:8]}"
+
+    @singleton_task(
+        app=app, name=name, key="opt:{n}", ttl=10, backend=redis_url, on_conflict="skip"
+    )
+    def job(n: int) -> dict[str, Any]:
+        lease = current_lease()
+        assert lease is not None
+        return {"ttl": lease.ttl, "max_hold": lease._hold_deadline is not None}
+
+    yield app, job
+    app.close()
+
+
+def test_lock_options_apply_to_one_call(eager: tuple[Celery, Any]) -> None:
+    _app, job = eager
+    assert job.apply_async((1,), lock_options={"ttl": 7}).get() == {"ttl": 7.0, "max_hold": False}
+    assert job.apply_async((1,)).get() == {"ttl": 10.0, "max_hold": False}  # one call only
+    assert job.lock_ttl == 10
+    both = job.apply_async((1,), lock_options={"ttl": 3, "max_hold": 60}).get()
+    assert both == {"ttl": 3.0, "max_hold": True}
+    # A signature carries them too.
+    assert job.s(2).set(lock_options={"ttl": 5}).apply_async().get()["ttl"] == 5.0
+
+
+def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: str) -> None:
+    _app, job = eager
+    with Lock("opt:1", ttl=10, backend=redis_url):
+        skipped = job.apply_async((1,))  # the task's own choice: skip
+        assert skipped.state != "SUCCESS"
+        with pytest.raises(LockHeld):
+            job.apply_async((1,), lock_options={"on_conflict": "raise"})
+        started = time.monotonic()
+        with pytest.raises(LockHeld):
+            job.apply_async((1,), lock_options={"on_conflict": "wait", "timeout": 0.3})
+        assert 0.25 <= time.monotonic() - started < 3
+    assert job.apply_async((1,), lock_options={"on_conflict": "raise"}).get()["ttl"] == 10.0
+    assert get_backend(redis_url).holder("opt:1") is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tll": 5}, r"unknown lock_options \['tll'\]; known: \['max_hold', 'on_conflict'"),
+        ({"graceful": True}, "unknown lock_options"),
+        ({"ttl": 0}, "lock_options: ttl must be"),
+        ({"ttl": "long"}, "lock_options: ttl must be a number"),
+        ({"max_hold": -1}, "lock_options: max_hold"),
+        ({"on_conflict": "sometimes"}, "on_conflict must be one of"),
+        ({"timeout": -2}, "lock_options: timeout must be >= 0"),
+        ("ttl=5", "lock_options must be a dict"),
+    ],
+)
+def test_bad_lock_options_raise_at_apply_async(
+    eager: tuple[Celery, Any], options: object, message: str, redis_url: str
+) -> None:
+    _app, job = eager
+    with pytest.raises(InvalidArgument, match=message) as refused:
+        job.apply_async((1,), lock_options=options)
+    assert job.name in str(refused.value)
+    assert get_backend(redis_url).holder("opt:1") is None  # nothing ran
+
+
+def test_already_queued_is_duplicate_task() -> None:
+    assert AlreadyQueued is DuplicateTask
+    assert issubclass(AlreadyQueued, LockHeld)
+    with pytest.raises(AlreadyQueued):
+        raise DuplicateTask("not queued", name="k")
+
+
+def test_already_queued_is_caught_at_a_real_publish(cluster: Any, key: str) -> None:
+    """lock_on="enqueue" + per-call on_conflict="raise": the second publish raises, and
+    ``except AlreadyQueued`` (celery-once's spelling) catches it. Nothing consumes the
+    queue here, so the first message stays queued."""
+    tasks = cluster.tasks
+    first = tasks.enqueue_task.apply_async((key, f"log:{key}"), queue=f"tl_none_{key}")
+    try:
+        with pytest.raises(AlreadyQueued) as caught:
+            tasks.enqueue_task.apply_async(
+                (key, f"log:{key}"), queue=f"tl_none_{key}", lock_options={"on_conflict": "raise"}
+            )
+        assert caught.value.existing.id == first.id
+        # Without the per-call choice the task's own ("skip") returns the queued handle.
+        again = tasks.enqueue_task.apply_async((key, f"log:{key}"), queue=f"tl_none_{key}")
+        assert again.id == first.id
+    finally:
+        get_backend(cluster.locks_url).force_release(f"t:{key}")
+
+
+def test_lock_options_reach_a_real_worker(
+    cluster: Any, solo_worker: Any, key: str, intervals: Any
+) -> None:
+    tasks = cluster.tasks
+    log = f"log:{key}"
+    result = tasks.options_task.apply_async(
+        (key, log), queue="tl_solo", lock_options={"ttl": 7, "timeout": 2.5}
+    )
+    assert result.get(timeout=30) == {"ttl": 7.0, "on_conflict": "skip", "wait_timeout": 2.5}
+    plain = tasks.options_task.apply_async((key, log), queue="tl_solo")
+    assert plain.get(timeout=30) == {"ttl": 10.0, "on_conflict": "skip", "wait_timeout": None}
+
+    # The task's own retries carry the call's options.
+    retried = tasks.options_task.apply_async(
+        (key, f"{log}:retried", 2), queue="tl_solo", lock_options={"ttl": 6}
+    )
+    assert retried.get(timeout=30)["ttl"] == 6.0
+    attempts = intervals(f"{log}:retried")
+    assert [(a["attempt"], a["ttl"]) for a in attempts] == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+    with Lock(f"t:{key}", ttl=30, backend=cluster.locks_url):
+        raised = tasks.options_task.apply_async(
+            (key, log), queue="tl_solo", lock_options={"on_conflict": "raise"}
+        )
+        with pytest.raises(LockHeld):
+            raised.get(timeout=30)
+
+
+def test_peer_checked_task_meets_an_old_celery_singleton_key(
+    eager: tuple[Celery, Any], redis_url: str
+) -> None:
+    """Rolling deploy: the new task's run waits out celery-singleton's key (its real
+    layout, SETNX'd by hand) for the same call."""
+    import redis
+
+    from task_locks.celery.peers import PeerCheckedTask
+    from task_locks.peers import PeerKeys, celery_singleton_key
+
+    app, _job = eager
+    old = redis.Redis.from_url(redis_url)
+
+    def old_key(name: str) -> str:
+        return celery_singleton_key("tasks.sync_account", [int(name.split(":")[1])])
+
+    @singleton_task(
+        app=app,
+        name=f"sync_account_{uuid.uuid4().hex[:8]}",
+        key="sync:{account_id}",
+        backend=redis_url,
+        on_conflict="raise",
+        base=PeerCheckedTask,
+        lock_peers=PeerKeys(old, old_key),
+    )
+    def sync_account(account_id: int) -> str:
+        return f"synced {account_id}"
+
+    assert old.setnx(old_key("sync:42"), "old-task-id")
+    with pytest.raises(LockHeld, match="SINGLETONLOCK_"):
+        sync_account.apply_async((42,))
+    assert sync_account.apply_async((7,)).get() == "synced 7"  # another account is free
+    old.delete(old_key("sync:42"))  # the old worker's on_success
+    assert sync_account.apply_async((42,)).get() == "synced 42"

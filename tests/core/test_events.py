@@ -1,0 +1,148 @@
+"""The event stream: subscribers off the critical path, bounded, never failing a lock."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from task_locks import events
+from task_locks.events import LockEvent
+
+
+@pytest.fixture(autouse=True)
+def _no_subscribers() -> Iterator[None]:
+    yield
+    for subscription in list(events._hub.subscriptions):
+        subscription.close()
+    assert events.flush(5.0)
+
+
+def test_subscribers_get_the_kinds_they_asked_for() -> None:
+    seen: list[LockEvent] = []
+    batches: list[Sequence[LockEvent]] = []
+    events.subscribe(seen.append, {"acquired", "lost"})
+    events.subscribe(batches.append, batch=True)
+    events.emit("acquired", "sync:1", backend="redis://h", fence=7, waited=0.25)
+    events.emit("released", "sync:1", held=1.5)
+    events.emit("lost", "sync:1", reason="renewal found the lock's token gone")
+    assert events.flush(5.0)
+    assert [(e.kind, e.name) for e in seen] == [("acquired", "sync:1"), ("lost", "sync:1")]
+    assert seen[0].fence == 7 and seen[0].waited == 0.25 and seen[0].family == "sync"
+    assert [e.kind for batch in batches for e in batch] == ["acquired", "released", "lost"]
+
+
+def test_unknown_kinds_are_refused_at_subscribe() -> None:
+    with pytest.raises(ValueError, match=r"unknown lock event kind\(s\) \['aquired'\]"):
+        events.subscribe(print, {"aquired"})
+
+
+def test_without_subscribers_emit_starts_nothing() -> None:
+    before = {t.name for t in threading.enumerate()}
+    events.emit("acquired", "x")
+    assert "task-locks-events" not in {t.name for t in threading.enumerate()} - before
+    assert not events.wanted("acquired")
+
+
+def test_a_slow_subscriber_never_blocks_a_lock_and_drops_are_counted() -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck(event: LockEvent) -> None:
+        entered.set()
+        release.wait(30)
+
+    events.subscribe(stuck, {"acquired"})
+    try:
+        events.emit("acquired", "first")
+        assert entered.wait(5), "the dispatcher never delivered"
+        before = events.dropped()
+        extra = 25
+        # The dispatcher is stuck inside the subscriber with the first event (it counts
+        # until delivered): the queue fills, then drops. Every emit returns (a blocking
+        # one would hang this test until its timeout).
+        for index in range(events.QUEUE_SIZE - 1 + extra):
+            events.emit("acquired", f"n:{index}")
+        assert events.dropped() - before == extra
+    finally:
+        release.set()
+    assert events.flush(10.0)
+
+
+def test_a_failing_subscriber_is_logged_and_others_still_get_events(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seen: list[str] = []
+
+    def broken(event: LockEvent) -> None:
+        raise RuntimeError("subscriber bug")
+
+    events.subscribe(broken, name="broken")
+    events.subscribe(lambda e: seen.append(e.name))
+    events.emit("conflict", "a", policy="skip")
+    assert events.flush(5.0)
+    assert seen == ["a"]
+    assert "lock event subscriber broken failed" in caplog.text
+
+
+def test_a_forked_child_keeps_the_subscriptions_with_a_dispatcher_of_its_own() -> None:
+    read, write = os.pipe()
+
+    def to_parent(event: LockEvent) -> None:
+        os.write(write, f"{os.getpid()}:{event.name}\n".encode())
+
+    events.subscribe(to_parent, {"acquired"})
+    events.emit("acquired", "parent")
+    assert events.flush(5.0)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            events.emit("acquired", "child")
+            os._exit(0 if events.flush(5.0) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    os.close(write)
+    with os.fdopen(read) as lines:
+        got = lines.read().split()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert got == [f"{os.getpid()}:parent", f"{pid}:child"]
+
+
+def test_prometheus_metrics_use_the_name_family_not_the_name() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from task_locks import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.install(registry)
+    try:
+        events.emit("acquired", "sync:1", waited=0.2)
+        events.emit("acquired", "sync:2", waited=0.0)
+        events.emit("conflict", "sync:3", policy="skip", waited=0.0)
+        events.emit("conflict", "sync:3", policy="raise", waited=2.0)
+        events.emit("error", "report", reason="unavailable")
+        events.emit("released", "sync:1", held=3.0)
+        events.emit("lost", "sync:2", held=1.0, reason="max_hold exceeded")
+        events.emit("renewed", "sync:1", backend="redis://127.0.0.1:1/0", duration=0.002)
+        assert events.flush(5.0)
+        value = registry.get_sample_value
+        assert value("task_locks_acquisitions_total", {"lock": "sync", "outcome": "acquired"}) == 2
+        assert value("task_locks_acquisitions_total", {"lock": "sync", "outcome": "conflict"}) == 1
+        assert value("task_locks_acquisitions_total", {"lock": "sync", "outcome": "timeout"}) == 1
+        assert value("task_locks_acquisitions_total", {"lock": "report", "outcome": "error"}) == 1
+        assert value("task_locks_held", {"lock": "sync"}) == 0
+        assert value("task_locks_hold_seconds_count", {"lock": "sync"}) == 2
+        assert value("task_locks_wait_seconds_sum", {"lock": "sync"}) == pytest.approx(2.2)
+        assert value("task_locks_lost_total", {"lock": "sync", "reason": "max_hold"}) == 1
+        assert value("task_locks_renewal_seconds_count", {"backend": "redis"}) == 1
+        labels = {
+            s.labels.get("lock")
+            for m in registry.collect()
+            for s in m.samples
+            if s.name.startswith("task_locks_")
+        }
+        assert labels <= {None, "sync", "report"}
+    finally:
+        metrics.uninstall(registry)
