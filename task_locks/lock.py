@@ -479,6 +479,11 @@ class AsyncLease(_LeaseBase):
 class _LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
+    #: Private: acquire under this token instead of a fresh one. A token that already
+    #: holds the lock gets it back with the same fence (a Celery run taking over its
+    #: publish-time lock in one server-side step); subclasses' ``acquire`` keep working.
+    _token: str | None = None
+
     def __init__(
         self,
         name: str,
@@ -535,7 +540,7 @@ class _LockBase:
         """The acquire loop: try, and while held, wait for the release or the holder's TTL."""
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
-        token = secrets.token_hex(16)
+        token = self._token or secrets.token_hex(16)
         owner = current_owner()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout

@@ -19,12 +19,17 @@ default, keeps doing the scheduling.
    the same tick (a deposed leader that woke from a pause, a new leader whose local
    schedule state is stale) finds the claim taken and sends nothing;
 3. stamps the message headers ``task_locks_election``, ``task_locks_term`` (the
-   leader's term, a fencing token) and ``task_locks_tick`` (the tick's id), so a worker
-   can refuse a message sent under an old term (:func:`beat_tick` reads them back).
-   Singleton tasks do: before running a beat-sent message they read the election's
-   leader (one round trip, only for beat messages) and refuse the message, in state
-   ``STALE_TICK``, when its term is older than the leader's (:func:`stale_tick_term`).
-   Other tasks can do the same with :func:`beat_tick` and :func:`election_holder`.
+   leader's term, a fencing token), ``task_locks_tick`` (the tick's id) and
+   ``task_locks_claim`` (the token of its claim), so a worker can refuse a message that
+   may be a second send of its tick (:func:`beat_tick` reads them back). Singleton
+   tasks do: before running a beat-sent message they read the election's leader (one
+   round trip, only for beat messages); when the message's term is older than the
+   leader's (:func:`stale_tick_term`) they read the tick's claim too, and run the
+   message if the claim is still the one it was sent under: then no other send of that
+   tick can exist, and a clean hand-over (a deploy restart, ``resign()``) loses nothing.
+   Otherwise (the claim expired, or is another sender's) the message is refused, in
+   state ``STALE_TICK``, with a WARNING log naming the tick. Other tasks can do the
+   same with :func:`beat_tick`, :func:`election_holder` and :func:`claim_holds`.
 
 A tick's id is ``<entry name>@<epoch ms of the entry's next run after this one>``: every
 candidate computes the same id for the same tick without sharing any state. For that,
@@ -76,6 +81,7 @@ log = logging.getLogger("task_locks.celery.beat")
 ELECTION_HEADER: Final = "task_locks_election"
 TERM_HEADER: Final = "task_locks_term"
 TICK_HEADER: Final = "task_locks_tick"
+CLAIM_HEADER: Final = "task_locks_claim"
 #: Prefix of the per-tick claim locks.
 CLAIM_PREFIX: Final = "beat-tick:"
 DEFAULT_TTL: Final = 10.0
@@ -114,6 +120,8 @@ class BeatTick:
     election: str
     term: int
     tick: str
+    #: Token of the tick's claim lock (``None``: sent by a version that did not say).
+    claim: str | None = None
 
 
 def beat_tick(request: Any) -> BeatTick | None:
@@ -138,8 +146,9 @@ def beat_tick(request: Any) -> BeatTick | None:
     election, term, tick = find(ELECTION_HEADER), find(TERM_HEADER), find(TICK_HEADER)
     if election is None or term is None or tick is None:
         return None
+    claim = find(CLAIM_HEADER)
     try:
-        return BeatTick(str(election), int(term), str(tick))
+        return BeatTick(str(election), int(term), str(tick), None if claim is None else str(claim))
     except (TypeError, ValueError):
         return None  # not a term we stamped
 
@@ -156,6 +165,33 @@ def election_holder(app: Any, election: str) -> Holder | None:
 
 async def aelection_holder(app: Any, election: str) -> Holder | None:
     return await beat_backend(app).aholder(election_lock_name(election))
+
+
+def claim_name(election: str, tick: str) -> str:
+    """The lock that makes the send of ``tick`` unique (taken once, expires on its own)."""
+    return f"{CLAIM_PREFIX}{election}:{tick}"
+
+
+def _claim_matches(tick: BeatTick, claim: Holder | None) -> bool:
+    return tick.claim is not None and claim is not None and claim.token == tick.claim
+
+
+def claim_holds(app: Any, tick: BeatTick) -> bool:
+    """``True`` if the claim ``tick`` was sent under still holds: no other send of it exists.
+
+    A tick under an old term whose claim holds was sent by a leader that has since handed
+    over (cleanly, or not): it is the only send of that tick, and may run.
+    """
+    if tick.claim is None:
+        return False
+    return _claim_matches(tick, beat_backend(app).holder(claim_name(tick.election, tick.tick)))
+
+
+async def aclaim_holds(app: Any, tick: BeatTick) -> bool:
+    if tick.claim is None:
+        return False
+    claim = await beat_backend(app).aholder(claim_name(tick.election, tick.tick))
+    return _claim_matches(tick, claim)
 
 
 def stale_tick_term(tick: BeatTick, leader: Holder | None) -> int | None:
@@ -284,14 +320,16 @@ class LeaderMixin:
 
     # -- sending ----------------------------------------------------------------------
 
-    def _claim(self, tick: str, ttl: float) -> bool:
+    def _claim(self, tick: str, ttl: float) -> str | None:
+        """The token of this tick's claim, or ``None`` if another sender has it."""
         claim = Lock(
-            f"{CLAIM_PREFIX}{self.election.name}:{tick}",
+            claim_name(self.election.name, tick),
             ttl=max(ttl, 1.0),
             backend=self.election.backend,
             renew=False,
         )
-        return claim.try_acquire() is not None
+        lease = claim.try_acquire()
+        return None if lease is None else lease.token
 
     def apply_async(
         self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any
@@ -305,7 +343,7 @@ class LeaderMixin:
             claimed = self._claim(tick, claim_ttl)
         except LockError as exc:
             log.error("beat: could not claim tick %s, not sent: %s", tick, exc)
-            claimed = False
+            claimed = None
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         if not claimed:
@@ -319,6 +357,7 @@ class LeaderMixin:
             ELECTION_HEADER: self.election.name,
             TERM_HEADER: leadership.term,
             TICK_HEADER: tick,
+            CLAIM_HEADER: claimed,
         }
         return super().apply_async(sent, producer, False, **kwargs)  # type: ignore[misc]
 
@@ -372,6 +411,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CLAIM_HEADER",
     "CLAIM_PREFIX",
     "ELECTION_HEADER",
     "TERM_HEADER",
@@ -379,9 +419,12 @@ __all__ = [
     "BeatTick",
     "LeaderMixin",
     "LeaderScheduler",
+    "aclaim_holds",
     "aelection_holder",
     "beat_backend",
     "beat_tick",
+    "claim_holds",
+    "claim_name",
     "election_holder",
     "leader_scheduler",
     "stale_tick_term",

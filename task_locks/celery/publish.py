@@ -6,10 +6,16 @@ and beat alike. Celery's ``before_task_publish`` signal fires in there too, but 
 cannot stop a publish (Celery logs and swallows a receiver's exception), so the guard
 wraps that one function on the app's ``amqp`` object instead:
 
-- it takes the key's lock (no renewal; owner = the new task id; TTL ``enqueue_ttl``,
-  counted from the message's ETA when it has one) and puts the lock's token in the
-  message headers. The worker that runs the message frees that lock, token-checked,
-  when the task starts (``"enqueue"``) or hands it over to the run lock (``"both"``).
+- it takes the key's lock (no renewal; owner = the new task id) and puts the lock's
+  token and fence in the message headers. The lock lasts ``enqueue_ttl`` from the
+  message's ETA if the task sets it; else until the message's ``expires`` (after which
+  no worker runs it), else :data:`DEFAULT_ENQUEUE_TTL` (an hour, like celery-once: a
+  queue that is slower than the lock lets duplicates in, so the default is long; a
+  lost message keeps the key that long). A past ETA means "run now", as in Celery.
+  A worker that runs a message whose queued lock already expired logs it at WARNING. The worker that runs the message frees that lock, token-checked,
+  when the task starts (``"enqueue"``), or (``"both"``) takes it over as the run lock
+  by acquiring under the same token: one server-side step that keeps the fence and
+  resets TTL and owner, so the key is never free between the two.
   A message that is never consumed frees the key after the TTL; a revoked or expired
   one frees it when a worker drops it (``task_revoked``).
 - if the key is taken, nothing is published: ``DuplicateTask`` (a ``LockHeld``) is
@@ -34,13 +40,13 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
-from ..config import default_ttl
 from ..errors import LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
 from .task import (
+    FENCE_HEADER,
     TOKEN_HEADER,
     DuplicateTask,
     SingletonTask,
@@ -52,6 +58,11 @@ from .task import (
 log = logging.getLogger("task_locks.celery")
 
 Sender = Callable[..., Any]
+
+#: Seconds a publish-time lock lasts when neither ``enqueue_ttl`` nor ``expires`` says.
+DEFAULT_ENQUEUE_TTL: Final = 3600.0
+#: Seconds a lock that lasts until the message's ``expires`` is kept past it (clock skew).
+EXPIRES_MARGIN: Final = 1.0
 
 
 class _GuardedSender:
@@ -111,9 +122,7 @@ def guarded_publish(
     if retries:
         return _publish_retry(task, send, producer, name, message, options, task_id, args, kwargs)
     key = task._lock_name(args, kwargs)
-    # The TTL runs from when the message is due: an ETA/countdown message keeps the key.
-    ttl = (task.enqueue_ttl or task.lock_ttl or default_ttl()) + _countdown(headers.get("eta"))
-    lock = Lock(key, ttl=ttl, backend=task.lock_backend, renew=False)
+    lock = Lock(key, ttl=_enqueue_ttl(task, headers), backend=task.lock_backend, renew=False)
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:
@@ -125,9 +134,7 @@ def guarded_publish(
             raise DuplicateTask(
                 f"not queued: {held}", name=key, holder=held.holder, existing=existing
             ) from None
-    # Celery merges options["headers"] over the message headers: set the token in both.
-    headers[TOKEN_HEADER] = lease.token
-    options["headers"] = {**(options.get("headers") or {}), TOKEN_HEADER: lease.token}
+    _stamp(headers, options, lease.token, lease.fence)
     try:
         return send(producer, name, message, **options)
     except BaseException:
@@ -154,23 +161,48 @@ def _publish_retry(
     if lease is None:
         return send(producer, name, message, **options)
     headers = message[0]
-    headers[TOKEN_HEADER] = lease.token
-    options["headers"] = {**(options.get("headers") or {}), TOKEN_HEADER: lease.token}
+    _stamp(headers, options, lease.token, lease.fence)
     result = send(producer, name, message, **options)
     park_for_retry(lease, _countdown(headers.get("eta")), task.enqueue_ttl or lease.ttl)
     return result
 
 
-def _countdown(eta: Any) -> float:
-    """Seconds until a message's ``eta`` header (ISO 8601), 0 if none."""
-    if not eta:
-        return 0.0
+def _stamp(headers: Any, options: dict[str, Any], token: str, fence: int) -> None:
+    """Put the queued lock's token and fence in the message headers.
+
+    Celery merges ``options["headers"]`` over the message headers: set them in both.
+    """
+    stamp = {TOKEN_HEADER: token, FENCE_HEADER: fence}
+    headers.update(stamp)
+    options["headers"] = {**(options.get("headers") or {}), **stamp}
+
+
+def _enqueue_ttl(task: SingletonTask, headers: Any) -> float:
+    """Seconds the publish-time lock lasts (see the module doc)."""
+    due = _countdown(headers.get("eta"))
+    if task.enqueue_ttl is not None:
+        return due + task.enqueue_ttl
+    expires = _seconds_until(headers.get("expires"))
+    if expires is not None:
+        return max(expires, due) + EXPIRES_MARGIN
+    return due + DEFAULT_ENQUEUE_TTL
+
+
+def _seconds_until(moment: Any) -> float | None:
+    """Seconds until an ``eta``/``expires`` header (ISO 8601; negative if past), or None."""
+    if not moment:
+        return None
     try:
-        when = dt.datetime.fromisoformat(str(eta))
+        when = dt.datetime.fromisoformat(str(moment))
     except ValueError:
-        return 0.0
+        return None
     now = dt.datetime.now(when.tzinfo) if when.tzinfo else dt.datetime.now()
     return (when - now).total_seconds()
 
 
-__all__ = ["guarded_publish", "install_publish_guard"]
+def _countdown(eta: Any) -> float:
+    """Seconds until a message's ``eta`` header, 0 if none or past: a past ETA means now."""
+    return max(0.0, _seconds_until(eta) or 0.0)
+
+
+__all__ = ["DEFAULT_ENQUEUE_TTL", "guarded_publish", "install_publish_guard"]

@@ -123,6 +123,20 @@ def _release_if_ours(backend: Backend, name: str, task_id: str, pid: int, why: s
         log.warning("released lock %r of task %s (pid %s): %s", name, task_id, pid, why)
 
 
+def _release_queued_if_never_taken(backend: Backend, name: str, token: str, why: str) -> None:
+    """``"both"``: free the publish-time lock of a run that died before taking it over.
+
+    Taken over, the lock names a worker (the run's owner); still queued, it names none.
+    A redelivered copy could take it over between this read and the release (same
+    token): the window is one round trip, and only with a copy already running.
+    """
+    holder = backend.holder(name)
+    if holder is None or holder.token != token or holder.owner.worker:
+        return
+    if backend.release(name, token):
+        log.warning("released queued lock %r of a run that died before taking it: %s", name, why)
+
+
 def recover_task_locks(
     task: SingletonTask,
     task_id: str,
@@ -135,19 +149,21 @@ def recover_task_locks(
 ) -> None:
     """Main process: free what a task that will never reach its ``finally`` holds.
 
-    ``token`` (from the message headers) frees the lock taken at publish; ``pid`` is the
-    child that ran the task, whose run lock (with ``limit`` > 1: its permit) is released
-    once the child is gone and only if the lock's owner metadata still names that task
-    and that pid.
+    ``token`` (from the message headers) frees the lock taken at publish, if the task
+    never started (``pid`` None) or dropped that lock as it started (``"enqueue"``);
+    a ``"both"`` run took that lock over, so it is its run lock. ``pid`` is the child that
+    ran the task, whose run lock (with ``limit`` > 1: its permit; and its run guard) is
+    released once the child is gone and only if the lock's owner metadata still names
+    that task and that pid: a redelivered copy may hold the same token by then.
     """
     try:
         name = task._lock_name(args, kwargs)
-        held_names = task._held_names(name)
+        held_names = task._held_names(name, task_id)
         backend = task._lock_backend()
     except LockError as exc:
         log.warning("cannot recover the lock of %s[%s]: %s", task.name, task_id, exc)
         return
-    if token:
+    if token and (pid is None or task.lock_on == "enqueue"):
         try:
             if backend.release(name, token):
                 log.info("released queued lock %r of %s[%s]: %s", name, task.name, task_id, why)
@@ -174,6 +190,11 @@ def recover_task_locks(
                 _release_if_ours(backend, held, task_id, pid, why)
             except LockError as exc:
                 log.warning("releasing lock %r of dead pid %s failed: %s", held, pid, exc)
+        if token and task.lock_on == "both":
+            try:
+                _release_queued_if_never_taken(backend, name, token, why)
+            except LockError as exc:
+                log.warning("releasing queued lock %r failed: %s", name, exc)
 
     if process_gone(pid):
         release_when_gone()  # now, before the message can be redelivered

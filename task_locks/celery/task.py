@@ -36,9 +36,11 @@ from ..types import Holder
 from .beat import (
     ELECTION_HEADER,
     BeatTick,
+    aclaim_holds,
     aelection_holder,
     beat_backend,
     beat_tick,
+    claim_holds,
     election_holder,
     stale_tick_term,
 )
@@ -56,9 +58,30 @@ ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
 LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
 TOKEN_HEADER: Final = "task_locks_token"
+#: Message header carrying the fence of that lock (to tell if it expired before the run).
+FENCE_HEADER: Final = "task_locks_fence"
+#: Joins a key and a task id into the name of that task id's run guard (see
+#: :func:`task_id_lock_name`).
+TASK_ID_SEPARATOR: Final = "#task:"
+#: Seconds a retry (``request.retries`` > 0) waits for its previous attempt, which has
+#: the same task id and may still be letting go of the key, before refusing as a copy.
+RETRY_HANDOVER_WAIT: Final = 5.0
 
 #: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
 _parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
+
+
+def task_id_lock_name(name: str, task_id: str) -> str:
+    """The lock a run of task ``task_id`` on key ``name`` holds besides its run lock.
+
+    With ``limit`` > 1, a second delivery of a running message (same task id: an
+    ``acks_late`` redelivery, a visibility timeout, a broker's duplicate) would find a
+    free permit; with ``lock_on="both"`` it carries the same publish-time token as the
+    run. Either way the run lock cannot tell the copy from the original, so every run
+    of those tasks first takes this lock, named by the key *and* the task id: a copy
+    finds it held by its own task id and is refused, as with ``limit=1``.
+    """
+    return f"{name}{TASK_ID_SEPARATOR}{task_id}"
 
 
 class DuplicateTask(LockHeld):
@@ -155,7 +178,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     lock_backend: str | Backend | None = None
     #: ``on_conflict="retry"``: base countdown in seconds, jittered by +-50%.
     retry_countdown: float = 1.0
-    #: Seconds a lock taken at publish outlives an unconsumed message (``None``: ``lock_ttl``).
+    #: Seconds a lock taken at publish outlives an unconsumed message (``None``: until the
+    #: message's ``expires``, else ``publish.DEFAULT_ENQUEUE_TTL``, an hour).
     enqueue_ttl: float | None = None
     #: Runs of one key allowed at once: 1 is a :class:`~task_locks.Lock` named by the
     #: key; N > 1 a :class:`~task_locks.Semaphore` of that name (``lock_on="run"`` only).
@@ -264,15 +288,45 @@ class SingletonTask(Task):  # type: ignore[misc]
             return AsyncLock(name, **self._lock_options())
         return AsyncSemaphore(name, self.lock_limit, **self._lock_options())
 
-    def _held_names(self, name: str) -> list[str]:
-        """The lock names a run of key ``name`` may hold (the semaphore's slots if limit > 1)."""
-        if self.lock_limit == 1:
-            return [name]
-        return [slot_name(name, index) for index in range(self.lock_limit)]
+    def _held_names(self, name: str, task_id: str | None = None) -> list[str]:
+        """The lock names a run of key ``name`` may hold (the semaphore's slots if limit > 1,
+        and the run guard of ``task_id``)."""
+        names = [name]
+        if self.lock_limit > 1:
+            names = [slot_name(name, index) for index in range(self.lock_limit)]
+        # Always the guard too: a call's lock_options may have needed one (owner-checked).
+        return names if task_id is None else [*names, task_id_lock_name(name, task_id)]
 
-    def _attempts(self) -> tuple[float | None, ...]:
+    def _guard_name(self, name: str, task_id: str | None) -> str | None:
+        """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
+
+        ``limit=1``, ``lock_on="run"`` with ``on_conflict`` ``"skip"``/``"raise"`` does
+        not: its one attempt meets either its own task id (refused) or another holder
+        (skipped/raised). ``"wait"``/``"retry"`` would go on waiting or retrying past the
+        original's run, so they need the guard too.
+        """
+        if task_id is None:
+            return None
+        if (
+            self.lock_limit == 1
+            and self.lock_on != "both"
+            and self.on_conflict in ("skip", "raise")
+        ):
+            return None
+        return task_id_lock_name(name, task_id)
+
+    def _attempts(self) -> list[float | None]:
         """Acquire timeouts to try in turn: once, then (``wait``) for up to wait_timeout."""
-        return (0.0, self.wait_timeout) if self.on_conflict == "wait" else (0.0,)
+        return [0.0, self.wait_timeout] if self.on_conflict == "wait" else [0.0]
+
+    def _run_token(self, handed: str | None) -> str | None:
+        """The token the run acquires under: ``"both"`` takes over its publish-time lock.
+
+        Acquiring under the token that holds the queued lock resets its TTL and owner and
+        keeps its fence, in one server-side step: the key is never free between the
+        queued message and its run, so no duplicate can be accepted in between.
+        """
+        return handed if self.lock_on == "both" else None
 
     def _owner(self, request: Any) -> dict[str, Any]:
         return {
@@ -298,38 +352,86 @@ class SingletonTask(Task):  # type: ignore[misc]
         with owner_context(**self._owner(request)):
             if self._is_async:
                 return asyncio.run(self._arun_in_own_loop(body, name, handed, args, kwargs))
-            if handed:
+            if handed and self.lock_on == "enqueue":
                 self._drop_queued_lock(name, handed)
             tick = _beat_tick(request)
-            if tick is not None and self._refuse_stale(tick, self._election_holder(tick)):
-                return None
+            if tick is not None:
+                current = stale_tick_term(tick, self._election_holder(tick))
+                if current is not None and not claim_holds(self.app, tick):
+                    if handed and self.lock_on == "both":
+                        self._drop_queued_lock(name, handed)  # refused below: free the key
+                    if self._refuse_stale(tick, current):
+                        return None
             if self.lock_on == "enqueue":
                 return body(*args, **kwargs)
-            lock = self._run_lock(name)
-            attempts = self._attempts()
-            for number, timeout in enumerate(attempts, 1):
-                try:
-                    lease = lock.acquire(timeout=timeout)
-                    break
-                except LockHeld as held:
-                    if self._conflict(name, held, final=number == len(attempts)):
-                        return None
-            return self._hold(lease, body, args, kwargs, request.id)
+            guard = None
+            guard_name = self._guard_name(name, request.id)
+            if guard_name is not None:
+                guard = self._take(Lock(guard_name, **self._lock_options()), guard_name)
+                if guard is None:
+                    return None
+            try:
+                run_lock = self._run_lock(name)
+                run_lock._token = self._run_token(handed)
+                lease = self._take(run_lock, name)
+            except BaseException:
+                self._release_guard(guard, request.id)
+                raise
+            if lease is None:
+                self._release_guard(guard, request.id)
+                return None
+            if handed and _queued_fence(request) not in (None, lease.fence):
+                self._queued_lock_expired(name)
+            return self._hold(lease, body, args, kwargs, request.id, guard)
+
+    def _take(self, lock: Lock | Semaphore, name: str) -> Lease | None:
+        """Acquire ``lock`` as ``on_conflict`` says; ``None``: return without running."""
+        attempts = self._attempts()
+        number = 0
+        while True:
+            timeout = attempts[number]
+            number += 1
+            try:
+                return lock.acquire(timeout=timeout)
+            except LockHeld as held:
+                if self._conflict(name, held, attempts, number):
+                    return None
 
     def _hold(
-        self, lease: Lease, body: Callable[..., Any], args: Any, kwargs: Any, task_id: str | None
+        self,
+        lease: Lease,
+        body: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        task_id: str | None,
+        guard: Lease | None = None,
     ) -> Any:
         reset = _current.set(lease)
         live_leases.add(task_id, lease)
+        if guard is not None:
+            live_leases.add(task_id, guard)
         try:
             result = body(*args, **kwargs)
         except BaseException:
             self._release(lease, task_id, failing=True)
+            self._release_guard(guard, task_id)
             raise
         finally:
             _current.reset(reset)
         self._release(lease, task_id, failing=False)
+        self._release_guard(guard, task_id)
         return result
+
+    def _release_guard(self, guard: Lease | None, task_id: str | None) -> None:
+        """Free the run guard after the run lock (a lost guard only costs a log line)."""
+        if guard is None:
+            return
+        try:
+            guard.release()
+        except LockError as exc:
+            log.warning("task %s[%s]: releasing %r: %s", self.name, task_id, guard.name, exc)
+        finally:
+            live_leases.discard(task_id, guard)
 
     def _release(self, lease: Lease, task_id: str | None, *, failing: bool) -> None:
         keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
@@ -368,35 +470,77 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
     ) -> Any:
         """The async twin of ``__call__``'s body: same decisions, awaited I/O."""
-        if handed:
+        if handed and self.lock_on == "enqueue":
             await self._adrop_queued_lock(name, handed)
         tick = _beat_tick(self.request)
-        if tick is not None and self._refuse_stale(tick, await self._aelection_holder(tick)):
-            return None
+        if tick is not None:
+            current = stale_tick_term(tick, await self._aelection_holder(tick))
+            if current is not None and not await aclaim_holds(self.app, tick):
+                if handed and self.lock_on == "both":
+                    await self._adrop_queued_lock(name, handed)
+                if self._refuse_stale(tick, current):
+                    return None
         if self.lock_on == "enqueue":
             return await body(*args, **kwargs)
-        lock = self._async_run_lock(name)
-        attempts = self._attempts()
-        for number, timeout in enumerate(attempts, 1):
-            try:
-                lease = await lock.acquire(timeout=timeout)
-                break
-            except LockHeld as held:
-                if self._conflict(name, held, final=number == len(attempts)):
-                    return None
-        reset = _current.set(lease)
         task_id = self.request.id
+        guard = None
+        guard_name = self._guard_name(name, task_id)
+        if guard_name is not None:
+            guard_lock = AsyncLock(guard_name, **self._lock_options())
+            guard = await self._atake(guard_lock, guard_name)
+            if guard is None:
+                return None
+        try:
+            run_lock = self._async_run_lock(name)
+            run_lock._token = self._run_token(handed)
+            lease = await self._atake(run_lock, name)
+        except BaseException:
+            await self._arelease_guard(guard, task_id)
+            raise
+        if lease is None:
+            await self._arelease_guard(guard, task_id)
+            return None
+        if handed and _queued_fence(self.request) not in (None, lease.fence):
+            self._queued_lock_expired(name)
+        reset = _current.set(lease)
         live_leases.add(task_id, lease)
+        if guard is not None:
+            live_leases.add(task_id, guard)
         try:
             coroutine: Coroutine[Any, Any, Any] = body(*args, **kwargs)
             result = await coroutine
         except BaseException:
             await self._arelease(lease, task_id, failing=True)
+            await self._arelease_guard(guard, task_id)
             raise
         finally:
             _current.reset(reset)
         await self._arelease(lease, task_id, failing=False)
+        await self._arelease_guard(guard, task_id)
         return result
+
+    async def _atake(self, lock: AsyncLock | AsyncSemaphore, name: str) -> AsyncLease | None:
+        """The async twin of :meth:`_take`."""
+        attempts = self._attempts()
+        number = 0
+        while True:
+            timeout = attempts[number]
+            number += 1
+            try:
+                return await lock.acquire(timeout=timeout)
+            except LockHeld as held:
+                if self._conflict(name, held, attempts, number):
+                    return None
+
+    async def _arelease_guard(self, guard: AsyncLease | None, task_id: str | None) -> None:
+        if guard is None:
+            return
+        try:
+            await guard.release()
+        except LockError as exc:
+            log.warning("task %s[%s]: releasing %r: %s", self.name, task_id, guard.name, exc)
+        finally:
+            live_leases.discard(task_id, guard)
 
     async def _arelease(self, lease: AsyncLease, task_id: str | None, *, failing: bool) -> None:
         keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
@@ -436,14 +580,27 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _drop_queued_lock(self, name: str, token: str) -> None:
         """Free the lock taken when this message was published (token-checked).
 
-        ``"enqueue"``: the key is free again once the task starts. ``"both"``: the run
-        lock is taken right after; a redelivered copy of the message finds the token
-        gone and meets the run lock instead of entering.
+        ``"enqueue"``: the key is free again once the task starts. ``"both"`` takes the
+        queued lock over instead (:meth:`_run_token`), and drops it only for a run it
+        refuses before that (a stale beat tick).
         """
-        self._lock_backend().release(name, token)
+        if not self._lock_backend().release(name, token):
+            self._queued_lock_expired(name)
 
     async def _adrop_queued_lock(self, name: str, token: str) -> None:
-        await self._lock_backend().arelease(name, token)
+        if not await self._lock_backend().arelease(name, token):
+            self._queued_lock_expired(name)
+
+    def _queued_lock_expired(self, name: str) -> None:
+        """The lock taken when this message was published was gone when it started."""
+        log.warning(
+            "task %s[%s]: the queued lock %r of this message expired before it ran (or this "
+            "is a second delivery of it): duplicates may have been queued meanwhile; raise "
+            "enqueue_ttl or set expires if the queue is that long",
+            self.name,
+            self.request.id,
+            name,
+        )
 
     # -- beat ticks sent under an old term (issue: HA beat) ------------------------------
 
@@ -453,20 +610,20 @@ class SingletonTask(Task):  # type: ignore[misc]
     async def _aelection_holder(self, tick: BeatTick) -> Holder | None:
         return await aelection_holder(self.app, tick.election)
 
-    def _refuse_stale(self, tick: BeatTick, leader: Holder | None) -> bool:
-        """Refuse a beat message sent under a term older than the current leader's.
+    def _refuse_stale(self, tick: BeatTick, current: int) -> bool:
+        """Refuse a beat message that may be a second send of its tick.
 
-        A deposed beat leader (paused, partitioned) may still publish a tick after a new
-        leader was elected; this layer runs it only if its term is still current.
+        Called for a message sent under a term older than the ``current`` leader's whose
+        tick claim no longer holds (expired, or another sender's): a deposed leader
+        (paused, partitioned) and the new one may both have sent that tick. A message
+        whose claim holds is the only send of its tick and runs (a clean hand-over).
         ``True`` to return without running (direct calls); else ends the run, ignored.
         """
-        current = stale_tick_term(tick, leader)
-        if current is None:
-            return False
         request = self.request
         log.warning(
-            "task %s[%s] refused: beat tick %s of %r was sent under term %s, but the "
-            "current leader's term is %s",
+            "task %s[%s] refused: beat tick %s of %r was sent under term %s, the current "
+            "leader's term is %s, and the tick's claim is gone: it may have been sent "
+            "twice; this copy is not run",
             self.name,
             request.id,
             tick.tick,
@@ -490,11 +647,14 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- conflicts (no I/O except Celery's own) ------------------------------------------
 
-    def _conflict(self, name: str, held: LockHeld, *, final: bool) -> bool:
+    def _conflict(
+        self, name: str, held: LockHeld, attempts: list[float | None], number: int
+    ) -> bool:
         """Act on a held lock: ``True`` to return without running; raise to end the run.
 
-        ``final=False`` is the first, non-blocking attempt of ``on_conflict="wait"``:
-        return ``False`` to go on waiting.
+        ``number`` is the attempt of ``attempts`` (timeouts) that found the lock held;
+        ``False`` means: go on with the next one (``on_conflict="wait"``, or a retry
+        waiting for its previous attempt).
         """
         request = self.request
         holder_id = held.holder.owner.task_id if held.holder is not None else None
@@ -504,14 +664,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             who = f"others (all {self.lock_limit} permits are taken)"
         else:
             who = "another holder"
-        if (
-            request.id is not None
-            and holder_id == request.id
-            and self.on_conflict in ("skip", "raise")
-        ):
-            # The same task id holds the key: this is a second delivery of a message that
-            # is still running (acks_late redelivery). Record nothing: the id's state
-            # belongs to the run in progress.
+        if request.id is not None and holder_id == request.id:
+            # The same task id holds the key: a second delivery of a message that is still
+            # running (acks_late redelivery, visibility timeout, duplicate delivery), refused
+            # whatever on_conflict says: waiting or retrying would run the same id twice.
+            # A retry may instead meet its own previous attempt letting go: it waits a
+            # little for that first.
+            if request.retries and number == 1:
+                attempts.insert(1, RETRY_HANDOVER_WAIT)
+                return False
+            # Record nothing: the id's state belongs to the run in progress.
             log.info(
                 "task %s[%s]: already running (%s); ignoring this duplicate delivery",
                 self.name,
@@ -519,7 +681,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 who,
             )
             raise Ignore()
-        if not final:
+        if number < len(attempts):
             return False
         if self.on_conflict == "raise":
             raise held
@@ -650,6 +812,15 @@ def _beat_tick(request: Any) -> BeatTick | None:
         if not headers or ELECTION_HEADER not in headers:
             return None
     return beat_tick(request)
+
+
+def _queued_fence(request: Any) -> int | None:
+    """The fence of the lock taken when the running message was published, if it says."""
+    fence = getattr(request, FENCE_HEADER, None)
+    try:
+        return None if fence is None else int(fence)
+    except (TypeError, ValueError):
+        return None
 
 
 def _message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:

@@ -33,6 +33,9 @@ app.conf.update(
         "celery_tasks.enqueue_task": {"queue": "tl_pending"},
         "celery_tasks.both_task": {"queue": "tl_pending"},
         "celery_tasks.redelivered_task": {"queue": "tl_redeliver"},
+        "celery_tasks.limited_redelivered_task": {"queue": "tl_redeliver"},
+        "celery_tasks.both_burst_task": {"queue": "tl_pending"},
+        "celery_tasks.enqueue_burst_task": {"queue": "tl_pending"},
     },
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("TL_VISIBILITY_TIMEOUT", "3600")),
@@ -213,10 +216,83 @@ async def async_task(self: Any, key: str, log: str, seconds: float) -> dict[str,
     return fields
 
 
+@singleton_task(**common, ttl=4, on_conflict="skip", acks_late=True, limit=3)
+def limited_redelivered_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """``limit=3``, running past the visibility_timeout: Redis delivers it a second time."""
+    return work(self, log, seconds)
+
+
+# The fault matrix's tasks (tests/celery/test_celery_faults.py): one per limit x on_conflict.
+@singleton_task(**common, ttl=10, on_conflict="skip", limit=1)
+def dup_skip_1(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="skip", limit=3)
+def dup_skip_3(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=30, limit=1)
+def dup_wait_1(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=30, limit=3)
+def dup_wait_3(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=30, lock_on="both", on_conflict="skip")
+def both_burst_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=30, lock_on="enqueue")
+def enqueue_burst_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=30, lock_on="enqueue", enqueue_ttl=1)
+def short_queue_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """Its publish-time lock lasts 1 s: a queue slower than that outlives it."""
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=30, lock_on="both", enqueue_ttl=1)
+def short_both_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    return work(self, log, seconds)
+
+
+@singleton_task(**common, ttl=60, lock_on="both", on_conflict="raise")
+def both_hold_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """``"both"``, holding the key a long time (ttl=60): killing it must free the key sooner."""
+    record(log, event="started", task_id=self.request.id)
+    time.sleep(seconds)
+    return "finished"
+
+
+@singleton_task(**common, lock_on="enqueue")
+def default_queue_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """No ttl, no enqueue_ttl: the defaults decide how long its queued lock lasts."""
+    return work(self, log, seconds)
+
+
+#: Tasks whose every delivery is counted in ``<log>:deliveries``.
+_COUNTED = {
+    f"celery_tasks.{name}"
+    for name in (
+        "redelivered_task", "limited_redelivered_task",
+        "dup_skip_1", "dup_skip_3", "dup_wait_1", "dup_wait_3",
+        "both_burst_task", "enqueue_burst_task",
+    )
+}  # fmt: skip
+
+
 @signals.task_prerun.connect
 def _count_deliveries(task_id: str, task: Any, args: Any, **_: Any) -> None:
     """Every delivery that reached a worker child, before the lock is even looked at."""
-    if task.name == redelivered_task.name:
+    if task.name in _COUNTED:
         record(args[1] + ":deliveries", task_id=task_id, at=time.time())
 
 

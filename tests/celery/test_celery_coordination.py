@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -89,6 +90,22 @@ def test_a_killed_permit_holder_frees_its_permit_within_3s(
     wait_until(lambda: not permits_held(cluster, f"t:{key}", 2), 3.0, "all permits free")
 
 
+def test_limit_three_redelivered_copy_of_a_running_message_is_refused(
+    cluster: Any, redelivery_worker: Any, key: str, intervals: Any
+) -> None:
+    """Issue 12.6: ``acks_late`` past the 5 s visibility timeout, ``limit=3``: Redis hands
+    the running message to the worker's other process, where two permits are free. The
+    copy must be refused as with ``limit=1``, not run the same task id a second time."""
+    log = f"log:{key}"
+    result = cluster.tasks.limited_redelivered_task.delay(key, log, 12)
+    assert result.get(timeout=40)["task_id"] == result.id
+    deliveries = intervals(log + ":deliveries")
+    assert len(deliveries) >= 2, "Redis did not redeliver the message: the test proved nothing"
+    assert [run["task_id"] for run in intervals(log)] == [result.id]  # one copy did the work
+    assert result.state == "SUCCESS"
+    assert permits_held(cluster, f"t:{key}", 3) == []
+
+
 # -- stale beat ticks: a message sent under an old term is refused ------------------------------
 
 
@@ -127,3 +144,54 @@ def test_a_tick_sent_under_an_old_term_is_refused_and_the_current_term_runs(
     leaderless = task.apply_async((f"{key}c", log, 0), headers=beat_headers(name, current.term))
     assert leaderless.get(timeout=20)["task_id"] == leaderless.id
     assert sorted(run["task_id"] for run in intervals(log)) == sorted([fresh.id, leaderless.id])
+
+
+def test_a_tick_queued_at_a_clean_hand_over_still_runs(
+    cluster: Any, prefork_workers: Any, key: str, intervals: Any, tmp_path: Any
+) -> None:
+    """Issue 13.4: the leader sends a tick, then resigns cleanly (a deploy restart) while
+    the tick is still queued; the next leader's term is newer. That tick was sent once,
+    by the real leader, and its claim is intact: it must run, not end in STALE_TICK."""
+    from celery import Celery
+
+    from task_locks.celery.beat import LeaderScheduler
+
+    election, log, queue = f"beat-{uuid.uuid4().hex[:8]}", f"log:{key}", f"tl_hold_{key}"
+    beat_app = Celery("beat_handover", broker=cluster.env["TL_CELERY_BROKER"], set_as_current=False)
+    beat_app.conf.update(
+        beat_schedule={
+            "tick": {
+                "task": cluster.tasks.skip_task.name,
+                "schedule": 1.0,
+                "args": (key, log, 0),
+                "options": {"queue": queue},
+            }
+        },
+        task_locks_beat_ttl=5,
+        task_locks_beat_backend=cluster.locks_url,
+        task_locks_beat_election=election,
+        broker_connection_retry_on_startup=True,
+    )
+    scheduler = LeaderScheduler(app=beat_app, schedule_filename=str(tmp_path / "schedule"))
+    deadline = time.monotonic() + 10
+    while not cluster.broker.llen(queue):
+        assert time.monotonic() < deadline, "the leader sent no tick"
+        interval = scheduler.tick()
+        if interval and interval > 0:
+            time.sleep(min(interval, 0.1))  # beat's own sleep between ticks
+    scheduler.close()  # resigns: the clean hand-over
+    next_leader = Election(election, ttl=5, backend=cluster.locks_url).campaign(timeout=5)
+    consumer = prefork_workers[0].hostname
+    try:
+        assert cluster.broker.llen(queue) == 1
+        raw = cluster.broker.lindex(queue, 0)
+        task_id = json.loads(raw)["headers"]["id"]
+        assert json.loads(raw)["headers"][TERM_HEADER] < next_leader.term
+        cluster.app.control.add_consumer(queue, destination=[consumer], reply=True)
+        result = cluster.tasks.skip_task.AsyncResult(task_id)
+        wait_until(lambda: result.state not in ("PENDING", "STARTED"), 20, "the tick to end")
+        assert result.state == "SUCCESS", result.info
+        assert [run["task_id"] for run in intervals(log)] == [task_id]
+    finally:
+        cluster.app.control.cancel_consumer(queue, destination=[consumer], reply=True)
+        next_leader.resign()
