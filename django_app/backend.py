@@ -387,7 +387,9 @@ class DjangoBackend(Backend):
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        # ``timeout`` is not applied: a statement timeout differs per database; the
+        # watchdog marks a lease lost at its deadline whatever a call still waits for.
         if not items:
             return []
         d = self.dialect
