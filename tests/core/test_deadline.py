@@ -117,9 +117,7 @@ def test_a_reply_after_the_deadline_does_not_resurrect_the_lease(
         lease.check()
 
 
-def test_a_renewal_call_waits_no_longer_than_the_validity_left(
-    link: Proxy, redis_url: str
-) -> None:
+def test_a_renewal_call_waits_no_longer_than_the_validity_left(link: Proxy, redis_url: str) -> None:
     backend = get_backend(proxy_url(link))
     lease = Lock("bounded", ttl=10, backend=backend, renew=False).acquire(timeout=2)
     link.blackhole()
@@ -200,9 +198,7 @@ def test_run_stops_its_program_before_the_deadline(
 # -- one backend, one primary, does not hold up another ----------------------------------
 
 
-def test_a_stalled_server_costs_no_lease_on_another(
-    driver: SyncDriver, redis_factory: Any
-) -> None:
+def test_a_stalled_server_costs_no_lease_on_another(driver: SyncDriver, redis_factory: Any) -> None:
     stalled, healthy = redis_factory(), redis_factory()
     ttl = 4.0
     doomed = driver.acquire("doomed", backend=stalled.url(), ttl=ttl)
@@ -231,7 +227,7 @@ def cluster() -> Iterator[RedisClusterNodes]:
 
 def names_by_node(cluster: RedisClusterNodes) -> dict[int, str]:
     """One lock name per primary (by port)."""
-    client = redis.RedisCluster(port=cluster.nodes[0].port)
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
     try:
         found: dict[int, str] = {}
         for i in range(1000):
