@@ -179,6 +179,8 @@ class _LeaseBase:
 
     #: The renewal lane this lease was handed to (``None``: not renewed in the background).
     _renewer: Lane | None = None
+    #: Whether the deadline watch has this lease.
+    _watched: bool = False
 
     def __init__(
         self,
@@ -323,6 +325,7 @@ class _LeaseBase:
         if not self.lost._claim():
             return
         self._unschedule()
+        self._unwatch()
         log.warning("lock %r (fence %s) lost: %s", self.name, self.fence, reason)
         if self._on_lost is not None:
             try:
@@ -339,6 +342,11 @@ class _LeaseBase:
     def _watch(self) -> None:
         """Have the deadline watch mark the lease lost at its local deadline."""
         raise NotImplementedError
+
+    def _unwatch(self) -> None:
+        if self._watched:
+            self._watched = False
+            deadline_watch().remove(self)
 
     def _unschedule(self) -> None:
         # The renewer it was given, not the current thread's or loop's: a lease may be
@@ -366,6 +374,7 @@ class _LeaseBase:
         if ok:
             self._released = True
             self.lost._deadline = math.inf  # released, not lost
+            self._unwatch()
             log.debug("released lock %r (fence %s)", self.name, self.fence)
             return
         self._mark_lost("the lock's token was gone at release")
@@ -398,6 +407,7 @@ class Lease(_LeaseBase):
         self._renewer = thread_renewer().add(self)
 
     def _watch(self) -> None:
+        self._watched = True
         deadline_watch().add(self)
 
     def renew(self) -> None:
@@ -436,6 +446,7 @@ class AsyncLease(_LeaseBase):
 
     def _watch(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._watched = True
         deadline_watch().add(self)
 
     def _deadline_passed(self) -> None:

@@ -304,7 +304,8 @@ class _Lanes:
                 if lane is None:
                     # The backend is kept by its leases; a lane outliving them is a few
                     # hundred bytes, and ids are only reused once no lease points there.
-                    label = backend.server if part is None else f"{backend.server} {part}"
+                    label = f"{backend.server} #{id(backend):x}"
+                    label += "" if part is None else f" {part}"
                     lane = self._lanes[key] = self._make(key, label)
         return lane
 
@@ -423,6 +424,7 @@ class DeadlineWatch:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._done = 0  # entries of released or lost leases still in the heap
 
     def __len__(self) -> int:
         with self._cond:
@@ -438,6 +440,21 @@ class DeadlineWatch:
                 self._thread.start()
             elif self._heap[0][2] is lease:
                 self._cond.notify()
+
+    def remove(self, lease: Renewable) -> None:
+        """``lease`` was released or lost: its entry is dropped at its turn, or sooner.
+
+        Released leases would otherwise stay until their old deadline, so a fast
+        acquire/release loop compacts the heap once they outnumber the live ones.
+        """
+        with self._cond:
+            self._done += 1
+            if len(self._heap) > 64 and 2 * self._done > len(self._heap):
+                self._heap = [
+                    entry for entry in self._heap if not (entry[2]._released or entry[2].lost._set)
+                ]
+                heapq.heapify(self._heap)
+                self._done = 0
 
     def _run(self) -> None:
         try:
@@ -467,6 +484,7 @@ class DeadlineWatch:
                 while self._heap and self._heap[0][0] <= now:
                     _, _, lease = heapq.heappop(self._heap)
                     if lease._released or lease.lost._set:
+                        self._done = max(0, self._done - 1)
                         continue
                     deadline = lease._expires_mono
                     if deadline > now:  # renewed since: watch its new deadline

@@ -21,7 +21,7 @@ import pytest
 import redis
 from servers import RedisClusterNodes, RedisServer, wait_until
 
-from task_locks import AsyncLock, BackendUnavailable, Lock, LockLost, get_backend
+from task_locks import AsyncLock, BackendUnavailable, Lock, LockLost, get_backend, watchdog
 from task_locks.types import RenewItem
 
 from .support import SyncDriver
@@ -298,3 +298,10 @@ def test_lost_flag_wait_returns_at_the_deadline(redis_url: str) -> None:
     assert lease.lost.wait(3)
     assert time.monotonic() - started < 0.5 + LOSS_BOUND
     assert bool(lease.lost)
+
+
+def test_released_leases_do_not_pile_up_in_the_deadline_watch(redis_url: str) -> None:
+    lock = Lock("churn", ttl=30, backend=redis_url)
+    for _ in range(500):
+        lock.acquire(timeout=1).release()
+    assert len(watchdog.deadline_watch()) <= 130  # compacted, not 500 until their deadlines

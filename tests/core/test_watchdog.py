@@ -18,7 +18,8 @@ from .support import SyncDriver, holder_token, lock_fields
 
 def renewer_threads(url: str = "") -> list[threading.Thread]:
     """The renewal threads (one per backend lane) of the backend at ``url`` (all: "")."""
-    server = get_backend(url).server if url else ""
+    backend = get_backend(url) if url else None
+    server = f"{backend.server} #{id(backend):x}" if backend else ""
     return [
         t
         for t in threading.enumerate()
