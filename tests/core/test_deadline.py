@@ -305,3 +305,33 @@ def test_released_leases_do_not_pile_up_in_the_deadline_watch(redis_url: str) ->
     for _ in range(500):
         lock.acquire(timeout=1).release()
     assert len(watchdog.deadline_watch()) <= 130  # compacted, not 500 until their deadlines
+
+
+def test_a_celery_task_sees_its_lease_lost_at_the_deadline(link: Proxy) -> None:
+    """The Celery task's lease is the same Lease: ``lost`` is set at the deadline."""
+    from celery import Celery
+
+    from task_locks.celery import current_lease, singleton_task
+
+    app = Celery("deadline", broker="memory://", backend="cache+memory://", set_as_current=False)
+    seen: dict[str, Any] = {}
+
+    @singleton_task(app=app, shared=False, key="celery-deadline", ttl=1.5, backend=proxy_url(link))
+    def job() -> None:
+        lease = current_lease()
+        assert lease is not None
+        link.blackhole()
+        deadline = time.monotonic() + lease.remaining
+        seen["lost"] = lease.lost.wait(5)
+        seen["late_by"] = time.monotonic() - deadline
+        try:
+            lease.check()
+        except LockLost as exc:
+            seen["check"] = exc
+
+    try:
+        job()
+    finally:
+        app.close()
+    assert seen["lost"] and seen["late_by"] < LOSS_BOUND, seen
+    assert isinstance(seen.get("check"), LockLost)
