@@ -256,11 +256,11 @@ class _LeaseBase:
         Call it before acting on the protected resource; pass ``fence`` to the resource
         as well, since a pause can still happen between the check and the write.
         """
-        if self._released:
-            raise LockLost(f"lock {self.name!r} was already released", name=self.name)
-        if self.lost.is_set():
+        if self.lost.is_set():  # released leases never turn lost by their deadline
             self._mark_lost(self._deadline_reason())  # no-op if already marked
             raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
+        if self._released:
+            raise LockLost(f"lock {self.name!r} was already released", name=self.name)
         if self._foreign():
             raise LockLost(
                 f"lock {self.name!r} is held by process {self._pid}; this forked child "
@@ -588,7 +588,8 @@ class _LockBase:
         )
 
     def _keep(self, lease: L) -> L:
-        """Hand ``lease`` to its renewer, unless this lock was made with ``renew=False``."""
+        """Hand ``lease`` to the deadline watch (always: it marks the lease lost at its local
+        deadline) and to its renewer, unless this lock was made with ``renew=False``."""
         lease._watch()
         if self.renew:
             lease._schedule()
