@@ -205,6 +205,7 @@ class Lane(Protocol):
     schedule: Schedule
 
     def remove(self, lease: Renewable) -> None: ...
+    def idle(self) -> bool: ...
 
 
 class ThreadLane:
@@ -235,6 +236,10 @@ class ThreadLane:
 
     def remove(self, lease: Renewable) -> None:
         self.schedule.remove(lease)
+
+    def idle(self) -> bool:
+        """No lease, no thread: nothing is lost by forgetting this lane."""
+        return self._thread is None and not len(self.schedule)
 
     def _run(self) -> None:
         try:
@@ -302,8 +307,11 @@ class _Lanes:
             with self._guard:
                 lane = self._lanes.get(key)
                 if lane is None:
-                    # The backend is kept by its leases; a lane outliving them is a few
-                    # hundred bytes, and ids are only reused once no lease points there.
+                    # Lanes of backends gone (closed, collected: ids get reused) must not
+                    # pile up: idle ones are dropped as new ones come. A lane dropped
+                    # while a lease is being added to it still works, only alone.
+                    for old_key in [k for k, v in self._lanes.items() if v.idle()]:
+                        del self._lanes[old_key]
                     label = f"{backend.server} #{id(backend):x}"
                     label += "" if part is None else f" {part}"
                     lane = self._lanes[key] = self._make(key, label)
@@ -363,6 +371,9 @@ class AsyncLane:
 
     def remove(self, lease: Renewable) -> None:
         self.schedule.remove(lease)
+
+    def idle(self) -> bool:
+        return (self._task is None or self._task.done()) and not len(self.schedule)
 
     async def _run(self) -> None:
         while True:
