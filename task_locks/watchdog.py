@@ -26,7 +26,9 @@ in how they wait and how they call the backend.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
+import inspect
 import itertools
 import logging
 import math
@@ -180,6 +182,13 @@ def call_timeout(leases: list[Renewable], sent_at: float) -> float:
     return max(MIN_CALL_TIMEOUT, min(lease._expires_mono for lease in leases) - sent_at)
 
 
+@functools.cache
+def _takes_timeout(backend_class: type, method: str) -> bool:
+    """Whether a backend's ``renew_many`` takes ``timeout`` (backends written before it
+    was added do not: they are called without it)."""
+    return "timeout" in inspect.signature(getattr(backend_class, method)).parameters
+
+
 def apply_results(
     schedule: Schedule,
     leases: list[Renewable],
@@ -284,7 +293,11 @@ class ThreadLane:
             return
         results: list[bool] | BaseException
         try:
-            results = backend.renew_many(items, timeout=call_timeout(leases, sent_at))
+            timeout = call_timeout(leases, sent_at)
+            if _takes_timeout(type(backend), "renew_many"):
+                results = backend.renew_many(items, timeout=timeout)
+            else:
+                results = backend.renew_many(items)
         except Exception as exc:  # a batch that failed as a whole is retried per lease
             results = exc
         apply_results(self.schedule, leases, results, sent_at)
@@ -397,9 +410,12 @@ class AsyncLane:
                 results: list[bool] | BaseException
                 try:
                     # wait_for bounds any backend's call; the backend may bound it too.
-                    results = await asyncio.wait_for(
-                        backend.arenew_many(items, timeout=timeout), timeout
+                    call = (
+                        backend.arenew_many(items, timeout=timeout)
+                        if _takes_timeout(type(backend), "arenew_many")
+                        else backend.arenew_many(items)
                     )
+                    results = await asyncio.wait_for(call, timeout)
                 except Exception as exc:
                     results = exc
                 apply_results(self.schedule, leases, results, sent_at)
