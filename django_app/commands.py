@@ -22,6 +22,14 @@ pid, command or task) and how long it has held it, and exits with status 75
 backend is one line and status 69 (``EX_UNAVAILABLE``), a backend refusing the URL
 (password, TLS) one line and 78 (``EX_CONFIG``). SIGTERM and Ctrl-C
 release the lock before the process exits.
+
+A command whose lock is lost while ``handle()`` runs (renewals did not get through by
+the lease's local deadline, or the lock was taken away) is stopped then: a line on
+stderr names the lock and why, ``handle()`` is interrupted in the main thread (by a
+SIGTERM to that thread, which the command turns into an exception), and the command
+fails with a ``CommandError`` and exit status 79 (``EX_LEASE_LOST``; 75 means only "held
+elsewhere"). A ``handle()`` running outside the
+main thread cannot be interrupted: it fails the same way when it returns.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from task_locks import (
 from task_locks.config import validate_ttl
 from task_locks.ops import (
     EX_CONFIG,
+    EX_LEASE_LOST,
     EX_TEMPFAIL,
     EX_UNAVAILABLE,
     conflict_holder,
@@ -174,16 +183,10 @@ def run_locked(
     except InvalidArgument as exc:
         raise CommandError(str(exc)) from None
     backend = conf.backend()
-    lock = Lock(
-        name,
-        ttl or conf.default_ttl(),
-        backend=backend,
-        timeout=wait,
-        on_lost=lambda lease: audit.record(
-            "lost", lease.name, fence=lease.fence, detail=lease.lost_reason or ""
-        ),
-    )
     described = " ".join(["manage.py", command_name, *map(str, args)])
+    stopper = _LossStopper(command, described)
+    lock = Lock(name, ttl or conf.default_ttl(), backend=backend, timeout=wait, on_lost=stopper)
+    lease: Any = None
     try:
         with owner_context(command=described), _sigterm_unwinds():
             try:
@@ -203,26 +206,81 @@ def run_locked(
                 ) from None
             audit.record("acquired", name, fence=lease.fence, detail=described)
             command.lease = lease  # type: ignore[attr-defined]  # handle() may pass lease.fence
+            stopper.handling = True
             try:
                 result = handle(*args, **options)
-            except BaseException:
+            except BaseException as exc:
+                stopper.handling = False
                 _release(lease, failing=True)
+                if isinstance(exc, _Terminated) and stopper.stopped:
+                    raise _lost_error(lease, described) from None
                 raise
+            stopper.handling = False
             _release(lease, failing=False)
             return result
     except _Terminated as stop:
+        if stopper.stopped and lease is not None:  # the stop came just after handle()
+            raise _lost_error(lease, described) from None
         raise SystemExit(128 + stop.signum) from None
     finally:
         audit.flush(timeout=5.0)
 
 
+class _LossStopper:
+    """The lease's ``on_lost``: record the loss, say so, and stop ``handle()`` at once.
+
+    Called by the lease's deadline watch (or renewal) thread. ``handle()`` runs in the
+    main thread under :func:`_sigterm_unwinds`, so a SIGTERM sent to that thread raises
+    there, wherever it is (a ``time.sleep`` returns early too).
+    """
+
+    def __init__(self, command: BaseCommand, described: str) -> None:
+        self.command = command
+        self.described = described
+        self.handling = False
+        self.stopped = False
+        self._main = threading.main_thread()
+        self._interruptible = threading.current_thread() is self._main
+
+    def __call__(self, lease: Any) -> None:
+        audit.record("lost", lease.name, fence=lease.fence, detail=lease.lost_reason or "")
+        if not self.handling:
+            return
+        self.command.stderr.write(
+            f"task-locks: lost lock {lease.name!r} ({lease.lost_reason}); stopping "
+            f"{self.described} (exit status {EX_TEMPFAIL})"
+        )
+        if self._interruptible and self._main.ident is not None:
+            self.stopped = True
+            signal.pthread_kill(self._main.ident, signal.SIGTERM)
+
+
+def _lost_error(lease: Any, described: str) -> CommandError:
+    return CommandError(
+        f"lock {lease.name!r} was lost while {described} ran ({lease.lost_reason}); the "
+        "command was stopped (its work may have overlapped another run)",
+        returncode=EX_LEASE_LOST,
+    )
+
+
 def _release(lease: Any, *, failing: bool) -> None:
+    if lease.lost.is_set():
+        # Lost (maybe at its deadline, the backend not answering): nothing to release,
+        # and a release over a dead link would only wait for its timeout.
+        if not failing:
+            raise CommandError(
+                f"lock {lease.name!r} was lost: {lease.lost_reason} (the command's work may "
+                "have overlapped another run)",
+                returncode=EX_LEASE_LOST,
+            )
+        return
     try:
         lease.release()
     except LockLost as exc:
         if not failing:
             raise CommandError(
-                f"{exc} (the command's work may have overlapped another run)"
+                f"{exc} (the command's work may have overlapped another run)",
+                returncode=EX_LEASE_LOST,
             ) from exc
     else:
         audit.record("released", lease.name, fence=lease.fence)

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .owner import current_owner
 from .types import AcquireResult, Holder
-from .watchdog import AsyncRenewer, ThreadRenewer, async_renewer, thread_renewer
+from .watchdog import Lane, async_renewer, deadline_watch, thread_renewer
 
 log = logging.getLogger("task_locks.lock")
 
@@ -137,52 +137,78 @@ def _spawn(awaitable: Any) -> None:
 
 
 _flag_guard = threading.Lock()
+#: Why a lease is lost when its local deadline passed with no renewal answered in time.
+DEADLINE_REASON: Final = "its TTL ran out before it was renewed (no renewal answered in time)"
 
 
 class LostFlag:
     """``lease.lost``: a ``threading.Event`` look-alike that builds the Event only if waited on.
 
+    It is also set, with no one calling :meth:`set`, once the lease's local deadline
+    (``_deadline``, monotonic) has passed: a renewal call still blocked on a dead link
+    cannot keep the lease looking alive past the time the server may have expired it.
+
     Most leases are never waited on; a real Event per lease costs a lock, a condition and
     about a kilobyte, on every acquire.
     """
 
-    __slots__ = ("_event", "_set")
+    __slots__ = ("_deadline", "_event", "_set")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float = math.inf) -> None:
         self._set = False
         self._event: threading.Event | None = None
+        self._deadline = deadline
 
     def is_set(self) -> bool:
-        return self._set
+        return self._set or time.monotonic() >= self._deadline
 
     def set(self) -> None:
-        self._set = True
+        self._claim()
+
+    def _claim(self) -> bool:
+        """Set the flag; ``True`` only for the one caller that set it (who reports the loss)."""
         with _flag_guard:
+            if self._set:
+                return False
+            self._set = True
             event = self._event
         if event is not None:
             event.set()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         with _flag_guard:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        if self._set:
-            event.set()
-        return event.wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.is_set():
+                return True
+            now = time.monotonic()
+            # Wake at the deadline too: it may pass with nobody calling set().
+            left = self._deadline - now
+            if end is not None:
+                if now >= end:
+                    return False
+                left = min(left, end - now)
+            if event.wait(None if math.isinf(left) else max(0.0, left)):
+                return True
 
     def __bool__(self) -> bool:
-        return self._set
+        return self.is_set()
 
     def __repr__(self) -> str:
-        return f"<LostFlag {'set' if self._set else 'clear'}>"
+        return f"<LostFlag {'set' if self.is_set() else 'clear'}>"
 
 
 class _LeaseBase:
     """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
 
-    #: The renewer this lease was handed to (``None``: not renewed in the background).
-    _renewer: ThreadRenewer | AsyncRenewer | None = None
+    #: The renewal lane this lease was handed to (``None``: not renewed in the background).
+    _renewer: Lane | None = None
+    #: Whether the deadline watch has this lease.
+    _watched: bool = False
 
     def __init__(
         self,
@@ -201,9 +227,6 @@ class _LeaseBase:
         self.fence = fence
         self.ttl = ttl
         self.backend = backend
-        #: Set when the lease is known lost (expired, taken over, renewal refused).
-        self.lost = LostFlag()
-        self.lost_reason: str | None = None
         self.acquired_at = time.time()
         self._acquired_mono = sent_at
         # The server set the TTL after we sent the request, so counting from the send is
@@ -214,6 +237,12 @@ class _LeaseBase:
         # the TTL last changed (a watchdog renewal sent before that used an older TTL).
         self._ttl_since = -math.inf
         self._valid_before = self._valid_for
+        #: Set when the lease is known lost (expired, taken over, renewal refused), and
+        #: by itself at the local deadline, whatever renewal call is still in flight.
+        self.lost = LostFlag(self._expires_mono)
+        self._lost_reason: str | None = None
+        #: The last renewal failure, to say why the lease ran out.
+        self._renew_error: BaseException | None = None
         self._released = False
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
@@ -222,6 +251,13 @@ class _LeaseBase:
         self._pid = os.getpid()
 
     # -- what users read --------------------------------------------------------
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lease was lost (``None`` while it is not)."""
+        if self._lost_reason is None and self.lost.is_set():
+            return self._deadline_reason()
+        return self._lost_reason
 
     @property
     def held(self) -> bool:
@@ -252,7 +288,8 @@ class _LeaseBase:
         Call it before acting on the protected resource; pass ``fence`` to the resource
         as well, since a pause can still happen between the check and the write.
         """
-        if self.lost.is_set():
+        if self.lost.is_set():  # released leases never turn lost by their deadline
+            self._mark_lost(self._deadline_reason())  # no-op if already marked
             raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
         if self._released:
             raise LockLost(f"lock {self.name!r} was already released", name=self.name)
@@ -262,20 +299,36 @@ class _LeaseBase:
                 "does not hold it",
                 name=self.name,
             )
-        if time.monotonic() >= self._expires_mono:
-            self._mark_lost("its TTL ran out before it was renewed")
-            raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
 
     # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
 
-    def _renewed(self, sent_at: float) -> None:
+    def _renewed(self, sent_at: float) -> bool:
+        """Record a renewal the server granted; ``False`` if its reply came too late.
+
+        A reply that arrives after the local deadline must not bring the lease back: for
+        a while the lease counted as lost, and its holder (``run``, a command, a task)
+        may already have stopped or been stopped, or another process taken the lock.
+        """
+        if self.lost.is_set():
+            self._mark_lost(DEADLINE_REASON + "; the renewal's reply came after the deadline")
+            return False
         valid = self._valid_for
         if sent_at < self._ttl_since:
             # Sent before renew(ttl=...) changed the TTL: it may have carried the old TTL
             # and reached the server last, so count the shortest TTL this lease has had.
             valid = min(valid, self._valid_before)
-        self._expires_mono = sent_at + valid
+        self._expires_mono = self.lost._deadline = sent_at + valid
         self.renewals += 1
+        return True
+
+    def _deadline_passed(self) -> None:
+        """Called by the deadline watch once the local deadline has passed."""
+        self._mark_lost(self._deadline_reason())
+
+    def _deadline_reason(self) -> str:
+        if self._renew_error is None:
+            return DEADLINE_REASON
+        return f"the backend was unreachable until the TTL ran out ({self._renew_error})"
 
     def _begin_renew(self, ttl: object) -> tuple[float, int]:
         """Check the lease and put ``ttl`` (if given) in force: ``(sent_at, ttl_ms)``.
@@ -292,7 +345,11 @@ class _LeaseBase:
             self._valid_before = min(self._valid_before, self._valid_for, new_valid)
             self._ttl_since = sent_at
             self.ttl, self._valid_for = new_ttl, new_valid
-            self._expires_mono = min(self._expires_mono, sent_at + new_valid)
+            if sent_at + new_valid < self._expires_mono:
+                # The deadline moved earlier: the lost flag and the deadline watch follow.
+                self._expires_mono = self.lost._deadline = sent_at + new_valid
+                if self._watched:
+                    deadline_watch().add(self)
         return sent_at, max(1, int(self.ttl * 1000))
 
     def _reschedule(self) -> None:
@@ -305,6 +362,7 @@ class _LeaseBase:
         if now + min(self.ttl / 10, 1.0) >= self._expires_mono:
             self._mark_lost(f"the backend was unreachable until the TTL ran out ({error})")
             return False
+        self._renew_error = error
         log.info("renewing lock %r failed, will retry: %s", self.name, error)
         return True
 
@@ -322,11 +380,16 @@ class _LeaseBase:
             log.warning("releasing lock %r after max_hold failed: %s", self.name, exc)
 
     def _mark_lost(self, reason: str) -> None:
-        if self.lost.is_set() or self._released:
+        if self._released:
             return
-        self.lost_reason = reason
-        self.lost.set()
+        with _flag_guard:
+            if self._lost_reason is not None:
+                return
+            self._lost_reason = reason
+        if not self.lost._claim():
+            return
         self._unschedule()
+        self._unwatch()
         log.warning("lock %r (fence %s) lost: %s", self.name, self.fence, reason)
         if self._on_lost is not None:
             try:
@@ -339,6 +402,15 @@ class _LeaseBase:
     def _schedule(self) -> None:
         """Hand the lease to the renewer of this thread's process or this event loop."""
         raise NotImplementedError
+
+    def _watch(self) -> None:
+        """Have the deadline watch mark the lease lost at its local deadline."""
+        raise NotImplementedError
+
+    def _unwatch(self) -> None:
+        if self._watched:
+            self._watched = False
+            deadline_watch().remove(self)
 
     def _unschedule(self) -> None:
         # The renewer it was given, not the current thread's or loop's: a lease may be
@@ -356,6 +428,7 @@ class _LeaseBase:
             return False
         if self._foreign():
             self._released = True
+            self.lost._deadline = math.inf
             log.debug("lock %r belongs to parent process %s; not released", self.name, self._pid)
             return False
         self._unschedule()
@@ -364,6 +437,8 @@ class _LeaseBase:
     def _finish_release(self, ok: bool) -> None:
         if ok:
             self._released = True
+            self.lost._deadline = math.inf  # released, not lost
+            self._unwatch()
             log.debug("released lock %r (fence %s)", self.name, self.fence)
             return
         self._mark_lost("the lock's token was gone at release")
@@ -385,7 +460,8 @@ class _LeaseBase:
 
     def _finish_renew(self, ok: bool, sent_at: float) -> None:
         if ok:
-            self._renewed(sent_at)
+            if not self._renewed(sent_at):
+                raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
             return
         self._mark_lost("renewal found the lock's token gone (it expired or was taken)")
         raise NotOwned(
@@ -401,8 +477,11 @@ class Lease(_LeaseBase):
     """Proof of holding a lock, renewed in the background until released."""
 
     def _schedule(self) -> None:
-        self._renewer = thread_renewer()
-        self._renewer.add(self)
+        self._renewer = thread_renewer().add(self)
+
+    def _watch(self) -> None:
+        self._watched = True
+        deadline_watch().add(self)
 
     def renew(self, ttl: float | None = None) -> None:
         """Extend the TTL now (the watchdog also does this on its own), token-checked.
@@ -439,9 +518,26 @@ class Lease(_LeaseBase):
 class AsyncLease(_LeaseBase):
     """The asyncio twin of :class:`Lease`; renewed by a task in its event loop."""
 
+    _loop: asyncio.AbstractEventLoop | None = None
+
     def _schedule(self) -> None:
-        self._renewer = async_renewer()
-        self._renewer.add(self)
+        self._renewer = async_renewer().add(self)
+
+    def _watch(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._watched = True
+        deadline_watch().add(self)
+
+    def _deadline_passed(self) -> None:
+        # The watch runs in its own thread; the lease's callbacks belong to its loop.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._mark_lost(self._deadline_reason())
+            return
+        try:
+            loop.call_soon_threadsafe(self._mark_lost, self._deadline_reason())
+        except RuntimeError:  # the loop closed in between
+            self._mark_lost(self._deadline_reason())
 
     async def renew(self, ttl: float | None = None) -> None:
         """The asyncio twin of :meth:`Lease.renew` (same ``ttl``)."""
@@ -584,7 +680,9 @@ class _LockBase:
         )
 
     def _keep(self, lease: L) -> L:
-        """Hand ``lease`` to its renewer, unless this lock was made with ``renew=False``."""
+        """Hand ``lease`` to the deadline watch (always: it marks the lease lost at its local
+        deadline) and to its renewer, unless this lock was made with ``renew=False``."""
+        lease._watch()
         if self.renew:
             lease._schedule()
         return lease

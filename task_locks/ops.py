@@ -67,8 +67,12 @@ EX_CONFIG: Final = 78
 EX_LEASE_LOST: Final = 79
 #: Signals ``run`` forwards to its program.
 FORWARDED_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-#: How long ``run`` lets its program stop after the lock was lost before killing it.
+#: How long ``run`` lets its program stop after the lock was lost before killing it
+#: (never past the lease's local deadline).
 LOST_GRACE: Final = 10.0
+#: ``run`` sends SIGTERM this long (at most; a quarter of the TTL for short TTLs) before
+#: the lease's local deadline when no renewal has extended it, and SIGKILL at the deadline.
+STOP_MARGIN: Final = 1.0
 
 
 class Audit(Protocol):
@@ -684,7 +688,17 @@ def cmd_run(
     err: TextIO,
     audit: Audit = emit_audit,
 ) -> int:
-    """Hold ``name`` while ``argv`` runs; return its status (75 if the lock is held)."""
+    """Hold ``name`` while ``argv`` runs; return its status (75 if the lock is held).
+
+    The program never outlives the lease: when renewals stop getting through (the
+    backend stalls, the link is cut), ``run`` sends it SIGTERM :data:`STOP_MARGIN`
+    seconds (a quarter of the TTL if shorter) before the lease's local deadline and
+    SIGKILL at the deadline, so it has stopped before the server can let anyone else take
+    the lock. A lease found lost outright (its token gone) is handled the same way, with
+    SIGKILL at the deadline or after :data:`LOST_GRACE`, whichever is sooner. Each step is
+    said on stderr, and ``run`` then exits 79 (``EX_LEASE_LOST``) whatever the program's
+    own status: its work may be incomplete (75 means only "held elsewhere").
+    """
     argv = list(argv)
     if not argv:
         err.write("run: no command given (usage: run NAME [--ttl S] [--wait S] -- CMD ...)\n")
@@ -699,6 +713,7 @@ def cmd_run(
     )
     child: list[subprocess.Popen[bytes]] = []
     lease: Lease | None = None
+    stopped = False
     try:
         with _forwarding(child):
             try:
@@ -722,12 +737,23 @@ def cmd_run(
             except OSError as exc:
                 err.write(f"run: cannot start {argv[0]!r}: {exc}\n")
                 return 127
-            return _supervise(child[0], lease, lost, err, audit)
+            status = _supervise(child[0], lease, lost, err)
+            if status is None:
+                return _status(child[0].returncode)
+            stopped = True
+            audit("lost", lease.name, fence=lease.fence, detail=lease.lost_reason or status)
+            return EX_LEASE_LOST
     except _Interrupted as stop:
         return 128 + stop.signum
     finally:
-        if lease is not None:
+        # A program stopped for an expiring lease: the backend is not answering renewals,
+        # and the lock ends by its TTL (a release would only wait for a timeout).
+        if lease is not None and not stopped:
             _release(lease, err, audit)
+
+
+def _stop_margin(lease: Lease) -> float:
+    return min(STOP_MARGIN, lease.ttl / 4)
 
 
 def _supervise(
@@ -735,26 +761,46 @@ def _supervise(
     lease: Lease,
     lost: threading.Event,
     err: TextIO,
-    audit: Audit,
-) -> int:
+) -> str | None:
+    """Wait for ``proc``; ``None`` if it ended on its own, else why ``run`` stopped it."""
+    margin = _stop_margin(lease)
     while True:
+        left = lease.remaining
         try:
-            return _status(proc.wait(timeout=0.2))
+            proc.wait(timeout=min(0.05, max(0.001, left - margin)))
+            return None
         except subprocess.TimeoutExpired:
             pass
-        if lost.is_set():
-            err.write(
-                f"task-locks: lost lock {lease.name!r} ({lease.lost_reason}); "
-                f"stopping {proc.args!r}\n"
-            )
-            audit("lost", lease.name, fence=lease.fence, detail=lease.lost_reason or "")
-            proc.terminate()
-            try:
-                proc.wait(timeout=LOST_GRACE)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            return EX_LEASE_LOST
+        left = lease.remaining
+        if lost.is_set() or lease.lost.is_set() or left <= margin:
+            return _stop(proc, lease, left, err)
+
+
+def _stop(proc: subprocess.Popen[bytes], lease: Lease, left: float, err: TextIO) -> str:
+    """SIGTERM now, SIGKILL at the lease's local deadline (or after LOST_GRACE)."""
+    if lease.lost.is_set():
+        why = f"lost lock {lease.name!r} ({lease.lost_reason})"
+        left = min(left, LOST_GRACE)
+    else:
+        why = (
+            f"lost lock {lease.name!r}: not renewed, it expires in {left:.2f}s "
+            f"(fence {lease.fence})"
+        )
+    err.write(
+        f"task-locks: {why}; stopping {proc.args!r}: SIGTERM now, SIGKILL in {left:.2f}s "
+        f"at the lease's deadline; exit status {EX_LEASE_LOST}\n"
+    )
+    err.flush()
+    proc.terminate()
+    try:
+        proc.wait(timeout=max(0.0, left))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        err.write(f"task-locks: {proc.args!r} did not stop by the deadline: sent SIGKILL\n")
+    else:
+        err.write(f"task-locks: {proc.args!r} stopped (status {proc.returncode})\n")
+    return why
 
 
 def _release(lease: Lease, err: TextIO, audit: Audit) -> None:

@@ -1,20 +1,34 @@
-"""Renewal: one schedule, driven by one thread per process or one task per event loop.
+"""Renewal: one lane per backend (per primary on Redis Cluster), and a deadline watch.
 
-Every live lease is renewed at about a third of its TTL. All leases of a backend that
-are due together go to :meth:`Backend.renew_many` in one call (one pipelined round trip
-on Redis), so 10,000 leases cost one thread and a few round trips per round, not 10,000
+Every live lease is renewed at about a third of its TTL. All leases of a lane that are
+due together go to :meth:`Backend.renew_many` in one call (one pipelined round trip on
+Redis), so 10,000 leases cost one thread and a few round trips per round, not 10,000
 threads. A renewal that finds the token gone marks the lease lost; one that cannot reach
 the server is retried until the lease would have expired, and then the lease is lost.
 Renewal never re-acquires.
 
-The bookkeeping (:class:`Schedule`) has no I/O; :class:`ThreadRenewer` and
-:class:`AsyncRenewer` only differ in how they wait and how they call the backend.
+Lanes are independent: each has its own schedule, its own thread (or task, per event
+loop) and its own call timeout, so a stalled server (or one stalled cluster primary)
+delays only its own leases' renewals. A lane's thread starts with its first lease and
+exits when idle. Each renewal call is given a timeout shorter than the validity left to
+the leases it carries.
+
+The :class:`DeadlineWatch` (one thread per process, a heap of deadlines) marks a lease
+lost at its local deadline, whatever renewal call is still in flight: behind a
+blackholed link the call only returns at its socket timeout, which may be long after the
+server let the lock go. A reply that comes after the deadline does not bring the lease
+back (``_renewed`` refuses it).
+
+The bookkeeping (:class:`Schedule`) has no I/O; the thread and asyncio lanes only differ
+in how they wait and how they call the backend.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
+import inspect
 import itertools
 import logging
 import math
@@ -22,9 +36,9 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .types import RenewItem
 
@@ -35,8 +49,10 @@ log = logging.getLogger("task_locks.watchdog")
 
 #: Leases due within this window are renewed together with the first due one.
 BATCH_WINDOW = 0.25
-#: The thread exits after this long with nothing to renew; the next lease restarts it.
+#: A lane's thread (and the deadline watch) exits after this long with nothing to do.
 IDLE_EXIT = 5.0
+#: The shortest timeout a renewal call is given (a lease with less left is as good as lost).
+MIN_CALL_TIMEOUT = 0.01
 
 
 class Renewable(Protocol):
@@ -47,8 +63,13 @@ class Renewable(Protocol):
     ttl: float
     backend: Backend
     _hold_deadline: float | None
+    _expires_mono: float
+    _released: bool
 
-    def _renewed(self, sent_at: float) -> None: ...
+    @property
+    def lost(self) -> Any: ...
+    def _renewed(self, sent_at: float) -> bool: ...
+    def _deadline_passed(self) -> None: ...
     def _renew_failed(self, now: float, error: BaseException) -> bool: ...
     def _mark_lost(self, reason: str) -> None: ...
     def _hold_expired(self, now: float) -> bool: ...
@@ -146,9 +167,26 @@ def next_renewal(lease: Renewable, base: float) -> float:
 
 
 def split_batch(leases: list[Renewable], now: float) -> tuple[list[Renewable], list[RenewItem]]:
-    """Drop leases past their ``max_hold`` (marked lost); the rest become renew items."""
-    keep = [lease for lease in leases if not lease._hold_expired(now)]
+    """Drop leases past their ``max_hold`` (marked lost) or their deadline; the rest become
+    renew items."""
+    keep = [lease for lease in leases if not lease._hold_expired(now) and not lease.lost.is_set()]
     return keep, [RenewItem(x.name, x.token, max(1, int(x.ttl * 1000))) for x in keep]
+
+
+def call_timeout(leases: list[Renewable], sent_at: float) -> float:
+    """The timeout of one renewal call: the validity left to the first lease to expire.
+
+    An answer after that is useless (the deadline watch has marked the lease lost, and
+    ``_renewed`` refuses late answers), and waiting longer only delays the lane's retry.
+    """
+    return max(MIN_CALL_TIMEOUT, min(lease._expires_mono for lease in leases) - sent_at)
+
+
+@functools.cache
+def _takes_timeout(backend_class: type, method: str) -> bool:
+    """Whether a backend's ``renew_many`` takes ``timeout`` (backends written before it
+    was added do not: they are called without it)."""
+    return "timeout" in inspect.signature(getattr(backend_class, method)).parameters
 
 
 def apply_results(
@@ -162,18 +200,30 @@ def apply_results(
     for index, lease in enumerate(leases):
         outcome = results if isinstance(results, BaseException) else results[index]
         if outcome is True:
-            lease._renewed(sent_at)
-            schedule.add(lease, next_renewal(lease, sent_at))
+            if lease._renewed(sent_at):
+                schedule.add(lease, next_renewal(lease, sent_at))
         elif outcome is False:
             lease._mark_lost("renewal found the lock's token gone (it expired or was taken)")
         elif lease._renew_failed(now, outcome):
             schedule.add(lease, now + min(lease.ttl / 10, 1.0))
 
 
-class ThreadRenewer:
-    """The per-process renewal thread (daemon); started on demand, exits when idle."""
+class Lane(Protocol):
+    """Where a lease is renewed: :class:`ThreadLane` or :class:`AsyncLane`."""
 
-    def __init__(self) -> None:
+    schedule: Schedule
+
+    def add(self, lease: Renewable) -> None: ...
+    def remove(self, lease: Renewable) -> None: ...
+    def idle(self) -> bool: ...
+
+
+class ThreadLane:
+    """The renewal thread (daemon) of one lane; started on demand, exits when idle."""
+
+    def __init__(self, key: Hashable = None, label: str = "") -> None:
+        self.key = key
+        self.label = label
         self.schedule = Schedule()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -187,7 +237,7 @@ class ThreadRenewer:
         with self._cond:
             if self._thread is None:  # _run() clears it, under this lock, as it exits
                 self._thread = threading.Thread(
-                    target=self._run, name="task-locks-renewer", daemon=True
+                    target=self._run, name=f"task-locks-renewer {self.label}", daemon=True
                 )
                 self._wake_at = -math.inf
                 self._thread.start()
@@ -197,11 +247,15 @@ class ThreadRenewer:
     def remove(self, lease: Renewable) -> None:
         self.schedule.remove(lease)
 
+    def idle(self) -> bool:
+        """No lease, no thread: nothing is lost by forgetting this lane."""
+        return self._thread is None and not len(self.schedule)
+
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException:
-            log.exception("the renewal thread failed; the next acquire starts a new one")
+            log.exception("a renewal thread failed; the next acquire starts a new one")
             raise
         finally:
             with self._cond:
@@ -240,16 +294,80 @@ class ThreadRenewer:
             return
         results: list[bool] | BaseException
         try:
-            results = backend.renew_many(items)
+            timeout = call_timeout(leases, sent_at)
+            if _takes_timeout(type(backend), "renew_many"):
+                results = backend.renew_many(items, timeout=timeout)
+            else:
+                results = backend.renew_many(items)
         except Exception as exc:  # a batch that failed as a whole is retried per lease
             results = exc
         apply_results(self.schedule, leases, results, sent_at)
 
 
-class AsyncRenewer:
-    """One renewal task per event loop, for :class:`~task_locks.AsyncLock` leases."""
+class _Lanes:
+    """The lanes of one renewer, keyed by backend and the backend's lane for the name."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, make: Callable[[Hashable, str], Any]) -> None:
+        self._make = make
+        self._lanes: dict[tuple[int, Hashable], Any] = {}
+        self._guard = threading.Lock()
+
+    def get(self, lease: Renewable, asynchronous: bool) -> Any:
+        backend = lease.backend
+        part = backend.renewal_lane(lease.name, asynchronous=asynchronous)
+        key = (id(backend), part)
+        lane = self._lanes.get(key)
+        if lane is None:
+            with self._guard:
+                lane = self._lanes.get(key)
+                if lane is None:
+                    # Lanes of backends gone (closed, collected: ids get reused) must not
+                    # pile up: idle ones are dropped as new ones come. A lane dropped
+                    # while a lease is being added to it still works, only alone.
+                    for old_key in [k for k, v in self._lanes.items() if v.idle()]:
+                        del self._lanes[old_key]
+                    label = f"{backend.server} #{id(backend):x}"
+                    label += "" if part is None else f" {part}"
+                    lane = self._lanes[key] = self._make(key, label)
+        return lane
+
+    def all(self) -> list[Any]:
+        with self._guard:
+            return list(self._lanes.values())
+
+    # ``renewer.schedule`` reads as one schedule over every lane (tests, diagnostics).
+    def __len__(self) -> int:
+        return sum(len(lane.schedule) for lane in self.all())
+
+    def clear(self) -> None:
+        for lane in self.all():
+            lane.schedule.clear()
+
+
+class ThreadRenewer:
+    """The process's renewal lanes for :class:`~task_locks.Lock` leases."""
+
+    def __init__(self) -> None:
+        self.lanes = _Lanes(ThreadLane)
+
+    @property
+    def schedule(self) -> _Lanes:
+        return self.lanes
+
+    def add(self, lease: Renewable) -> ThreadLane:
+        lane: ThreadLane = self.lanes.get(lease, asynchronous=False)
+        lane.add(lease)
+        return lane
+
+
+class AsyncLane:
+    """The renewal task of one lane in one event loop."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, key: Hashable = None, label: str = ""
+    ) -> None:
+        self.key = key
+        self.label = label
         self.schedule = Schedule()
         self._loop = loop
         self._wake = asyncio.Event()
@@ -259,12 +377,17 @@ class AsyncRenewer:
     def add(self, lease: Renewable) -> None:
         earliest = self.schedule.add(lease, next_renewal(lease, time.monotonic()))
         if self._task is None or self._task.done():
-            self._task = self._loop.create_task(self._run(), name="task-locks-renewer")
+            self._task = self._loop.create_task(
+                self._run(), name=f"task-locks-renewer {self.label}"
+            )
         elif earliest:
             self._wake.set()
 
     def remove(self, lease: Renewable) -> None:
         self.schedule.remove(lease)
+
+    def idle(self) -> bool:
+        return (self._task is None or self._task.done()) and not len(self.schedule)
 
     async def _run(self) -> None:
         while True:
@@ -284,15 +407,131 @@ class AsyncRenewer:
                 leases, items = split_batch(leases, sent_at)
                 if not items:
                     continue
+                timeout = call_timeout(leases, sent_at)
                 results: list[bool] | BaseException
                 try:
-                    results = await backend.arenew_many(items)
+                    # wait_for bounds any backend's call; the backend may bound it too.
+                    call = (
+                        backend.arenew_many(items, timeout=timeout)
+                        if _takes_timeout(type(backend), "arenew_many")
+                        else backend.arenew_many(items)
+                    )
+                    results = await asyncio.wait_for(call, timeout)
                 except Exception as exc:
                     results = exc
                 apply_results(self.schedule, leases, results, sent_at)
 
 
+class AsyncRenewer:
+    """The renewal lanes of one event loop, for :class:`~task_locks.AsyncLock` leases."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.lanes = _Lanes(lambda key, label: AsyncLane(loop, key, label))
+
+    @property
+    def schedule(self) -> _Lanes:
+        return self.lanes
+
+    def add(self, lease: Renewable) -> AsyncLane:
+        lane: AsyncLane = self.lanes.get(lease, asynchronous=True)
+        lane.add(lease)
+        return lane
+
+
+class DeadlineWatch:
+    """Marks leases lost at their local deadline: one thread per process, a heap.
+
+    Each watched lease has one entry, at the deadline it had when pushed; when the entry
+    comes up and the lease was renewed meanwhile, it is pushed again at its new deadline
+    (renewals do not touch the heap). Released and lost leases leave at their turn.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Renewable]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._done = 0  # entries of released or lost leases still in the heap
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._heap)
+
+    def add(self, lease: Renewable) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (lease._expires_mono, next(self._seq), lease))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="task-locks-deadlines", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is lease:
+                self._cond.notify()
+
+    def remove(self, lease: Renewable) -> None:
+        """``lease`` was released or lost: its entry is dropped at its turn, or sooner.
+
+        Released leases would otherwise stay until their old deadline, so a fast
+        acquire/release loop compacts the heap once they outnumber the live ones.
+        """
+        with self._cond:
+            self._done += 1
+            if len(self._heap) > 64 and 2 * self._done > len(self._heap):
+                self._heap = [
+                    entry for entry in self._heap if not (entry[2]._released or entry[2].lost._set)
+                ]
+                heapq.heapify(self._heap)
+                self._done = 0
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("the deadline watch failed; the next acquire starts a new one")
+            raise
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
+        idle_since: float | None = None
+        while True:
+            expired: list[Renewable] = []
+            with self._cond:
+                now = time.monotonic()
+                if not self._heap:
+                    idle_since = idle_since or now
+                    if now - idle_since >= IDLE_EXIT:
+                        self._thread = None
+                        return
+                    self._cond.wait(IDLE_EXIT)
+                    continue
+                idle_since = None
+                while self._heap and self._heap[0][0] <= now:
+                    _, _, lease = heapq.heappop(self._heap)
+                    if lease._released or lease.lost._set:
+                        self._done = max(0, self._done - 1)
+                        continue
+                    deadline = lease._expires_mono
+                    if deadline > now:  # renewed since: watch its new deadline
+                        heapq.heappush(self._heap, (deadline, next(self._seq), lease))
+                    else:
+                        expired.append(lease)
+                if not expired:
+                    if self._heap:
+                        self._cond.wait(max(0.0, self._heap[0][0] - now))
+                    continue
+            for lease in expired:  # outside the lock: callbacks may acquire again
+                try:
+                    lease._deadline_passed()
+                except Exception:
+                    log.exception("marking lock %r lost at its deadline failed", lease.name)
+
+
 _thread_renewer: ThreadRenewer | None = None
+_deadline_watch: DeadlineWatch | None = None
 _async_renewers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRenewer] = (
     weakref.WeakKeyDictionary()
 )
@@ -310,6 +549,17 @@ def thread_renewer() -> ThreadRenewer:
     return renewer
 
 
+def deadline_watch() -> DeadlineWatch:
+    global _deadline_watch
+    watch = _deadline_watch
+    if watch is None:
+        with _guard:
+            if _deadline_watch is None:
+                _deadline_watch = DeadlineWatch()
+            watch = _deadline_watch
+    return watch
+
+
 def async_renewer() -> AsyncRenewer:
     loop = asyncio.get_running_loop()
     renewer = _async_renewers.get(loop)
@@ -321,14 +571,16 @@ def async_renewer() -> AsyncRenewer:
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's leases: forget them, never renew them.
 
-    The parent's renewal thread does not exist in the child. A renewal task does (when
-    the fork happened inside a running event loop), so its schedule is emptied and the
-    task stops at its next wake-up (it also checks the pid).
+    The parent's renewal threads and deadline watch do not exist in the child. Renewal
+    tasks do (when the fork happened inside a running event loop): they stop at their
+    next wake-up (they check the pid), and their lanes are forgotten.
     """
-    global _thread_renewer, _guard
+    global _thread_renewer, _deadline_watch, _guard
     _thread_renewer = None
+    _deadline_watch = None
     for renewer in list(_async_renewers.values()):
-        renewer.schedule = Schedule()  # a fresh one: the old lock may be held by a dead thread
+        for lane in list(renewer.lanes._lanes.values()):
+            lane.schedule = Schedule()  # a fresh one: the old lock may be held by a dead thread
     _async_renewers.clear()
     _guard = threading.Lock()
 

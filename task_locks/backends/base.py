@@ -23,7 +23,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -181,9 +181,23 @@ class Backend(abc.ABC):
 
     # -- optional, with a correct default ------------------------------------------
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
-        """Renew a batch; backends override this to use one round trip."""
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        """Renew a batch; backends override this to use one round trip.
+
+        ``timeout`` (seconds) is the validity left to the first lease of the batch to
+        expire: an answer after it is useless, so a backend that can bound its call by it
+        should (Redis does). The watchdog marks the leases lost at their deadline anyway.
+        """
         return [self.renew(i.name, i.token, i.ttl_ms) for i in items]
+
+    def renewal_lane(self, name: str, asynchronous: bool = False) -> Hashable:
+        """Which renewal lane renews ``name``: leases in one lane are renewed together.
+
+        Lanes are independent (own schedule, own thread or task, own timeout), so one
+        stalled lane does not delay another. One lane per backend by default; Redis
+        Cluster has one per primary. ``asynchronous``: the caller renews from asyncio.
+        """
+        return None
 
     def wait(self, name: str, timeout: float) -> None:
         """Block until ``name`` is probably released, or ``timeout`` seconds pass.
@@ -227,8 +241,10 @@ class Backend(abc.ABC):
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
         return await asyncio.to_thread(self.renew, name, token, ttl_ms)
 
-    async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
-        return await asyncio.to_thread(self.renew_many, items)
+    async def arenew_many(
+        self, items: Sequence[RenewItem], timeout: float | None = None
+    ) -> list[bool]:
+        return await asyncio.to_thread(self.renew_many, items, timeout)
 
     async def arelease(self, name: str, token: str) -> bool:
         return await asyncio.to_thread(self.release, name, token)

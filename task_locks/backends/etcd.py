@@ -474,7 +474,9 @@ class EtcdBackend(Backend):
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        # Each request is already bounded by the ``timeout`` option (default 2 s); the
+        # watchdog marks a lease lost at its deadline whatever a call still waits for.
         if not items:
             return []
         results: list[bool] = []

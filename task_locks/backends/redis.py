@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -35,7 +36,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
@@ -74,6 +75,9 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
 
 T = TypeVar("T")
+#: Replies that mean "ask another node": a bounded renewal sent straight to one primary
+#: hands these to the cluster client, which follows them.
+_REDIRECTS = (MovedError, AskError, TryAgainError)
 
 log = logging.getLogger("task_locks.backends.redis")
 
@@ -311,6 +315,32 @@ class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["disconnect_on_error"] = True
         return super().read_response(*args, **kwargs)
+
+
+def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` pipelined down one connection of ``pool``, waiting at most ``timeout``.
+
+    The connection's socket timeout is lowered for this call only and restored before the
+    connection goes back to the pool; after a timeout it is dropped (its reply may still
+    come, and must not be read as someone else's).
+    """
+    connection = pool.get_connection()
+    try:
+        connection.update_current_socket_timeout(timeout)
+        connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        connection.update_current_socket_timeout(-1)  # -1: back to the pool's own timeout
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+    return replies
 
 
 @dataclass(frozen=True)
@@ -666,18 +696,26 @@ class RedisBackend(Backend):
             pipe.execute_command(*command)
         return list(pipe.execute(raise_on_error=False))
 
-    def _scripts(self, name: str, commands: Commands) -> list[Any]:
+    def _scripts(
+        self,
+        name: str,
+        commands: Commands,
+        send: Callable[[list[tuple[Any, ...]]], list[Any]] | None = None,
+    ) -> list[Any]:
         """Script calls in one pipeline by SHA; a second one resends those NOSCRIPT refused.
 
         Each reply is the script's answer or the error it raised (for the caller to judge).
+        ``send`` replaces the client's pipeline (a connection with a shorter timeout).
         """
         try:
-            client = self.client
-            replies = self._pipeline(client, commands(True))
+            if send is None:
+                client = self.client
+                send = functools.partial(self._pipeline, client)
+            replies = send(commands(True))
             missing = self._missing_scripts(replies)
             if missing:
                 source = commands(False)
-                again = self._pipeline(client, [source[i] for i in missing])
+                again = send([source[i] for i in missing])
                 for index, reply in zip(missing, again, strict=True):
                     replies[index] = reply
             return replies
@@ -690,6 +728,53 @@ class RedisBackend(Backend):
         if any(isinstance(reply, NoScriptError) for reply in replies):
             replies = self._pipeline(client, commands(False))
         return replies
+
+    def renewal_lane(self, name: str, asynchronous: bool = False) -> Hashable:
+        """On a cluster, the primary serving ``name``: each primary is renewed on its own,
+        so a stalled one holds up no other's leases. One lane otherwise."""
+        if not self.cluster:
+            return None
+        try:
+            client = self._async_client() if asynchronous else self.client
+            node = client.get_node_from_key(self._key(name))
+        except Exception:  # no slot map yet: the shared lane (renewals still route by key)
+            return None
+        return None if node is None else node.name
+
+    def _bounded_send(
+        self, items: Sequence[RenewItem], timeout: float
+    ) -> Callable[[list[tuple[Any, ...]]], list[Any]] | None:
+        """A sender whose socket timeout is ``timeout`` (``None``: use the client's pipeline).
+
+        redis-py has no per-call timeout, so the commands go down one pooled connection
+        whose socket timeout is lowered for the call and restored before it returns to
+        the pool. On a cluster this is done when the batch has one primary (the watchdog's
+        lanes make it so): the commands go to that primary's own pool.
+        """
+        if timeout >= self.socket_timeout:
+            return None
+        try:
+            client = self.client
+            if not self.cluster:
+                return functools.partial(_send_bounded, client.connection_pool, timeout)
+            nodes = {client.get_node_from_key(self._key(item.name)) for item in items}
+        except Exception:  # no slot map yet: the cluster client's own path
+            return None
+        node = nodes.pop() if len(nodes) == 1 else None
+        if node is None or node.redis_connection is None:
+            return None
+        pool = node.redis_connection.connection_pool
+
+        def send(commands: list[tuple[Any, ...]]) -> list[Any]:
+            replies = _send_bounded(pool, timeout, commands)
+            moved = [i for i, r in enumerate(replies) if isinstance(r, _REDIRECTS)]
+            if moved:  # the slot moved: the cluster client follows the redirection
+                again = self._pipeline(client, [commands[i] for i in moved])
+                for index, reply in zip(moved, again, strict=True):
+                    replies[index] = reply
+            return replies
+
+        return send
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         commands = self._acquire_commands(name, token, ttl_ms, owner)
@@ -723,14 +808,18 @@ class RedisBackend(Backend):
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
-        """All ``items`` in one pipelined round trip (a second one only after NOSCRIPT)."""
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        """All ``items`` in one pipelined round trip (a second one only after NOSCRIPT).
+
+        With ``timeout`` shorter than ``socket_timeout`` the call waits at most that long.
+        """
         if not items:
             return []
         for item in items:
             check_ttl_ms(item.ttl_ms, item.name)
         chunks = self._renew_chunks(items)
-        replies = self._scripts(items[0].name, self._renew_commands(chunks))
+        send = None if timeout is None else self._bounded_send(items, timeout)
+        replies = self._scripts(items[0].name, self._renew_commands(chunks), send)
         return self._renew_results(chunks, replies)
 
     def release(self, name: str, token: str) -> bool:
@@ -898,7 +987,11 @@ class RedisBackend(Backend):
         args = self._renew_args(name, token, ttl_ms)
         return bool((await self._acall(name, lambda: self._aeval(client, "renew_many", args)))[0])
 
-    async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    async def arenew_many(
+        self, items: Sequence[RenewItem], timeout: float | None = None
+    ) -> list[bool]:
+        # ``timeout`` is applied by the caller (asyncio.wait_for; redis-py's asyncio
+        # connections disconnect when a read is cancelled).
         if not items:
             return []
         for item in items:

@@ -695,7 +695,9 @@ class RedlockBackend(Backend):
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
+        # Every master is already asked with node_timeout (0.25 s by default), far below
+        # any TTL's validity: ``timeout`` adds nothing.
         return self._drive(self._renew_plan(items)) if items else []
 
     def release(self, name: str, token: str) -> bool:
@@ -837,7 +839,9 @@ class RedlockBackend(Backend):
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
         return (await self.arenew_many([RenewItem(name, token, ttl_ms)]))[0]
 
-    async def arenew_many(self, items: Sequence[RenewItem]) -> list[bool]:
+    async def arenew_many(
+        self, items: Sequence[RenewItem], timeout: float | None = None
+    ) -> list[bool]:
         return await self._adrive(self._renew_plan(items)) if items else []
 
     async def arelease(self, name: str, token: str) -> bool:

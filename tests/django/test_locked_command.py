@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,12 +17,16 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django_helpers import finish, manage
-from servers import wait_until
+from servers import RedisServer, wait_until
 
 from django_app import audit
 from django_app.commands import CommandLockHeld, LockedCommand, locked_command
 from django_app.models import LockEvent
 from task_locks import Lock, get_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+
+from chaoskit.proxy import ProxyHub
 
 
 @pytest.mark.django_db(transaction=True)
@@ -182,3 +187,43 @@ def test_audit_setting_picks_the_recorded_kinds(settings: object, redis_url: str
         call_command("locked_sleep")
     audit.flush()
     assert LockEvent.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_command_is_stopped_at_its_lease_deadline_when_renewals_hang(
+    redis_server: RedisServer, redis_url: str, tmp_path: Path, spawned: list[subprocess.Popen[str]]
+) -> None:
+    """Renewals blackholed (a real TCP proxy in front of the real Redis): the command is
+    stopped at its lease's local deadline, and only then can another run take the lock."""
+    hub = ProxyHub()
+    try:
+        link = hub.proxy(redis_server.port)
+        first_ran, second_ran = tmp_path / "first", tmp_path / "second"
+        beats = tmp_path / "beats"
+        ttl = 2.0
+        first = manage(
+            "locked_sleep", "--lock-ttl", str(ttl), "--seconds", "60", "--marker", str(first_ran),
+            "--beats", str(beats), backend_url=f"redis://127.0.0.1:{link.port}/0",
+        )  # fmt: skip
+        spawned.append(first)
+        wait_until(lambda: first_ran.exists() or first.poll() is not None, 30, "the first run")
+        assert first_ran.exists(), finish(first)
+        link.blackhole()
+        blackholed_at = time.time()
+        second = manage(
+            "locked_sleep", "--lock-wait", "30", "--marker", str(second_ran),
+            backend_url=redis_url,
+        )  # fmt: skip
+        spawned.append(second)
+        status, _, err = finish(first, ttl + 5)
+        # handle() stopped working by the lease's deadline (the process then exits).
+        last_beat = float(beats.read_text().split()[-1])
+        assert last_beat < blackholed_at + ttl + 0.1, "handle() worked past the deadline"
+        assert status == 79, err  # EX_LEASE_LOST
+        assert "lost lock 'sleepy:a'" in err and "stopping manage.py locked_sleep" in err, err
+        status, _, err = finish(second)
+        assert status == 0, err
+        assert int(second_ran.read_text()) > int(first_ran.read_text())
+        assert second_ran.stat().st_mtime > last_beat, "the two runs worked at once"
+    finally:
+        hub.close()

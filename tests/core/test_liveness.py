@@ -1,0 +1,80 @@
+"""No lock kept forever, no thread waiting on itself (issue 13, items 7 and 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+from servers import wait_until
+
+from task_locks import AsyncLock, Lease, Lock, LockHeld
+
+from .support import SyncDriver, holder_token
+
+
+def test_a_dropped_lease_stops_being_renewed_and_says_so(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    Lock("dropped", ttl=1, backend=redis_url).acquire(timeout=0)  # the lease is dropped
+    gc.collect()
+    assert holder_token(redis_url, "dropped") is not None  # still there: its TTL runs
+    # Without renewal the lock ends within its TTL, and a warning names it.
+    wait_until(lambda: holder_token(redis_url, "dropped") is None, 3, "the dropped lock to end")
+    assert "'dropped'" in caplog.text and "garbage-collected" in caplog.text
+    successor = Lock("dropped", ttl=1, backend=redis_url).acquire(timeout=0)
+    successor.release()
+
+
+def test_a_dropped_async_lease_stops_being_renewed(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        await AsyncLock("dropped-async", ttl=1, backend=redis_url).acquire(timeout=0)
+        gc.collect()
+        deadline = time.monotonic() + 3
+        while holder_token(redis_url, "dropped-async") is not None:
+            assert time.monotonic() < deadline, "the dropped async lease is still renewed"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert "'dropped-async'" in caplog.text and "garbage-collected" in caplog.text
+
+
+def test_a_kept_lease_is_still_renewed(redis_url: str) -> None:
+    lease = Lock("kept", ttl=0.5, backend=redis_url).acquire(timeout=0)
+    gc.collect()
+    wait_until(lambda: lease.renewals >= 3, 3, "three renewals of a kept lease")
+    assert lease.held
+    lease.release()
+
+
+def test_a_second_acquire_in_the_holding_thread_fails_at_once(
+    driver: SyncDriver, redis_url: str
+) -> None:
+    first = driver.acquire("mine", backend=redis_url, ttl=30)
+    start = time.monotonic()
+    with pytest.raises(LockHeld) as refused:
+        driver.acquire("mine", timeout=None, backend=redis_url, ttl=30)
+    assert time.monotonic() - start < 1.0, "it waited for itself"
+    message = str(refused.value)
+    assert "'mine'" in message and "this same" in message
+    assert refused.value.name == "mine"
+    first.release()
+    again = driver.acquire("mine", timeout=0, backend=redis_url, ttl=30)
+    again.release()
+
+
+def test_another_thread_still_waits_for_the_holder(redis_url: str) -> None:
+    first = Lock("shared", ttl=30, backend=redis_url).acquire(timeout=0)
+    got: list[Lease] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock("shared", ttl=30, backend=redis_url).acquire(timeout=5))
+    )
+    waiter.start()
+    first.release()
+    waiter.join(10)
+    assert got and got[0].fence > first.fence
+    got[0].release()
