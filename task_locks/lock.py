@@ -11,6 +11,7 @@ loop (:mod:`task_locks.semaphore`) is driven by the same two functions.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -19,6 +20,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Generator
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -209,6 +211,10 @@ class _LeaseBase:
     _renewer: Lane | None = None
     #: Whether the deadline watch has this lease.
     _watched: bool = False
+    #: A release was sent and got no answer (see ``_release_unknown``).
+    _release_failed: bool = False
+    #: Its entry in the holders map (see ``_LockBase._refuse_self_wait``).
+    _holder_key: tuple[int, str, int] | None = None
 
     def __init__(
         self,
@@ -434,12 +440,31 @@ class _LeaseBase:
         self._unschedule()
         return True
 
+    def _release_unknown(self, error: BackendUnavailable) -> None:
+        """A release whose outcome is unknown (no reply): the lock may be free already.
+
+        The lease stops counting as held (another process may hold the lock any moment);
+        a later ``release()`` may still send it, and its "not ours" then means the first
+        one got through.
+        """
+        self._release_failed = True
+        self._mark_lost(f"the release's outcome is unknown, so it may be free already ({error})")
+
     def _finish_release(self, ok: bool) -> None:
+        if self._holder_key is not None:
+            ref = _held_by.get(self._holder_key)
+            if ref is not None and ref() is self:
+                del _held_by[self._holder_key]
         if ok:
             self._released = True
             self.lost._deadline = math.inf  # released, not lost
             self._unwatch()
             log.debug("released lock %r (fence %s)", self.name, self.fence)
+            return
+        if self._release_failed:
+            # An earlier release got no reply: it most likely freed the lock.
+            self._released = True
+            log.info("lock %r: an earlier release (reply lost) had freed it", self.name)
             return
         self._mark_lost("the lock's token was gone at release")
         self._released = True
@@ -501,7 +526,12 @@ class Lease(_LeaseBase):
         Calling it again after a successful release does nothing.
         """
         if self._begin_release():
-            self._finish_release(self.backend.release(self.name, self.token))
+            try:
+                ok = self.backend.release(self.name, self.token)
+            except BackendUnavailable as exc:
+                self._release_unknown(exc)
+                raise
+            self._finish_release(ok)
 
     def __enter__(self) -> Lease:
         return self
@@ -558,7 +588,12 @@ class AsyncLease(_LeaseBase):
 
     async def release(self) -> None:
         if self._begin_release():
-            self._finish_release(await self.backend.arelease(self.name, self.token))
+            try:
+                ok = await self.backend.arelease(self.name, self.token)
+            except BackendUnavailable as exc:
+                self._release_unknown(exc)
+                raise
+            self._finish_release(ok)
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -570,6 +605,18 @@ class AsyncLease(_LeaseBase):
             if exc[0] is None:
                 raise
             log.warning("lock %r was lost before the failing block ended", self.name)
+
+
+#: Leases held now, by (backend, name, holder), the holder being the thread (sync) or the
+#: task (asyncio) that acquired them. A second acquire of the same name by the same holder
+#: would wait for itself (forever with ``timeout=None``: the first lease keeps being
+#: renewed), so it fails at once instead. Weak: a dropped lease is not kept alive here.
+_held_by: dict[tuple[int, str, int], weakref.ref[Any]] = {}
+
+
+def _forget_holder(key: tuple[int, str, int], ref: weakref.ref[Any]) -> None:
+    if _held_by.get(key) is ref:
+        del _held_by[key]
 
 
 class _LockBase:
@@ -679,13 +726,31 @@ class _LockBase:
             max_hold=self.max_hold,
         )
 
-    def _keep(self, lease: L) -> L:
+    def _keep(self, lease: L, holder: int | None = None) -> L:
         """Hand ``lease`` to the deadline watch (always: it marks the lease lost at its local
-        deadline) and to its renewer, unless this lock was made with ``renew=False``."""
+        deadline) and to its renewer, unless this lock was made with ``renew=False``; and
+        remember which thread or task holds it."""
         lease._watch()
         if self.renew:
             lease._schedule()
+        if holder is not None:
+            key = (id(lease.backend), self.name, holder)
+            lease._holder_key = key
+            _held_by[key] = weakref.ref(lease, functools.partial(_forget_holder, key))
         return lease
+
+    def _refuse_self_wait(self, backend: Backend, holder: int, described: str) -> None:
+        """Fail at once when this same thread or task already holds the lock."""
+        ref = _held_by.get((id(backend), self.name, holder))
+        lease = None if ref is None else ref()
+        if lease is None or not lease.held or lease.token == self._token:
+            return  # not held by us (or a hand-over to our own token: Celery's lock_on="both")
+        raise LockHeld(
+            f"lock {self.name!r} is already held by this same {described} (fence "
+            f"{lease.fence}): a second acquire would wait for itself; release the first "
+            "lease, or pass it along instead of acquiring again",
+            name=self.name,
+        )
 
     # ``with`` blocks: one stack of leases per thread (sync) or task (asyncio), so one
     # lock object can be entered again, or by several threads or tasks at once.
@@ -750,10 +815,16 @@ class Lock(_LockBase):
     """
 
     def acquire(self, timeout: float | _Unset | None = _UNSET) -> Lease:
-        """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not."""
+        """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not.
+
+        In a thread that already holds this lock, :class:`LockHeld` is raised at once: the
+        lock is not re-entrant, and waiting would wait for itself.
+        """
         backend = self.backend
+        holder = threading.get_ident()
+        self._refuse_self_wait(backend, holder, f"thread ({threading.current_thread().name})")
         granted = _drive(self._plan(backend, self._timeout(timeout)), backend)
-        return self._keep(self._lease(Lease, backend, self.name, *granted))
+        return self._keep(self._lease(Lease, backend, self.name, *granted), holder)
 
     def try_acquire(self) -> Lease | None:
         """One attempt: a :class:`Lease`, or ``None`` if someone else holds the lock."""
@@ -783,8 +854,12 @@ class AsyncLock(_LockBase):
 
     async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncLease:
         backend = self.backend
+        task = asyncio.current_task()
+        holder = id(task)
+        name = task.get_name() if task is not None else "?"
+        self._refuse_self_wait(backend, holder, f"task ({name})")
         granted = await _adrive(self._plan(backend, self._timeout(timeout)), backend)
-        return self._keep(self._lease(AsyncLease, backend, self.name, *granted))
+        return self._keep(self._lease(AsyncLease, backend, self.name, *granted), holder)
 
     async def try_acquire(self) -> AsyncLease | None:
         try:

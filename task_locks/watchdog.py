@@ -79,7 +79,12 @@ class Renewable(Protocol):
 class _Entry:
     due: float
     seq: int
-    lease: Renewable = field(compare=False)
+    #: A weak reference: a lease nobody can release any more must not be renewed forever
+    #: (the "no TTL" mistake by another door). Its name and fence outlive it, for the warning.
+    ref: weakref.ref[Renewable] = field(compare=False)
+    key: int = field(compare=False)
+    name: str = field(compare=False)
+    fence: object = field(compare=False)
     cancelled: bool = field(default=False, compare=False)
 
 
@@ -101,7 +106,14 @@ class Schedule:
             old = self._entries.pop(id(lease), None)
             if old is not None:
                 old.cancelled = True
-            entry = _Entry(due, next(self._seq), lease)
+            entry = _Entry(
+                due,
+                next(self._seq),
+                weakref.ref(lease),
+                id(lease),
+                lease.name,
+                getattr(lease, "fence", None),
+            )
             self._entries[id(lease)] = entry
             heapq.heappush(self._heap, entry)
             return self._heap[0] is entry
@@ -129,8 +141,13 @@ class Schedule:
             return self._heap[0].due if self._heap else None
 
     def take_due(self, now: float) -> dict[Backend, list[Renewable]]:
-        """Pop every lease due now (or within the batch window), grouped by backend."""
+        """Pop every lease due now (or within the batch window), grouped by backend.
+
+        A lease that was garbage-collected while held is dropped here, with a warning: its
+        lock ends within its TTL, as a dead holder's would.
+        """
         batches: dict[Backend, list[Renewable]] = {}
+        dropped: list[_Entry] = []
         with self.lock:
             while self._heap:
                 top = self._heap[0]
@@ -140,8 +157,19 @@ class Schedule:
                 if _ready_at(top) > now:
                     break
                 heapq.heappop(self._heap)
-                del self._entries[id(top.lease)]
-                batches.setdefault(top.lease.backend, []).append(top.lease)
+                del self._entries[top.key]
+                lease = top.ref()
+                if lease is None:
+                    dropped.append(top)
+                else:
+                    batches.setdefault(lease.backend, []).append(lease)
+        for entry in dropped:
+            log.warning(
+                "lock %r (fence %s) was garbage-collected while held: renewal stopped, and "
+                "it ends within its TTL; keep the lease and release() it (or use `with`)",
+                entry.name,
+                entry.fence,
+            )
         return batches
 
     def clear(self) -> None:
@@ -153,10 +181,13 @@ class Schedule:
 def _ready_at(entry: _Entry) -> float:
     # Leases due a little later ride along with an earlier batch (renewed a bit early);
     # a max_hold deadline is kept to the letter (taken early, it would be renewed again).
-    hold = entry.lease._hold_deadline
+    lease = entry.ref()
+    if lease is None:  # garbage-collected: take it out now
+        return -math.inf
+    hold = lease._hold_deadline
     if hold is not None and entry.due >= hold:
         return entry.due
-    return entry.due - min(BATCH_WINDOW, entry.lease.ttl / 10)
+    return entry.due - min(BATCH_WINDOW, lease.ttl / 10)
 
 
 def next_renewal(lease: Renewable, base: float) -> float:
@@ -439,16 +470,22 @@ class AsyncRenewer:
         return lane
 
 
+def _watched(lease: Renewable | None) -> bool:
+    """Whether the deadline watch still has work with ``lease`` (alive, held, not lost)."""
+    return lease is not None and not (lease._released or lease.lost._set)
+
+
 class DeadlineWatch:
     """Marks leases lost at their local deadline: one thread per process, a heap.
 
     Each watched lease has one entry, at the deadline it had when pushed; when the entry
     comes up and the lease was renewed meanwhile, it is pushed again at its new deadline
-    (renewals do not touch the heap). Released and lost leases leave at their turn.
+    (renewals do not touch the heap). Released and lost leases leave at their turn. The
+    heap holds weak references: it must not keep alive a lease its holder dropped.
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Renewable]] = []
+        self._heap: list[tuple[float, int, weakref.ref[Renewable]]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -460,13 +497,14 @@ class DeadlineWatch:
 
     def add(self, lease: Renewable) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (lease._expires_mono, next(self._seq), lease))
+            ref = weakref.ref(lease)
+            heapq.heappush(self._heap, (lease._expires_mono, next(self._seq), ref))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="task-locks-deadlines", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is lease:
+            elif self._heap[0][2] is ref:
                 self._cond.notify()
 
     def remove(self, lease: Renewable) -> None:
@@ -478,9 +516,7 @@ class DeadlineWatch:
         with self._cond:
             self._done += 1
             if len(self._heap) > 64 and 2 * self._done > len(self._heap):
-                self._heap = [
-                    entry for entry in self._heap if not (entry[2]._released or entry[2].lost._set)
-                ]
+                self._heap = [entry for entry in self._heap if _watched(entry[2]())]
                 heapq.heapify(self._heap)
                 self._done = 0
 
@@ -510,13 +546,14 @@ class DeadlineWatch:
                     continue
                 idle_since = None
                 while self._heap and self._heap[0][0] <= now:
-                    _, _, lease = heapq.heappop(self._heap)
-                    if lease._released or lease.lost._set:
+                    _, _, ref = heapq.heappop(self._heap)
+                    lease = ref()
+                    if lease is None or not _watched(lease):
                         self._done = max(0, self._done - 1)
                         continue
                     deadline = lease._expires_mono
                     if deadline > now:  # renewed since: watch its new deadline
-                        heapq.heappush(self._heap, (deadline, next(self._seq), lease))
+                        heapq.heappush(self._heap, (deadline, next(self._seq), ref))
                     else:
                         expired.append(lease)
                 if not expired:

@@ -10,9 +10,9 @@ import time
 import pytest
 from servers import wait_until
 
-from task_locks import AsyncLock, Lease, Lock, LockHeld
+from task_locks import AsyncLock, Lease, Lock, LockHeld, get_backend
 
-from .support import SyncDriver, holder_token
+from .support import holder_token
 
 
 def test_a_dropped_lease_stops_being_renewed_and_says_so(
@@ -38,6 +38,7 @@ def test_a_dropped_async_lease_stops_being_renewed(
         while holder_token(redis_url, "dropped-async") is not None:
             assert time.monotonic() < deadline, "the dropped async lease is still renewed"
             await asyncio.sleep(0.05)
+        await get_backend(redis_url).aclose()  # this loop's client, before the loop ends
 
     asyncio.run(main())
     assert "'dropped-async'" in caplog.text and "garbage-collected" in caplog.text
@@ -51,20 +52,40 @@ def test_a_kept_lease_is_still_renewed(redis_url: str) -> None:
     lease.release()
 
 
-def test_a_second_acquire_in_the_holding_thread_fails_at_once(
-    driver: SyncDriver, redis_url: str
-) -> None:
-    first = driver.acquire("mine", backend=redis_url, ttl=30)
+def test_a_second_acquire_in_the_holding_thread_fails_at_once(redis_url: str) -> None:
+    first = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=0)
     start = time.monotonic()
     with pytest.raises(LockHeld) as refused:
-        driver.acquire("mine", timeout=None, backend=redis_url, ttl=30)
+        Lock("mine", ttl=30, backend=redis_url).acquire(timeout=None)
     assert time.monotonic() - start < 1.0, "it waited for itself"
     message = str(refused.value)
-    assert "'mine'" in message and "this same" in message
+    assert "'mine'" in message and "this same thread" in message, message
     assert refused.value.name == "mine"
     first.release()
-    again = driver.acquire("mine", timeout=0, backend=redis_url, ttl=30)
+    again = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=0)
     again.release()
+
+
+def test_a_second_acquire_in_the_holding_task_fails_at_once(redis_url: str) -> None:
+    async def main() -> None:
+        first = await AsyncLock("mine-async", ttl=30, backend=redis_url).acquire(timeout=0)
+        start = time.monotonic()
+        with pytest.raises(LockHeld) as refused:
+            await AsyncLock("mine-async", ttl=30, backend=redis_url).acquire(timeout=None)
+        assert time.monotonic() - start < 1.0, "it waited for itself"
+        assert "this same task" in str(refused.value)
+        # Another task of the same loop is another holder: it waits, and gets the lock.
+        waiter = asyncio.create_task(
+            AsyncLock("mine-async", ttl=30, backend=redis_url).acquire(timeout=5)
+        )
+        await asyncio.sleep(0)
+        await first.release()
+        second = await waiter
+        assert second.fence > first.fence
+        await second.release()
+        await get_backend(redis_url).aclose()
+
+    asyncio.run(main())
 
 
 def test_another_thread_still_waits_for_the_holder(redis_url: str) -> None:
