@@ -1,0 +1,122 @@
+"""Short or long form of the fault matrix, and its table.
+
+``make test`` runs the short form: every cell of plain Redis, and for each other backend
+one cell per operation and per fault (a Latin square over the five of each). ``make
+chaos`` (``--chaos-long``, or ``TASK_LOCKS_FAULTS_LONG=1``) runs the full cross product.
+Either way the table of the cells that ran is printed at the end and written to
+``tests/artifacts/fault-matrix.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from .cells import FAULT_TEXT, FAULTS, OPERATIONS
+
+ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "fault-matrix.md"
+#: Backends in table order; the index also picks each one's short-form cells.
+KINDS = ("redis", "sentinel", "cluster", "redlock", "django-postgres", "django-mariadb")
+#: (kind, operation, fault) -> "holds" | "FAILS: ..." | "skipped: ..."; filled by the tests.
+RESULTS: dict[tuple[str, str, str], str] = {}
+#: Known failures (reasons), for the table.
+REASONS: dict[tuple[str, str, str], str] = {}
+_started = time.monotonic()
+
+NOT_COVERED = {
+    "django-sqlite": (
+        "n/a: SQLite is a library call on a local file, not a request over a link: "
+        "there is no request or reply to drop, delay or reset, and no client retry. "
+        "Its faults are the process's own (crash, pause: tests/chaos) and a busy "
+        "database file (the busy timeout)."
+    ),
+    "etcd (2+ endpoints)": (
+        "covered by tests/backends/test_etcd_faults.py (its own helper), not by this matrix."
+    ),
+}
+
+
+def long_form(config: pytest.Config) -> bool:
+    return bool(config.getoption("--chaos-long", default=False)) or (
+        os.environ.get("TASK_LOCKS_FAULTS_LONG") == "1"
+    )
+
+
+def in_short_form(kind: str, operation: str, fault: str) -> bool:
+    if kind == "redis":
+        return True
+    shift = KINDS.index(kind)
+    return (OPERATIONS.index(operation) + FAULTS.index(fault) + shift) % len(FAULTS) == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if long_form(config):
+        return
+    keep, drop = [], []
+    for item in items:
+        cell = getattr(item, "callspec", None)
+        params = cell.params if cell is not None else {}
+        if "fault_cell" in params and not in_short_form(*params["fault_cell"]):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def table() -> str:
+    ran = {kind for kind, _o, _f in RESULTS}
+    lines = [
+        "| backend | operation | " + " | ".join(FAULTS) + " |",
+        "|---|---|" + "---|" * len(FAULTS),
+    ]
+    notes: list[str] = []
+    for kind in KINDS:
+        if kind not in ran:
+            continue
+        for operation in OPERATIONS:
+            cells = []
+            for fault in FAULTS:
+                result = RESULTS.get((kind, operation, fault))
+                if result is None:
+                    cells.append("·")
+                elif result == "holds":
+                    cells.append("holds")
+                elif result.startswith("skipped"):
+                    cells.append("skipped")
+                else:
+                    notes.append(f"{kind} x {operation} x {fault}: {result}")
+                    cells.append(f"**fails** [{len(notes)}]")
+            lines.append(f"| {kind} | {operation} | " + " | ".join(cells) + " |")
+    for kind, why in NOT_COVERED.items():
+        lines.append(f"| {kind} | all | " + " | ".join(["n/a"] * len(FAULTS)) + " |")
+    out = [
+        "Faults: " + "; ".join(f"`{f}` = {FAULT_TEXT[f]}" for f in FAULTS) + ".",
+        "`·` = not in this form (the long form, `make chaos`, runs every cell).",
+        "",
+        *lines,
+        "",
+    ]
+    out += [f"{n}. {text}" for n, text in enumerate(notes, 1)]
+    out += ["", *(f"- {kind}: {why}" for kind, why in NOT_COVERED.items())]
+    return "\n".join(out)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    if not RESULTS:
+        return
+    form = "long" if long_form(config) else "short"
+    seconds = time.monotonic() - _started
+    text = table()
+    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+    ARTIFACT.write_text(
+        f"# Transport fault matrix ({form} form, {len(RESULTS)} cells, {seconds:.0f} s)\n\n"
+        f"{text}\n"
+    )
+    terminalreporter.section(f"fault matrix ({form} form)")
+    terminalreporter.write_line(text)
+    terminalreporter.write_line(f"written to {ARTIFACT}")
