@@ -213,7 +213,7 @@ class Cell:
                 self.fail(f"{what}: release reported success but the server still has our lock")
             if isinstance(error, NotOwned):
                 self.fail(
-                    f"{what}: release raised NotOwned (\"nothing was released\") though the "
+                    f'{what}: release raised NotOwned ("nothing was released") though the '
                     "lock was ours when it was sent and the server freed it: the first "
                     "attempt's reply was lost and the retry found the lock gone"
                 )

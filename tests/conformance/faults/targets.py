@@ -43,7 +43,7 @@ from task_locks.backends import Backend, get_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "chaos"))
 
-from chaoskit.proxy import Proxy, ProxyHub  # noqa: E402
+from chaoskit.proxy import Proxy, ProxyHub
 
 #: Lock TTL of every cell (seconds): short, so "past the TTL" costs little.
 TTL = 1.0
@@ -92,7 +92,9 @@ class Target:
         for client in self.raw:
             for key in client.scan_iter(match=f"{self.prefix}*", count=1000):
                 if client.pttl(key) == -1:
-                    found.append(f"{key.decode()} on :{client.connection_pool.connection_kwargs['port']}")
+                    found.append(
+                        f"{key.decode()} on :{client.connection_pool.connection_kwargs['port']}"
+                    )
         return found
 
     def close(self) -> None:
@@ -186,7 +188,13 @@ def redis_cluster(hub: ProxyHub) -> Target:
         raise AssertionError(f"no cluster node owns {key!r}")
 
     return Target(
-        "cluster", url, slow, proxies, checker=checker, raw=raw, prefix=prefix,
+        "cluster",
+        url,
+        slow,
+        proxies,
+        checker=checker,
+        raw=raw,
+        prefix=prefix,
         cleanup=[nodes.cleanup],
     )
 
@@ -246,7 +254,9 @@ def django_postgres(hub: ProxyHub) -> Target | None:
     import psycopg
 
     database = f"task_locks_faults_{os.getpid()}"
-    with psycopg.connect(host="127.0.0.1", user="postgres", dbname="postgres", autocommit=True) as c:
+    with psycopg.connect(
+        host="127.0.0.1", user="postgres", dbname="postgres", autocommit=True
+    ) as c:
         c.execute(f'DROP DATABASE IF EXISTS "{database}"')
         c.execute(f'CREATE DATABASE "{database}"')
 
@@ -278,8 +288,11 @@ def django_postgres(hub: ProxyHub) -> Target | None:
         checker=lambda name: get_backend(direct),
         prefix=prefix,
         unbounded_reads=True,
-        cleanup=[drop_database, lambda: _drop_alias("faults_pg_direct"),
-                 lambda: _drop_alias("faults_pg")],
+        cleanup=[
+            drop_database,
+            lambda: _drop_alias("faults_pg_direct"),
+            lambda: _drop_alias("faults_pg"),
+        ],
     )
 
 
@@ -330,10 +343,13 @@ def django_mariadb(hub: ProxyHub) -> Target | None:
         [proxy],
         checker=lambda name: get_backend(direct),
         prefix=prefix,
-        cleanup=[drop_database, *(
-            (lambda a=a: _drop_alias(a))
-            for a in ("faults_my_direct", "faults_my", "faults_my_slow")
-        )],
+        cleanup=[
+            drop_database,
+            *(
+                (lambda a=a: _drop_alias(a))
+                for a in ("faults_my_direct", "faults_my", "faults_my_slow")
+            ),
+        ],
     )
 
 
