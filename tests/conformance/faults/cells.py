@@ -132,8 +132,15 @@ class Cell:
             if self.operation in ("acquire", "renew", "release"):
                 lock = Lock(name, ttl=TTL, backend=faulty, renew=False)
                 if self.operation == "acquire":
-                    outcome = run_call(target, self.fault, lambda: lock.acquire(timeout=0))
-                    lease = outcome.value
+                    if target.replica_link is not None:
+                        target.replica_link.blackhole()  # no replica can acknowledge
+                    try:
+                        outcome = run_call(target, self.fault, lambda: lock.acquire(timeout=0))
+                        lease = outcome.value
+                        self._check_replica(lease)
+                    finally:
+                        if target.replica_link is not None:
+                            target.replica_link.heal()
                 else:
                     lease = lock.acquire(timeout=0)
                     self.fences.append(lease.fence)
@@ -161,6 +168,19 @@ class Cell:
         return self.problems
 
     # -- the invariants -----------------------------------------------------------------
+
+    def _check_replica(self, lease: Any) -> None:
+        """With ``?wait_replicas=1`` and the replica cut off, a granted lease is a lie."""
+        replica = self.target.replica
+        if replica is None or lease is None or not lease.held:
+            return
+        token = replica.hget(f"{self.target.prefix}{{{self.name}}}", "token")
+        if token is None or token.decode() != lease.token:
+            self.fail(
+                f"acquire under {self.fault}: granted with wait_replicas=1 while the "
+                "replica was cut off and never got the lock (the WAIT did not cover the "
+                "acquire's write)"
+            )
 
     def _check(self, outcome: Call, checker: Backend, lease: Any, holder_lease: Any) -> None:
         error = outcome.error

@@ -20,7 +20,15 @@ from .cells import FAULT_TEXT, FAULTS, OPERATIONS
 
 ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "fault-matrix.md"
 #: Backends in table order; the index also picks each one's short-form cells.
-KINDS = ("redis", "sentinel", "cluster", "redlock", "django-postgres", "django-mariadb")
+KINDS = (
+    "redis",
+    "redis+wait_replicas",
+    "sentinel",
+    "cluster",
+    "redlock",
+    "django-postgres",
+    "django-mariadb",
+)
 #: (kind, operation, fault) -> "holds" | "FAILS: ..." | "skipped: ..."; filled by the tests.
 RESULTS: dict[tuple[str, str, str], str] = {}
 #: The known-failure reason of each cell that ran ("" if none), for the table.

@@ -37,7 +37,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import redis
-from servers import RedisClusterNodes, RedisMasters, RedisSentinel, RedisServer, port_open
+from servers import (
+    RedisClusterNodes,
+    RedisMasters,
+    RedisSentinel,
+    RedisServer,
+    port_open,
+    wait_until,
+)
 
 from task_locks.backends import Backend, get_backend
 
@@ -70,6 +77,10 @@ class Target:
     prefix: str = ""
     #: The client has no read timeout: a lost reply blocks it until the link is reset.
     unbounded_reads: bool = False
+    #: ``?wait_replicas=1``: the proxy on the replica's link to the master, and a client
+    #: straight to the replica (an acquire reported held must be on the replica).
+    replica_link: Proxy | None = None
+    replica: redis.Redis | None = None
     cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def arm(self, fault: str) -> None:
@@ -134,6 +145,40 @@ def redis_single(hub: ProxyHub) -> Target:
         raw=[redis.Redis(port=server.port)],
         prefix=prefix,
         cleanup=[server.cleanup],
+    )
+
+
+def redis_wait_replicas(hub: ProxyHub) -> Target:
+    """Redis with one replica and ``?wait_replicas=1``; the replica follows the master
+    through a proxy of its own, which the acquire cells blackhole: only an acquire whose
+    WAIT covered its own write may then fail, and a reported success must be on the
+    replica (issue 12 item 4: WAIT on a connection that did not run the script)."""
+    master = RedisServer().start()
+    replica_link = hub.proxy(master.port)
+    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(replica_link.port)]).start()
+    client_link = hub.proxy(master.port)
+    prefix = _prefix()
+    url, slow = _redis_urls(f"redis://127.0.0.1:{client_link.port}/0", prefix)
+    url, slow = (u + "&wait_replicas=1&wait_timeout=300" for u in (url, slow))
+    raw_master, raw_replica = redis.Redis(port=master.port), redis.Redis(port=replica.port)
+
+    def in_sync() -> bool:
+        info = raw_master.info("replication")
+        return info.get("connected_slaves") == 1 and info["slave0"]["state"] == "online"
+
+    wait_until(in_sync, 20, "the replica to sync")
+    direct = master.url(prefix=prefix)
+    return Target(
+        "redis+wait_replicas",
+        url,
+        slow,
+        [client_link],
+        checker=lambda name: get_backend(direct),
+        raw=[raw_master],
+        prefix=prefix,
+        replica_link=replica_link,
+        replica=raw_replica,
+        cleanup=[raw_replica.close, replica.cleanup, master.cleanup],
     )
 
 
@@ -355,6 +400,7 @@ def django_mariadb(hub: ProxyHub) -> Target | None:
 
 BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis": redis_single,
+    "redis+wait_replicas": redis_wait_replicas,
     "sentinel": redis_sentinel,
     "cluster": redis_cluster,
     "redlock": redlock,
