@@ -19,6 +19,7 @@ cross the proxy (``Target.checker``):
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from task_locks import BackendUnavailable, Lock, LockError, NotOwned
+from task_locks import AsyncLock, BackendUnavailable, Lock, LockError, NotOwned
 from task_locks.backends import Backend, get_backend
 
 from .targets import DELAY, SLOW_TIMEOUT, TTL, Target
@@ -71,10 +72,12 @@ def _bound(target: Target, fault: str) -> float:
     if fault == "delay":
         return 8 * DELAY + SLOW_TIMEOUT  # a few round trips, each delayed
     # A lost packet costs a socket timeout per attempt (Redis Cluster tries 3 times).
-    return 3 * TTL if target.unbounded_reads else 4.5
+    return 3 * TTL if target.unbounded_reads else 30.0
 
 
-def run_call(target: Target, fault: str, call: Callable[[], Any], lease: Any = None) -> Call:
+def run_call(
+    target: Target, name: str, fault: str, call: Callable[[], Any], lease: Any = None
+) -> Call:
     """Arm ``fault``, run ``call`` in a thread, watch the lease's deadline, heal."""
     outcome = Call()
     done = threading.Event()
@@ -88,7 +91,7 @@ def run_call(target: Target, fault: str, call: Callable[[], Any], lease: Any = N
             done.set()
 
     deadline = None if lease is None else time.monotonic() + lease.remaining + LOST_GRACE
-    target.arm(PROXY_MODE[fault])
+    target.arm(PROXY_MODE[fault], name)
     started = time.monotonic()
     worker = threading.Thread(target=body, name="fault-cell-call", daemon=True)
     worker.start()
@@ -103,6 +106,76 @@ def run_call(target: Target, fault: str, call: Callable[[], Any], lease: Any = N
     if not done.wait(10):
         raise AssertionError("the call did not end within 10 s of its link being reset")
     return outcome
+
+
+class SyncApi:
+    """The calls under test, through the public sync API (``Lock``, ``Lease``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def acquire(self, name: str) -> Any:
+        return Lock(name, ttl=TTL, backend=self.backend, renew=False).acquire(timeout=0)
+
+    def renew(self, lease: Any) -> None:
+        lease.renew()
+
+    def release(self, lease: Any) -> None:
+        lease.release()
+
+    def force_release(self, name: str, fence: int) -> bool:
+        return self.backend.force_release(name, fence=fence)  # type: ignore[call-arg]
+
+    def holders(self, name: str) -> list[Any]:
+        return self.backend.holders(name)
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncApi(SyncApi):
+    """The same calls through ``AsyncLock``/``AsyncLease`` and the backend's ``a*``
+    methods, on an event loop of this cell (redis.asyncio: a client of its own)."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fault-cell-loop")
+        self.thread.start()
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def acquire(self, name: str) -> Any:
+        lock = AsyncLock(name, ttl=TTL, backend=self.backend, renew=False)
+        return self._run(lock.acquire(timeout=0))
+
+    def renew(self, lease: Any) -> None:
+        self._run(lease.renew())
+
+    def release(self, lease: Any) -> None:
+        self._run(lease.release())
+
+    def force_release(self, name: str, fence: int) -> bool:
+        return bool(self._run(self.backend.aforce_release(name, fence=fence)))  # type: ignore[call-arg]
+
+    def holders(self, name: str) -> list[Any]:
+        return list(self._run(self.backend.aholders(name)))
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.backend.aclose()
+            # redis.asyncio's cluster client disconnects the nodes a slot-map refresh
+            # dropped in tasks of their own: let them finish before the loop stops.
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), self.loop).result(15)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
 
 
 @dataclass
@@ -123,33 +196,30 @@ class Cell:
         target, name = self.target, self.name
         checker = target.checker(name)
         faulty = get_backend(target.slow_url if self.fault == "delay" else target.url)
+        api: SyncApi = AsyncApi(faulty) if target.api == "asyncio" else SyncApi(faulty)
         lease = holder_lease = None
-        # Connect before the fault: the cell is about the call, not the client's handshake
-        # (redis-py's HELLO/CLIENT SETINFO would each pay the delay); holders() reaches
-        # every server (all cluster primaries, all Redlock masters).
-        faulty.holders(name)
         try:
-            if self.operation in ("acquire", "renew", "release"):
-                lock = Lock(name, ttl=TTL, backend=faulty, renew=False)
-                if self.operation == "acquire":
+            # Connect before the fault: the cell is about the call, not the client's
+            # handshake (redis-py's HELLO/CLIENT SETINFO would each pay the delay);
+            # holders() reaches every server (all cluster primaries, all Redlock masters).
+            api.holders(name)
+            if self.operation == "acquire":
+                if target.replica_link is not None:
+                    target.replica_link.blackhole()  # no replica can acknowledge
+                try:
+                    outcome = run_call(target, name, self.fault, lambda: api.acquire(name))
+                    lease = outcome.value
+                    self._check_replica(lease)
+                finally:
                     if target.replica_link is not None:
-                        target.replica_link.blackhole()  # no replica can acknowledge
-                    try:
-                        outcome = run_call(target, self.fault, lambda: lock.acquire(timeout=0))
-                        lease = outcome.value
-                        self._check_replica(lease)
-                    finally:
-                        if target.replica_link is not None:
-                            target.replica_link.heal()
-                else:
-                    lease = lock.acquire(timeout=0)
-                    self.fences.append(lease.fence)
-                    method = lease.renew if self.operation == "renew" else lease.release
-                    outcome = run_call(target, self.fault, method, lease)
+                        target.replica_link.heal()
+            elif self.operation in ("renew", "release"):
+                lease = api.acquire(name)
+                self.fences.append(lease.fence)
+                method = api.renew if self.operation == "renew" else api.release
+                outcome = run_call(target, name, self.fault, lambda: method(lease), lease)
             else:
-                # holders: a holder whose TTL ends before a delayed reply arrives, so a
-                # listing must not show it alive; force release: one that outlives the call.
-                ttl = 5 * TTL
+                ttl = 5 * TTL  # force release: a holder that outlives the call
                 if self.operation == "holders":
                     # alive when the delayed request is served, gone before its reply lands
                     ttl = DELAY + 0.5 if self.fault == "delay" else TTL
@@ -158,13 +228,14 @@ class Cell:
                 if self.operation == "force_release":
                     fence = holder_lease.fence
                     outcome = run_call(
-                        target, self.fault, lambda: faulty.force_release(name, fence=fence)
+                        target, name, self.fault, lambda: api.force_release(name, fence)
                     )
                 else:
-                    outcome = run_call(target, self.fault, lambda: faulty.holders(name))
+                    outcome = run_call(target, name, self.fault, lambda: api.holders(name))
             self._check(outcome, checker, lease, holder_lease)
         finally:
             self._cleanup(checker, lease, holder_lease)
+            api.close()
         return self.problems
 
     # -- the invariants -----------------------------------------------------------------

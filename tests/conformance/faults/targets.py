@@ -81,10 +81,17 @@ class Target:
     #: straight to the replica (an acquire reported held must be on the replica).
     replica_link: Proxy | None = None
     replica: redis.Redis | None = None
+    #: ``"sync"`` (Lock, Lease, backend methods) or ``"asyncio"`` (AsyncLock, ``a*``).
+    api: str = "sync"
+    #: The proxies of the servers that hold a lock name, when not all of them (Redis
+    #: Cluster: the primary of its slot; a fault elsewhere would hit the client's slot
+    #: map refreshes instead, at random).
+    links_of: Callable[[str], list[Proxy]] | None = None
     cleanup: list[Callable[[], None]] = field(default_factory=list)
 
-    def arm(self, fault: str) -> None:
-        for proxy in self.proxies:
+    def arm(self, fault: str, name: str) -> None:
+        """Arm ``fault`` on the links that carry lock ``name`` (see :attr:`links_of`)."""
+        for proxy in self.links_of(name) if self.links_of else self.proxies:
             if fault == "delay":
                 proxy.latency(DELAY)
             else:
@@ -220,17 +227,21 @@ def redis_cluster(hub: ProxyHub) -> Target:
     url, slow = _redis_urls(f"redis+cluster://{hosts}", prefix)
     raw = [redis.Redis(port=node.port) for node in nodes.nodes]
 
-    def checker(name: str) -> Backend:
-        # A plain client on the primary that owns the name's slot (straight to its port):
-        # every key of one lock shares that slot, so its scripts run there as they are.
+    def owner(name: str) -> int:
+        """Index of the primary that owns the name's slot."""
         key = f"{prefix}{{{name}}}"
-        for node, client in zip(nodes.nodes, raw, strict=True):
+        for index, client in enumerate(raw):
             try:
                 client.exists(key)
             except redis.exceptions.MovedError:
                 continue
-            return get_backend(node.url(prefix=prefix))
+            return index
         raise AssertionError(f"no cluster node owns {key!r}")
+
+    def checker(name: str) -> Backend:
+        # A plain client on the primary that owns the name's slot (straight to its port):
+        # every key of one lock shares that slot, so its scripts run there as they are.
+        return get_backend(nodes.nodes[owner(name)].url(prefix=prefix))
 
     return Target(
         "cluster",
@@ -240,6 +251,7 @@ def redis_cluster(hub: ProxyHub) -> Target:
         checker=checker,
         raw=raw,
         prefix=prefix,
+        links_of=lambda name: [proxies[owner(name)]],
         cleanup=[nodes.cleanup],
     )
 
@@ -398,6 +410,19 @@ def django_mariadb(hub: ProxyHub) -> Target | None:
     )
 
 
+def _asyncio(build: Callable[[ProxyHub], Target | None]) -> Callable[[ProxyHub], Target | None]:
+    """The same deployment, driven through the asyncio API (redis.asyncio's own client)."""
+
+    def build_asyncio(hub: ProxyHub) -> Target | None:
+        target = build(hub)
+        if target is not None:
+            target.kind += "-asyncio"
+            target.api = "asyncio"
+        return target
+
+    return build_asyncio
+
+
 BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis": redis_single,
     "redis+wait_replicas": redis_wait_replicas,
@@ -406,6 +431,9 @@ BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redlock": redlock,
     "django-postgres": django_postgres,
     "django-mariadb": django_mariadb,
+    "redis-asyncio": _asyncio(redis_single),
+    "sentinel-asyncio": _asyncio(redis_sentinel),
+    "redlock-asyncio": _asyncio(redlock),
 }
 
 

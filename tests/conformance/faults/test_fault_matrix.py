@@ -19,7 +19,9 @@ from .cells import FAULTS, OPERATIONS, Cell
 from .conftest import KINDS, REASONS, RESULTS
 from .targets import ProxyHub, Target, started
 
-REDIS_FAMILY = ("redis", "redis+wait_replicas", "sentinel", "cluster", "redlock")
+SYNC_REDIS = ("redis", "redis+wait_replicas", "sentinel", "cluster", "redlock")
+ASYNC_REDIS = ("redis-asyncio", "sentinel-asyncio", "redlock-asyncio")
+REDIS_FAMILY = (*SYNC_REDIS, *ASYNC_REDIS)
 DATABASES = ("django-postgres", "django-mariadb")
 
 ITEM2 = (
@@ -73,7 +75,7 @@ def _known() -> dict[tuple[str, str, str], str]:
         known[(kind, "release", "retry")] = (
             RELEASE_RETRY if kind in REDIS_FAMILY else RELEASE_UNKNOWN
         )
-    for kind in ("redis", "redis+wait_replicas", "sentinel", "redlock"):
+    for kind in REDIS_FAMILY:
         known[(kind, "holders", "delay")] = HOLDERS_EXPIRY
     for operation in ("renew", "release"):
         for fault in ("drop_request", "drop_reply"):
