@@ -157,5 +157,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # ty
         f"# Transport fault matrix ({form} form, {len(RESULTS)} cells, {seconds:.0f} s)\n\n{text}\n"
     )
     terminalreporter.section(f"fault matrix ({form} form)")
-    terminalreporter.write_line(text)
+    terminalreporter.write_line(table(details=False))
     terminalreporter.write_line(f"written to {ARTIFACT}")
