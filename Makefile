@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.demo-installed
 help:
 	@echo "make demo   - run the example project's main job on the embedded default (no server needed)"
 	@echo "make test   - install what the tests need, start their servers, run lint + the suite"
-	@echo "make chaos  - the long fault-injection suite, with its report"
+	@echo "make chaos  - the long fault-injection suite and the full fault matrix, with their reports"
 	@echo "make bench  - benchmarks against the peers (bench/results.md, bench/results.png)"
 
 $(STAMP): pyproject.toml
@@ -47,7 +47,7 @@ test: install servers lint package
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 chaos: install servers
-	$(PY) -m pytest -p no:cacheprovider tests/chaos -m chaos --chaos-long $(PYTEST_ARGS)
+	$(PY) -m pytest -p no:cacheprovider tests/chaos tests/conformance/faults -m chaos --chaos-long $(PYTEST_ARGS)
 
 demo: $(DEMO_STAMP)
 	$(PY) example_project/demo.py

@@ -12,6 +12,21 @@ carry on. Modes:
   way TCP retransmissions deliver them after a partition ends.
 - ``reset``: every open connection is aborted with an RST, and new ones are reset as
   soon as they are accepted.
+
+Modes for one call under test (the conformance fault matrix arms one, makes the call,
+heals): each acts on the bytes in flight, so the server sees exactly what a real lossy
+link would let through.
+
+- ``drop_request``: requests are read and thrown away; the server never sees them.
+- ``drop_reply``: requests reach the server (which applies them); replies are thrown away.
+- ``reset_mid_call``: requests reach the server; the first reply on a connection is
+  thrown away and the connection is reset (RST both ways), on every connection while
+  the mode lasts, so a client library's retry meets the same fault.
+- ``reset_once``: as ``reset_mid_call`` for the first connection that gets a reply,
+  then ``pass``: the client library's own retry (new connection) goes through.
+
+A connection that lost bytes in a ``drop_*`` mode has a hole in its byte stream: on
+``heal()`` it is reset, as the peer's TCP stack would give up on it.
 """
 
 from __future__ import annotations
@@ -42,6 +57,10 @@ class _Link:
         self.client = client
         self.server = server
         self.tasks: list[asyncio.Task[None]] = []
+        #: Bytes were dropped: the stream has a hole, the connection cannot be healed.
+        self.tainted = False
+        #: A request went up in a ``reset_*`` mode: its reply resets the connection.
+        self.doomed = False
 
     def reset(self) -> None:
         for task in self.tasks:
@@ -84,6 +103,12 @@ class Proxy:
     def reset(self) -> None:
         self.hub.call(self._set("reset"))
 
+    def fault(self, mode: str) -> None:
+        """Arm one of the per-call modes (``drop_request``, ``drop_reply``, ``reset_*``)."""
+        if mode not in _CALL_MODES:
+            raise ValueError(f"unknown proxy mode {mode!r}; known: {sorted(_CALL_MODES)}")
+        self.hub.call(self._set(mode))
+
     async def _set(self, mode: str, reply_delay: float = 0.0, request_delay: float = 0.0) -> None:
         assert self._flowing is not None
         self.mode = mode
@@ -96,6 +121,10 @@ class Proxy:
             for link in list(self._links):
                 link.reset()
             self._links.clear()
+        if mode == "pass":
+            for link in [link for link in self._links if link.tainted or link.doomed]:
+                link.reset()
+                self._links.discard(link)
 
     # -- the data path ------------------------------------------------------------------
 
@@ -123,8 +152,8 @@ class Proxy:
         link = _Link(writer, up_writer)
         self._links.add(link)
         link.tasks = [
-            asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
-            asyncio.ensure_future(self._pump(up_reader, writer, upstream=False)),
+            asyncio.ensure_future(self._pump(reader, up_writer, link, upstream=True)),
+            asyncio.ensure_future(self._pump(up_reader, writer, link, upstream=False)),
         ]
         await asyncio.gather(*link.tasks, return_exceptions=True)
         self._links.discard(link)
@@ -136,6 +165,7 @@ class Proxy:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        link: _Link,
         upstream: bool,
     ) -> None:
         assert self._flowing is not None
@@ -147,6 +177,8 @@ class Proxy:
                 data = await reader.read(65536)
                 if not data:
                     break
+                if self._drops(link, upstream):
+                    continue
                 delay = self.request_delay if upstream else self.reply_delay
                 queue.put_nowait((now() + delay, data))
         except (ConnectionError, OSError):
@@ -155,6 +187,28 @@ class Proxy:
             await queue.put((0.0, b""))  # end of stream: the sender half-closes its side
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await sender
+
+    def _drops(self, link: _Link, upstream: bool) -> bool:
+        """Apply a per-call mode to one chunk just read: ``True`` if it is thrown away."""
+        mode = self.mode
+        if upstream:
+            if mode == "drop_request":
+                link.tainted = True
+                return True
+            if mode in ("reset_mid_call", "reset_once"):
+                link.doomed = True
+            return False
+        if mode == "drop_reply":
+            link.tainted = True
+            return True
+        if link.doomed or mode in ("reset_mid_call", "reset_once"):
+            # The server has answered, so it applied the request: now lose the answer.
+            if mode == "reset_once":
+                self.mode = "pass"
+            link.reset()
+            self._links.discard(link)
+            return True
+        return False
 
     async def _send(
         self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
@@ -182,6 +236,9 @@ class Proxy:
         for link in list(self._links):
             link.reset()
         self._links.clear()
+
+
+_CALL_MODES = frozenset({"drop_request", "drop_reply", "reset_mid_call", "reset_once"})
 
 
 class ProxyHub:
