@@ -440,7 +440,7 @@ class RedisSentinel(ServerProcess):
 
 
 class Certs:
-    """A throwaway CA with a server certificate (for 127.0.0.1 and localhost) and a client one.
+    """A throwaway CA with a server certificate (for 127.0.0.1 only) and a client one.
 
     Made with the ``openssl`` CLI (EC P-256 keys: fast), valid for one day, in ``directory``.
     The server certificate also allows client use: etcd 3.4's gateway dials its own gRPC
@@ -488,7 +488,7 @@ class Certs:
             self.server_cert,
             self.server_key,
             "/CN=localhost",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+            "subjectAltName=IP:127.0.0.1\n"
             "extendedKeyUsage=serverAuth,clientAuth\n",
         )
         self._signed(
@@ -584,12 +584,20 @@ class AuthEtcdServer(EtcdServer):
             "key": b64encode(start).decode(),
             "range_end": b64encode(end).decode(),
         }
-        self.call("auth/role/grantPermission", {"name": role, "perm": perm_body}, token)
+        self.call("auth/role/grant", {"name": role, "perm": perm_body}, token)
 
     def add_user(self, user: str, password: str, role: str) -> None:
         token = self.root_token()
         self.call("auth/user/add", {"name": user, "password": password}, token)
         self.call("auth/user/grant", {"user": user, "role": role}, token)
+
+    def invalidate_tokens(self) -> None:
+        """Set the lock user's password again (to the same one): etcd drops its tokens."""
+        self.call(
+            "auth/user/changepw",
+            {"name": self.user, "password": self.password},
+            self.root_token(),
+        )
 
     def root_token(self) -> str:
         answer = self.call("auth/authenticate", {"name": "root", "password": self.root_password})
@@ -612,7 +620,7 @@ class AuthEtcdServer(EtcdServer):
             "key": b64encode(start).decode(),
             "range_end": b64encode(end).decode(),
         }
-        self.call("auth/role/grantPermission", {"name": "locks", "perm": perm})
+        self.call("auth/role/grant", {"name": "locks", "perm": perm})
         self.call("auth/user/add", {"name": self.user, "password": self.password})
         self.call("auth/user/grant", {"user": self.user, "role": "locks"})
         self.call("auth/enable", {})

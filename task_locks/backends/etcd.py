@@ -277,6 +277,10 @@ class EtcdBackend(Backend):
         if self.tls:
             session.mount("https://", _TLSAdapter(self.check_hostname, **pool))
             session.verify = self._tls_files.get("ca", True)
+            if "ca" in self._tls_files:
+                # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override a session's
+                # verify: the CA the URL names would be silently ignored.
+                session.trust_env = False
             if "cert" in self._tls_files:
                 cert = self._tls_files["cert"]
                 key = self._tls_files.get("key")
