@@ -488,8 +488,7 @@ class Certs:
             self.server_cert,
             self.server_key,
             "/CN=localhost",
-            "subjectAltName=IP:127.0.0.1\n"
-            "extendedKeyUsage=serverAuth,clientAuth\n",
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
         )
         self._signed(
             self.client_cert,

@@ -251,7 +251,9 @@ class EtcdBackend(Backend):
         """The TLS files named by ``ca``/``cert``/``key``, each checked to be readable now."""
         files = {k: query[k] for k in ("ca", "cert", "key") if query.get(k)}
         if "key" in files and "cert" not in files:
-            raise InvalidArgument(f"{self.server}: option key= needs cert= (the client certificate)")
+            raise InvalidArgument(
+                f"{self.server}: option key= needs cert= (the client certificate)"
+            )
         for option, path in files.items():
             if not os.path.isfile(path) or not os.access(path, os.R_OK):
                 raise InvalidArgument(
@@ -345,7 +347,6 @@ class EtcdBackend(Backend):
                 raise
         self._authenticate(client, name)
         return client.post(client.get_url(path), json=payload)
-
 
     def _order(self) -> Iterator[tuple[int, etcd3gw.Etcd3Client]]:
         clients = self._client_list()

@@ -22,7 +22,9 @@ from task_locks.errors import LockError
 
 
 @pytest.fixture
-def outputs(caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> Iterator[list[str]]:
+def outputs(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> Iterator[list[str]]:
     """Collects what a test produced; at the end, nothing of it may contain the password."""
     caplog.set_level(logging.DEBUG)
     seen: list[str] = []
@@ -40,7 +42,7 @@ def _failure(seen: list[str], action: Callable[[], object]) -> BaseException | N
         action()
     except SystemExit:  # argparse's --help and usage errors: their text is in capsys
         return None
-    except Exception as exc:  # noqa: BLE001 - any error is searched, whatever its type
+    except Exception as exc:  # any error is searched, whatever its type
         seen += [str(exc), repr(exc), "".join(traceback.format_exception(exc))]
         return exc
     return None
@@ -48,6 +50,7 @@ def _failure(seen: list[str], action: Callable[[], object]) -> BaseException | N
 
 def _exercise(seen: list[str], url: str) -> BaseException | None:
     """Make the backend (repr), lock, list: whatever fails is recorded."""
+
     def lock() -> None:
         backend = get_backend(url)
         seen.append(repr(backend))
