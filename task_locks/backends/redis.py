@@ -49,8 +49,10 @@ import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AuthenticationError,
     BusyLoadingError,
     ClusterDownError,
+    NoPermissionError,
     NoScriptError,
     ReadOnlyError,
     RedisClusterException,
@@ -151,6 +153,17 @@ _OUR_OPTIONS = {
     "fence_ttl",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
+
+
+def _access_refused(what: str, server: str, prefix: str, exc: Exception) -> str:
+    """A wrong user/password or an ACL refusal: a configuration error, not an outage."""
+    user = urlsplit(server).username or "default"
+    if isinstance(exc, AuthenticationError):
+        return f"{what}: Redis at {server} refused user {user!r}: check the user and password"
+    return (
+        f"{what}: Redis at {server} refused user {user!r}: {exc}; its ACL must allow the keys "
+        f"{prefix + '*'!r} (prefix {prefix!r}) and the commands of the README's lock-user ACL"
+    )
 
 
 def _tag(name: str) -> str:
@@ -401,6 +414,10 @@ class RedisBackend(Backend):
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
+        if isinstance(exc, AuthenticationError | NoPermissionError):
+            raise InvalidArgument(
+                _access_refused(what, self.server, self.prefix, exc), name=name
+            ) from exc
         if isinstance(exc, _UNAVAILABLE):
             raise BackendUnavailable(
                 f"{what}: Redis at {self.server} is unavailable: {exc}",

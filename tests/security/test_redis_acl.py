@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from secure_fixtures import SECRET
+from secure_fixtures import SECRET, readme_acl
 from servers import SecureRedisServer
 
 from task_locks import AsyncLock, Election, Lock, Semaphore, get_backend
-from task_locks.errors import LockError
+from task_locks.errors import InvalidArgument
 from task_locks.fencing import FencedStore
 from task_locks.types import RenewItem
 
@@ -132,11 +132,58 @@ def test_the_acl_refuses_everything_else(acl_redis: SecureRedisServer, locker_ur
 
 
 def test_a_key_outside_the_acl_is_a_clear_refusal(acl_redis: SecureRedisServer) -> None:
-    """A prefix the ACL does not cover is refused as such, not reported as 'unavailable'."""
+    """A prefix the ACL does not cover is a configuration error naming it, not an outage."""
     url = acl_redis.url(prefix="elsewhere:")
-    with pytest.raises(LockError) as caught:
+    with pytest.raises(InvalidArgument) as caught:
         Lock("outside", ttl=5, backend=url).acquire(timeout=0)
-    assert "NOPERM" in str(caught.value) or "permission" in str(caught.value).lower()
-    assert type(caught.value).__name__ != "BackendUnavailable"
-    assert SECRET not in str(caught.value)
+    message = str(caught.value)
+    assert "'elsewhere:'" in message and "locker" in message, message
+    assert SECRET not in message
     _admin(acl_redis).acl_log_reset()
+
+
+def test_a_wrong_password_is_a_configuration_error(acl_redis: SecureRedisServer) -> None:
+    url = f"redis://locker:wrong-{SECRET}@127.0.0.1:{acl_redis.port}/0"
+    with pytest.raises(InvalidArgument) as caught:
+        Lock("job", ttl=5, backend=url).acquire(timeout=0)
+    assert "password" in str(caught.value) and SECRET not in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def acl_masters() -> Iterator[list[SecureRedisServer]]:
+    """Three independent masters for ``redlock://``, each with the README's ACL."""
+    acl = readme_acl() + f"user admin on >{SECRET}-admin ~* &* +@all\n"
+    masters = [SecureRedisServer(acl=acl, client=("locker", SECRET)) for _ in range(3)]
+    for master in masters:
+        master.start()
+    yield masters
+    for master in masters:
+        master.cleanup()
+
+
+def test_redlock_under_the_acl(acl_masters: list[SecureRedisServer]) -> None:
+    """Redlock's extra command (``INFO server`` on each new connection) is in the ACL."""
+    for master in acl_masters:
+        _admin(master).acl_log_reset()
+    hosts = ",".join(f"127.0.0.1:{m.port}" for m in acl_masters)
+    url = f"redlock://locker:{SECRET}@{hosts}?prefix=task_locks:redlock:"
+    backend = get_backend(url)
+    first = Lock("acl-redlock", ttl=5, backend=url).acquire()
+    fences: list[int] = []
+
+    def wait_for_it() -> None:
+        with Lock("acl-redlock", ttl=5, backend=url, timeout=5) as lease:
+            fences.append(lease.fence)
+            assert backend.renew("acl-redlock", lease.token, 5000)
+            assert [h.fence for h in backend.holders("acl-")] == [lease.fence]
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    first.release()
+    waiter.join(10)
+    assert fences and fences[0] > first.fence
+    Lock("acl-redlock-forced", ttl=5, backend=url).acquire()
+    assert backend.force_release("acl-redlock-forced")
+    for master in acl_masters:
+        refused = [(e["reason"], e["object"]) for e in _admin(master).acl_log()]
+        assert refused == [], f"the README's ACL refused on a Redlock master: {refused}"
