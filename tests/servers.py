@@ -406,10 +406,17 @@ class RedisSentinel(ServerProcess):
     name = "sentinel"
     binary = shutil.which("redis-sentinel") or "redis-sentinel"
 
-    def __init__(self, master: RedisServer, service: str = "mymaster", port: int | None = None):
+    def __init__(
+        self,
+        master: RedisServer,
+        service: str = "mymaster",
+        port: int | None = None,
+        auth: tuple[str, str] | None = None,
+    ):
         super().__init__(port)
         self.master = master
         self.service = service
+        self.auth = auth  # (user, password) the sentinel uses on a master with ACL users
 
     def command(self) -> list[str]:
         config = self.dir / "sentinel.conf"  # Sentinel rewrites its config: a private copy
@@ -417,6 +424,11 @@ class RedisSentinel(ServerProcess):
             f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
             f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
         )
+        if self.auth is not None:
+            user, password = self.auth
+            with open(config, "a") as text:
+                text.write(f"sentinel auth-user {self.service} {user}\n")
+                text.write(f"sentinel auth-pass {self.service} {password}\n")
         return [self.binary, str(config)]
 
     def ready(self) -> bool:

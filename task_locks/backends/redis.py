@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio
@@ -324,6 +324,14 @@ class RedisBackend(Backend):
             raise InvalidArgument(f"no host:port in {self.server}")
         return hosts
 
+    def _user(self) -> str | None:
+        """The URL's ACL user for Sentinel and Cluster clients (redis-py takes it apart)."""
+        return unquote(self._parts.username) if self._parts.username else None
+
+    def _password(self) -> str | None:
+        """The URL's password, percent-decoded (``from_url`` does this for plain URLs)."""
+        return unquote(self._parts.password) if self._parts.password is not None else None
+
     def _make_client(self, flavour: _Flavour) -> Any:
         common: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
@@ -340,7 +348,11 @@ class RedisBackend(Backend):
                     "redis+sentinel://host:port[,host:port]/service_name[/db]"
                 )
             kwargs = dict(
-                common, password=self._parts.password, retry=retry, **flavour.sentinel_options
+                common,
+                username=self._user(),
+                password=self._password(),
+                retry=retry,
+                **flavour.sentinel_options,
             )
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
@@ -355,7 +367,7 @@ class RedisBackend(Backend):
         if self.cluster:
             nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self._hosts()]
             return flavour.cluster.RedisCluster(
-                startup_nodes=nodes, password=self._parts.password, **common
+                startup_nodes=nodes, username=self._user(), password=self._password(), **common
             )
         database = self._parts.path.strip("/")
         if self.scheme != "unix" and database and not database.isdigit():
