@@ -26,10 +26,14 @@ ACL_MARKER = "<!-- not-run: the lock user's Redis ACL; tests/security load this 
 ETCD_RBAC_PREFIX = "rbac-locks/"
 
 
-def readme_acl(password: str = SECRET) -> str:
-    """The lock user's ACL as the README documents it, with its placeholders filled in."""
+#: The marker above the README's read-only ACL block.
+VIEWER_MARKER = "<!-- not-run: the read-only Redis ACL; tests/security load this block -->"
+
+
+def readme_acl(password: str = SECRET, marker: str = ACL_MARKER) -> str:
+    """An ACL block of the README (the lock user's by default), its password filled in."""
     text = README.read_text()
-    at = text.index(ACL_MARKER)
+    at = text.index(marker)
     block = re.search(r"```\w*\n(.*?)```", text[at:], re.S)
     assert block is not None, "the README's ACL block is missing"
     return block.group(1).replace("PASSWORD", password)
@@ -83,9 +87,11 @@ def tls_redis(certs: Certs) -> Iterator[SecureRedisServer]:
 
 @pytest.fixture(scope="session")
 def acl_redis() -> Iterator[SecureRedisServer]:
-    """Redis whose ``locker`` user has exactly the README's ACL; ``admin`` has everything."""
+    """Redis whose ``locker`` and ``viewer`` users have exactly the README's ACLs; ``admin``
+    has everything."""
     _have("redis-server")
-    acl = readme_acl() + f"user admin on >{SECRET}-admin ~* &* +@all\n"
+    acl = readme_acl() + readme_acl(SECRET + "-viewer", VIEWER_MARKER)
+    acl += f"user admin on >{SECRET}-admin ~* &* +@all\n"
     server = SecureRedisServer(acl=acl, client=("locker", SECRET)).start()
     yield server
     server.cleanup()
