@@ -499,7 +499,7 @@ class Certs:
         self._signed(
             self.server_cert,
             self.server_key,
-            "/CN=localhost",
+            "/CN=task-locks test server",  # not a host name: only the SAN may match
             "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
         )
         self._signed(
@@ -691,7 +691,7 @@ class SecureRedisServer(RedisServer):
 
         if user is None and self.client is not None:
             user, password = self.client
-        kwargs: dict[str, object] = {"port": self.port, "socket_timeout": 2}
+        kwargs: dict[str, object] = {"host": "127.0.0.1", "port": self.port, "socket_timeout": 2}
         if user is not None:
             kwargs.update(username=user, password=password)
         if self.certs is not None:
