@@ -120,7 +120,8 @@ class _LeaseGone(LockError):
 
 
 class _TokenExpired(LockError):
-    """etcd refused our auth token (expired, or invalidated by a restart): authenticate again."""
+    """etcd refused our auth token (idle past ``--auth-token-ttl``, or the user's password
+    changed): authenticate again."""
 
 
 class _TLSAdapter(HTTPAdapter):
@@ -156,14 +157,9 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 def _token_refused(exc: etcd_errors.Etcd3Exception) -> bool:
-    """etcd says our auth token is no longer valid (it expired, or the server restarted)."""
+    """etcd says our auth token is no longer valid (see :class:`_TokenExpired`)."""
     detail = str(getattr(exc, "detail_text", "") or "")
     return "invalid auth token" in detail
-
-
-def _scrubbed(exc: BaseException) -> str:
-    """A transport error's text (it names host, port and path, never the request body)."""
-    return str(exc) or type(exc).__name__
 
 
 def _undelivered(exc: BaseException) -> bool:
@@ -205,11 +201,12 @@ class EtcdBackend(Backend):
         self.tls = parts.scheme.lower() == "etcds"
         query = self._options(_OPTIONS | _TLS_OPTIONS if self.tls else _OPTIONS)
         self._tls_files = self._tls(query) if self.tls else {}
-        self.check_hostname = query.get("check_hostname", "true").lower() not in (
-            "false",
-            "0",
-            "no",
-        )
+        check = query.get("check_hostname", "true").lower()
+        if check not in ("true", "1", "yes", "false", "0", "no"):
+            raise InvalidArgument(
+                f"{self.server}: option check_hostname={check!r} must be true or false"
+            )
+        self.check_hostname = check in ("true", "1", "yes")
         try:
             self.user, self._password = parts.username, parts.password
         except ValueError as exc:
@@ -317,7 +314,8 @@ class EtcdBackend(Backend):
         except requests.Timeout as exc:
             raise etcd_errors.ConnectionTimeoutError(type(exc).__name__) from None
         except requests.ConnectionError as exc:
-            raise etcd_errors.ConnectionFailedError(_scrubbed(exc)) from None
+            # its text names host, port and path, never the request body (the password)
+            raise etcd_errors.ConnectionFailedError(str(exc)) from None
         if response.status_code >= 500:
             raise etcd_errors.InternalServerError(f"HTTP {response.status_code}")
         token = response.json().get("token") if response.ok else None

@@ -45,6 +45,7 @@ def test_etcds_without_a_client_certificate_is_refused(tls_etcd: TLSEtcdServer) 
         ("ca=/no/such/ca.pem", "not a readable file"),
         ("key=/etc/hostname", "needs cert="),
         ("bogus=1", "unknown option"),
+        ("check_hostname=maybe", "true or false"),
     ],
 )
 def test_etcds_options_are_checked_at_definition(query: str, complaint: str) -> None:
