@@ -88,7 +88,17 @@ TUNING_OPTIONS = frozenset(
 )
 #: Schemes whose URL takes a ``prefix`` option (where ``KEY_PREFIX`` goes).
 PREFIX_SCHEMES = frozenset(
-    {"redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "redlock", "etcd", "django"}
+    {
+        "redis",
+        "rediss",
+        "unix",
+        "redis+sentinel",
+        "redis+cluster",
+        "redlock",
+        "etcd",
+        "etcds",
+        "django",
+    }
 )
 
 

@@ -9,6 +9,7 @@ command -v redis-sentinel >/dev/null || need+=(redis-sentinel)
 command -v etcd           >/dev/null || need+=(etcd-server)
 command -v chromium       >/dev/null || need+=(chromium)
 command -v faketime       >/dev/null || need+=(faketime)
+command -v openssl        >/dev/null || need+=(openssl)   # throwaway CA for the TLS tests
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

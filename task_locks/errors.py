@@ -82,10 +82,12 @@ class BackendUnavailable(LockError):
         self.server = server
 
 
-class BackendMisconfigured(LockError):
+class BackendMisconfigured(InvalidArgument):
     """The lock service answered, but not as this configuration expects: it requires a
     password (or another one), speaks TLS where the URL does not (or the reverse), or is
-    not that kind of server at all. Retrying cannot help; fixing the URL does.
+    not that kind of server at all, or its access rules (an ACL, an etcd role) do not
+    cover the lock's keys. Retrying cannot help; fixing the URL does. It is an
+    :class:`InvalidArgument` (bad configuration is bad input).
 
     ``server`` names the backend (URL without credentials).
     """

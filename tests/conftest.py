@@ -16,6 +16,8 @@ from task_locks import config
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The secured servers of issue 18 (TLS, etcd RBAC, Redis ACL users), for every directory.
+from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # noqa: F401
 from servers import RedisServer
 
 # CI runs in a fresh clone: keep no example database there, and print the seed to replay.

@@ -441,10 +441,17 @@ class RedisSentinel(ServerProcess):
     name = "sentinel"
     binary = shutil.which("redis-sentinel") or "redis-sentinel"
 
-    def __init__(self, master: RedisServer, service: str = "mymaster", port: int | None = None):
+    def __init__(
+        self,
+        master: RedisServer,
+        service: str = "mymaster",
+        port: int | None = None,
+        auth: tuple[str, str] | None = None,
+    ):
         super().__init__(port)
         self.master = master
         self.service = service
+        self.auth = auth  # (user, password) the sentinel uses on a master with ACL users
 
     def command(self) -> list[str]:
         config = self.dir / "sentinel.conf"  # Sentinel rewrites its config: a private copy
@@ -452,6 +459,11 @@ class RedisSentinel(ServerProcess):
             f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
             f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
         )
+        if self.auth is not None:
+            user, password = self.auth
+            with open(config, "a") as text:
+                text.write(f"sentinel auth-user {self.service} {user}\n")
+                text.write(f"sentinel auth-pass {self.service} {password}\n")
         return [self.binary, str(config)]
 
     def ready(self) -> bool:
@@ -467,5 +479,290 @@ class RedisSentinel(ServerProcess):
     def url(self, **options: object) -> str:
         query = "&".join(f"{k}={v}" for k, v in options.items())
         return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}" + (
+            f"?{query}" if query else ""
+        )
+
+
+# -- secured servers (issue 18): TLS with a throwaway CA, etcd RBAC, Redis ACL users --------
+
+
+class Certs:
+    """A throwaway CA with a server certificate (for 127.0.0.1 only) and a client one.
+
+    Made with the ``openssl`` CLI (EC P-256 keys: fast), valid for one day, in ``directory``.
+    The server certificate also allows client use: etcd 3.4's gateway dials its own gRPC
+    port with it when ``--client-cert-auth`` is on.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ca = self.dir / "ca.crt"
+        self.ca_key = self.dir / "ca.key"
+        self.server_cert, self.server_key = self.dir / "server.crt", self.dir / "server.key"
+        self.client_cert, self.client_key = self.dir / "client.crt", self.dir / "client.key"
+        self.other_ca = self.dir / "other-ca.crt"  # a CA that signed none of these
+
+    def _openssl(self, *args: str) -> None:
+        openssl = shutil.which("openssl") or "openssl"
+        done = subprocess.run([openssl, *args], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args)} failed:\n{done.stderr}")
+
+    def _self_signed(self, cert: Path, key: Path, subject: str) -> None:
+        self._openssl(
+            "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", subject,
+        )  # fmt: skip
+
+    def _signed(self, cert: Path, key: Path, subject: str, extensions: str) -> None:
+        request = cert.with_suffix(".csr")
+        ext = cert.with_suffix(".ext")
+        ext.write_text(extensions)
+        self._openssl(
+            "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(request), "-subj", subject,
+        )  # fmt: skip
+        self._openssl(
+            "x509", "-req", "-in", str(request), "-CA", str(self.ca), "-CAkey", str(self.ca_key),
+            "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext),
+        )  # fmt: skip
+
+    def make(self) -> Certs:
+        self._self_signed(self.ca, self.ca_key, "/CN=task-locks test CA")
+        self._self_signed(self.other_ca, self.dir / "other-ca.key", "/CN=some other CA")
+        self._signed(
+            self.server_cert,
+            self.server_key,
+            "/CN=task-locks test server",  # not a host name: only the SAN may match
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )
+        self._signed(
+            self.client_cert,
+            self.client_key,
+            "/CN=task-locks-client",
+            "extendedKeyUsage=clientAuth\n",
+        )
+        return self
+
+
+class TLSEtcdServer(EtcdServer):
+    """One etcd member serving clients over HTTPS only, demanding a client certificate."""
+
+    def __init__(self, certs: Certs, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.certs = certs
+
+    @property
+    def client_url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            "--cert-file", str(self.certs.server_cert),
+            "--key-file", str(self.certs.server_key),
+            "--trusted-ca-file", str(self.certs.ca),
+            "--client-cert-auth",
+        ]  # fmt: skip
+
+    def ready(self) -> bool:
+        import requests
+
+        try:
+            answer = requests.get(
+                self.client_url + "/health",
+                verify=str(self.certs.ca),
+                cert=(str(self.certs.client_cert), str(self.certs.client_key)),
+                timeout=0.5,
+            )
+            return bool(answer.json().get("health") == "true")
+        except (OSError, ValueError, requests.RequestException):
+            return False
+
+    def url(self, **options: object) -> str:
+        files = {
+            "ca": self.certs.ca,
+            "cert": self.certs.client_cert,
+            "key": self.certs.client_key,
+        }
+        query = "&".join(f"{k}={v}" for k, v in {**files, **options}.items())
+        return f"etcds://127.0.0.1:{self.port}?{query}"
+
+
+class AuthEtcdServer(EtcdServer):
+    """One etcd member with RBAC on: a ``root`` user and a lock user whose role covers one prefix.
+
+    Set up through the v3 JSON gateway (no ``etcdctl`` needed): roles, users, grants,
+    then ``auth/enable``.
+    """
+
+    def __init__(
+        self, user: str, password: str, prefix: str, root_password: str, **kwargs: object
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.user, self.password, self.prefix = user, password, prefix
+        self.root_password = root_password
+
+    def call(self, path: str, body: dict[str, object], token: str | None = None) -> dict:
+        import json
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
+        request = urllib.request.Request(
+            f"{self.client_url}/v3/{path}", data=json.dumps(body).encode(), headers=headers
+        )
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return dict(json.loads(answer.read()))
+
+    def grant(self, role: str, prefix: str, perm: str = "READWRITE") -> None:
+        """Give ``role`` ``perm`` on every key starting with ``prefix`` (as root)."""
+        from base64 import b64encode
+
+        start = prefix.encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        token = self.root_token()
+        self.call("auth/role/add", {"name": role}, token)
+        perm_body = {
+            "permType": perm,
+            "key": b64encode(start).decode(),
+            "range_end": b64encode(end).decode(),
+        }
+        self.call("auth/role/grant", {"name": role, "perm": perm_body}, token)
+
+    def add_user(self, user: str, password: str, role: str) -> None:
+        token = self.root_token()
+        self.call("auth/user/add", {"name": user, "password": password}, token)
+        self.call("auth/user/grant", {"user": user, "role": role}, token)
+
+    def invalidate_tokens(self) -> None:
+        """Set the lock user's password again (to the same one): etcd drops its tokens."""
+        self.call(
+            "auth/user/changepw",
+            {"name": self.user, "password": self.password},
+            self.root_token(),
+        )
+
+    def root_token(self) -> str:
+        answer = self.call("auth/authenticate", {"name": "root", "password": self.root_password})
+        return str(answer["token"])
+
+    def start(self, timeout: float = 10.0) -> AuthEtcdServer:
+        super().start(timeout)
+        if (self.dir / "auth-set-up").exists():  # a restart: the data dir keeps it
+            return self
+        self.call("auth/user/add", {"name": "root", "password": self.root_password})
+        self.call("auth/role/add", {"name": "root"})
+        self.call("auth/user/grant", {"user": "root", "role": "root"})
+        self.call("auth/role/add", {"name": "locks"})
+        from base64 import b64encode
+
+        start = self.prefix.encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        perm = {
+            "permType": "READWRITE",
+            "key": b64encode(start).decode(),
+            "range_end": b64encode(end).decode(),
+        }
+        self.call("auth/role/grant", {"name": "locks", "perm": perm})
+        self.call("auth/user/add", {"name": self.user, "password": self.password})
+        self.call("auth/user/grant", {"user": self.user, "role": "locks"})
+        self.call("auth/enable", {})
+        (self.dir / "auth-set-up").touch()
+        return self
+
+    def url(self, **options: object) -> str:
+        from urllib.parse import quote
+
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        credentials = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
+        return f"etcd://{credentials}127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+
+
+class SecureRedisServer(RedisServer):
+    """``redis-server`` on TLS only (when ``certs`` is given) and/or with an ACL file.
+
+    ``acl`` is the ACL file's text (``user NAME on >PASSWORD ~pattern +command ...``);
+    the ``default`` user is turned off unless the text says otherwise. ``client`` is the
+    (user, password) the readiness probe and :meth:`url` use.
+    """
+
+    def __init__(
+        self,
+        certs: Certs | None = None,
+        acl: str | None = None,
+        client: tuple[str, str] | None = None,
+        port: int | None = None,
+        client_certs: bool = False,
+    ) -> None:
+        super().__init__(port)
+        self.certs, self.acl, self.client = certs, acl, client
+        self.client_certs = client_certs  # TLS clients must show a certificate
+
+    def command(self) -> list[str]:
+        command = super().command()
+        if self.certs is not None:
+            port_at = command.index("--port")
+            command[port_at + 1] = "0"  # no plaintext port at all
+            command += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.certs.server_cert),
+                "--tls-key-file", str(self.certs.server_key),
+                "--tls-ca-cert-file", str(self.certs.ca),
+                "--tls-auth-clients", "yes" if self.client_certs else "optional",
+            ]  # fmt: skip
+        if self.acl is not None:
+            acl_file = self.dir / "users.acl"
+            text = self.acl if "user default" in self.acl else "user default off\n" + self.acl
+            acl_file.write_text(text)
+            command += ["--aclfile", str(acl_file)]
+        return command
+
+    def redis_client(self, user: str | None = None, password: str | None = None) -> object:
+        """A plain redis-py client (as ``user``, default: :attr:`client`) on this server."""
+        import redis
+
+        if user is None and self.client is not None:
+            user, password = self.client
+        kwargs: dict[str, object] = {"host": "127.0.0.1", "port": self.port, "socket_timeout": 2}
+        if user is not None:
+            kwargs.update(username=user, password=password)
+        if self.certs is not None:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.certs.ca))
+            if self.client_certs:
+                kwargs.update(
+                    ssl_certfile=str(self.certs.client_cert),
+                    ssl_keyfile=str(self.certs.client_key),
+                )
+        return redis.Redis(**kwargs)  # type: ignore[arg-type]
+
+    def ready(self) -> bool:
+        import redis
+
+        client = self.redis_client()
+        try:
+            with client:  # type: ignore[attr-defined]
+                return bool(client.ping())  # type: ignore[attr-defined]
+        except (OSError, redis.RedisError):
+            return False
+
+    def url(self, db: int = 0, **options: object) -> str:
+        from urllib.parse import quote
+
+        scheme = "redis"
+        if self.certs is not None:
+            scheme = "rediss"
+            files: dict[str, object] = {"ssl_ca_certs": self.certs.ca}
+            if self.client_certs:
+                files.update(ssl_certfile=self.certs.client_cert, ssl_keyfile=self.certs.client_key)
+            options = {**files, **options}
+        credentials = ""
+        if self.client is not None:
+            user, password = self.client
+            credentials = f"{quote(user, safe='')}:{quote(password, safe='')}@"
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"{scheme}://{credentials}127.0.0.1:{self.port}/{db}" + (
             f"?{query}" if query else ""
         )

@@ -24,6 +24,7 @@ _BUILTIN: dict[str, str] = {
     "redis+cluster": "task_locks.backends.redis:RedisBackend",
     "redlock": "task_locks.backends.redlock:RedlockBackend",
     "etcd": "task_locks.backends.etcd:EtcdBackend",
+    "etcds": "task_locks.backends.etcd:EtcdBackend",
     "django": "django_app.backend:DjangoBackend",
     "memory": "task_locks.backends.memory:MemoryBackend",
 }

@@ -89,9 +89,10 @@ def redact_url(url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError:  # malformed: still never show what looks like a password
-        return re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", url)
+        return re.sub(r"(^|//)([^/@:]*):[^/@]*@", r"\1\2:***@", url)
     if parts.password is None:
-        return url
+        # Without "//" ("user:password@host") urlsplit sees no netloc, hence no password.
+        return re.sub(r"(^|//)([^/@:]*):[^/@]*@", r"\1\2:***@", url) if "@" in url else url
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

@@ -49,7 +49,7 @@ written), and the server enforces a minimum
 about every 500 ms, so a dead holder's lock ends within ``ceil(ttl)`` + 0.5 s; a new
 leader restarts every lease's TTL, so a leader change can lengthen (never shorten) a
 dead holder's lock. ``renewals`` is not tracked (a keep-alive leaves no trace in the
-key) and ``acquired_at`` is the acquiring client's clock. No TLS or authentication.
+key) and ``acquired_at`` is the acquiring client's clock.
 
 asyncio: every call runs the sync one in a worker thread (``Backend``'s adapter); a
 waiting :class:`~task_locks.AsyncLock` holds one thread of the adapter's wait pool
@@ -57,6 +57,19 @@ waiting :class:`~task_locks.AsyncLock` holds one thread of the adapter's wait po
 waiters never hold up the renewals and releases queued in the loop's default executor.
 
 Options: ``prefix`` (default ``task_locks/``), ``timeout`` (seconds per request).
+
+Security: ``etcds://`` speaks HTTPS (etcd3gw's own TLS support: a ``requests`` session
+with ``verify`` and ``cert``). Options ``ca`` (CA bundle file; default: the system's
+trust store), ``cert`` and ``key`` (client certificate and its key, for a cluster run
+with ``--client-cert-auth``); the server's certificate must name the host in the URL
+(``check_hostname=false`` turns only that check off, never the chain check).
+``etcd://user:password@...`` (or ``etcds://``) authenticates with etcd's RBAC
+(``/v3/auth/authenticate``) on first use and sends the token with every request; an
+expired or invalidated token ("invalid auth token") is renewed once per request and the
+request resent. A request the user's role does not allow ("permission denied") raises
+:class:`~task_locks.errors.InvalidArgument` naming the prefix the role must cover, as
+does a wrong user or password: both are configuration errors, not an outage. The
+password and token never appear in errors, logs or ``repr``.
 """
 
 from __future__ import annotations
@@ -70,7 +83,7 @@ from base64 import b64decode, b64encode
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import etcd3gw
 import requests
@@ -82,6 +95,8 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
 
 _OPTIONS: Final = {"prefix", "timeout"}
+#: Options only ``etcds://`` takes (TLS files and the hostname check).
+_TLS_OPTIONS: Final = {"ca", "cert", "key", "check_hostname"}
 #: HTTP connections kept per endpoint (threads beyond this open short-lived ones).
 _POOL_SIZE: Final = 32
 #: Names whose last-seen revision is remembered for watches (a bounded hint).
@@ -104,6 +119,28 @@ class _LeaseGone(LockError):
     """etcd refused a request because the lease it names no longer exists."""
 
 
+class _TokenExpired(LockError):
+    """etcd refused our auth token (idle past ``--auth-token-ttl``, or the user's password
+    changed): authenticate again."""
+
+
+class _TLSAdapter(HTTPAdapter):
+    """An HTTPS adapter that may skip the hostname check (``check_hostname=false``) only.
+
+    The certificate chain is still verified against ``ca``: this is for clusters whose
+    certificates name a host other than the one dialled (an IP, a tunnel).
+    """
+
+    def __init__(self, check_hostname: bool, **kwargs: Any) -> None:
+        self._check_hostname = check_hostname
+        super().__init__(**kwargs)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        if not self._check_hostname:
+            kwargs["assert_hostname"] = False
+        super().init_poolmanager(*args, **kwargs)
+
+
 def _b64(data: bytes) -> str:
     return b64encode(data).decode()
 
@@ -117,6 +154,12 @@ def _prefix_end(prefix: bytes) -> bytes:
             return bytes(tail)
         tail.pop()
     return b"\0"  # every key
+
+
+def _token_refused(exc: etcd_errors.Etcd3Exception) -> bool:
+    """etcd says our auth token is no longer valid (see :class:`_TokenExpired`)."""
+    detail = str(getattr(exc, "detail_text", "") or "")
+    return "invalid auth token" in detail
 
 
 def _undelivered(exc: BaseException) -> bool:
@@ -163,22 +206,39 @@ def _granted_seconds(held: _Held) -> int | None:
 
 
 class EtcdBackend(Backend):
-    schemes = ("etcd",)
+    schemes = ("etcd", "etcds")
     capabilities = frozenset({"consensus", "fencing", "holders", "multiprocess", "wakeup"})
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
         parts = urlsplit(url)
-        query = self._options(_OPTIONS)
-        if "@" in parts.netloc:
-            raise InvalidArgument(f"{self.server}: etcd authentication is not supported")
+        self.tls = parts.scheme.lower() == "etcds"
+        query = self._options(_OPTIONS | _TLS_OPTIONS if self.tls else _OPTIONS)
+        self._tls_files = self._tls(query) if self.tls else {}
+        check = query.get("check_hostname", "true").lower()
+        if check not in ("true", "1", "yes", "false", "0", "no"):
+            raise InvalidArgument(
+                f"{self.server}: option check_hostname={check!r} must be true or false"
+            )
+        self.check_hostname = check in ("true", "1", "yes")
+        try:
+            self.user, self._password = parts.username, parts.password
+        except ValueError as exc:
+            raise InvalidArgument(f"{self.server}: malformed credentials") from exc
+        if "@" in parts.netloc and (not self.user or self._password is None):
+            raise InvalidArgument(
+                f"{self.server}: etcd credentials are user:password@ (both, URL-encoded)"
+            )
+        self.user = unquote(self.user) if self.user else None
+        self._password = unquote(self._password) if self._password is not None else None
+        self._token: str | None = None
         if parts.path.strip("/"):
             raise InvalidArgument(
                 f"{self.server}: an etcd URL has no path; use ?prefix= to pick a key prefix"
             )
         self.prefix = query.get("prefix", "task_locks/").encode()
         self.timeout = self._number(query, "timeout", 2.0, positive=True)
-        self.endpoints = self._endpoints(parts.netloc)
+        self.endpoints = self._endpoints(parts.netloc.rsplit("@", 1)[-1])
         self._current = 0
         self._pid = -1
         self._clients: list[etcd3gw.Etcd3Client] = []
@@ -198,6 +258,20 @@ class EtcdBackend(Backend):
             endpoints.append((host.strip("[]"), int(port)))
         return endpoints
 
+    def _tls(self, query: dict[str, str]) -> dict[str, str]:
+        """The TLS files named by ``ca``/``cert``/``key``, each checked to be readable now."""
+        files = {k: query[k] for k in ("ca", "cert", "key") if query.get(k)}
+        if "key" in files and "cert" not in files:
+            raise InvalidArgument(
+                f"{self.server}: option key= needs cert= (the client certificate)"
+            )
+        for option, path in files.items():
+            if not os.path.isfile(path) or not os.access(path, os.R_OK):
+                raise InvalidArgument(
+                    f"{self.server}: option {option}={path!r} is not a readable file"
+                )
+        return files
+
     # -- transport -------------------------------------------------------------------------
 
     def _client_list(self) -> list[etcd3gw.Etcd3Client]:
@@ -212,11 +286,79 @@ class EtcdBackend(Backend):
 
     def _make_client(self, host: str, port: int) -> etcd3gw.Etcd3Client:
         session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=_POOL_SIZE, max_retries=0)
-        session.mount("http://", adapter)
+        pool: dict[str, Any] = {"pool_connections": 1, "pool_maxsize": _POOL_SIZE, "max_retries": 0}
+        if self.tls:
+            session.mount("https://", _TLSAdapter(self.check_hostname, **pool))
+            session.verify = self._tls_files.get("ca", True)
+            if "ca" in self._tls_files:
+                # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override a session's
+                # verify: the CA the URL names would be silently ignored.
+                session.trust_env = False
+            if "cert" in self._tls_files:
+                cert = self._tls_files["cert"]
+                key = self._tls_files.get("key")
+                session.cert = (cert, key) if key else cert
+        else:
+            session.mount("http://", HTTPAdapter(**pool))
+        if self._token:
+            session.headers["Authorization"] = self._token
         return etcd3gw.Etcd3Client(
-            host=host, port=port, timeout=self.timeout, api_path="/v3/", session=session
+            host=host,
+            port=port,
+            protocol="https" if self.tls else "http",
+            timeout=self.timeout,
+            api_path="/v3/",
+            session=session,
         )
+
+    def _authenticate(self, client: etcd3gw.Etcd3Client, name: str | None) -> None:
+        """Trade user and password for a token, sent from now on by every endpoint's session.
+
+        The request goes without the old token (an expired one would refuse it). A wrong
+        user or password is a configuration error: :class:`InvalidArgument`, and neither
+        the password nor etcd's answer (which could echo it) is quoted.
+        """
+        url = client.get_url("/auth/authenticate")
+        payload = {"name": self.user, "password": self._password}
+        no_token: dict[str, Any] = {"Authorization": None}  # None: drop the session's header
+        try:
+            response = client.session.post(
+                url, json=payload, timeout=self.timeout, headers=no_token
+            )
+        except requests.Timeout as exc:
+            raise etcd_errors.ConnectionTimeoutError(type(exc).__name__) from None
+        except requests.ConnectionError as exc:
+            # its text names host, port and path, never the request body (the password)
+            raise etcd_errors.ConnectionFailedError(str(exc)) from None
+        if response.status_code >= 500:
+            raise etcd_errors.InternalServerError(f"HTTP {response.status_code}")
+        token = response.json().get("token") if response.ok else None
+        if not token:
+            what = f"lock {name!r}" if name else "listing locks"
+            raise InvalidArgument(
+                f"{what}: etcd at {self.server} refused the credentials of user "
+                f"{self.user!r} (HTTP {response.status_code}): check the user and password",
+                name=name,
+            )
+        self._token = str(token)
+        for each in self._clients:
+            each.session.headers["Authorization"] = self._token
+
+    def _authorised_post(
+        self, client: etcd3gw.Etcd3Client, name: str | None, path: str, payload: dict[str, Any]
+    ) -> Any:
+        """``client.post``, authenticating first (and once more after an expired token)."""
+        if self.user is None:
+            return client.post(client.get_url(path), json=payload)
+        if self._token is None:
+            self._authenticate(client, name)
+        try:
+            return client.post(client.get_url(path), json=payload)
+        except etcd_errors.Etcd3Exception as exc:
+            if not _token_refused(exc):
+                raise
+        self._authenticate(client, name)
+        return client.post(client.get_url(path), json=payload)
 
     def _order(self) -> Iterator[tuple[int, etcd3gw.Etcd3Client]]:
         clients = self._client_list()
@@ -244,7 +386,7 @@ class EtcdBackend(Backend):
         repeated = False
         for index, client in self._order():
             try:
-                answer = client.post(client.get_url(path), json=payload)
+                answer = self._authorised_post(client, name, path, payload)
                 self._current = index
                 return answer, repeated
             except _TRANSPORT as exc:
@@ -280,6 +422,26 @@ class EtcdBackend(Backend):
     def _refused(self, name: str | None, path: str, exc: etcd_errors.Etcd3Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
         reason = self._reason(exc)
+        if "permission denied" in reason:
+            user = f"user {self.user!r}" if self.user else "this client"
+            raise InvalidArgument(
+                f"{what}: etcd at {self.server} denied {path} to {user}: its role must "
+                f"grant read-write on the key prefix {self.prefix.decode()!r} "
+                f"(etcdctl role grant-permission ROLE --prefix readwrite "
+                f"{self.prefix.decode()!r})",
+                name=name,
+            ) from exc
+        if "user name is empty" in reason:
+            raise InvalidArgument(
+                f"{what}: etcd at {self.server} requires authentication: put "
+                "user:password@ in the URL",
+                name=name,
+            ) from exc
+        if _token_refused(exc):
+            raise _TokenExpired(
+                f"{what}: etcd at {self.server} refused the auth token for {path}: {reason}",
+                name=name,
+            ) from exc
         refusal = _LeaseGone if "lease not found" in reason else LockError
         raise refusal(f"{what}: etcd at {self.server} refused {path}: {reason}", name=name) from exc
 
@@ -627,9 +789,20 @@ class EtcdBackend(Backend):
         failures: list[str] = []
         for index, client in self._order():
             try:
-                self._watch(client, request, timeout)
+                if self.user is not None and self._token is None:
+                    self._authenticate(client, name)
+                try:
+                    self._watch(client, request, timeout)
+                except requests.HTTPError as exc:
+                    if self.user is None or exc.response is None or exc.response.status_code != 401:
+                        raise
+                    self._authenticate(client, name)  # the token expired: once more
+                    self._watch(client, request, timeout)
                 self._current = index
                 return
+            except etcd_errors.Etcd3Exception as exc:
+                failures.append(f"{client.host}:{client.port}: {self._reason(exc)}")
+                self._current = (index + 1) % len(self.endpoints)
             except (requests.RequestException, OSError) as exc:
                 failures.append(f"{client.host}:{client.port}: {exc}")
                 self._current = (index + 1) % len(self.endpoints)

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio
@@ -58,6 +58,7 @@ from redis.exceptions import (
     ClusterDownError,
     InvalidResponse,
     MovedError,
+    NoPermissionError,
     NoScriptError,
     ReadOnlyError,
     RedisClusterException,
@@ -246,6 +247,17 @@ _OUR_OPTIONS = {
     "fence_ttl",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
+
+
+def _access_refused(what: str, server: str, prefix: str, exc: Exception) -> str:
+    """A wrong user/password or an ACL refusal: a configuration error, not an outage."""
+    user = urlsplit(server).username or "default"
+    if isinstance(exc, AuthenticationError):
+        return f"{what}: Redis at {server} refused user {user!r}: check the user and password"
+    return (
+        f"{what}: Redis at {server} refused user {user!r}: {exc}; its ACL must allow the keys "
+        f"{prefix + '*'!r} (prefix {prefix!r}) and the commands of the README's lock-user ACL"
+    )
 
 
 def _tag(name: str) -> str:
@@ -438,6 +450,14 @@ class RedisBackend(Backend):
             raise InvalidArgument(f"no host:port in {self.server}")
         return hosts
 
+    def _user(self) -> str | None:
+        """The URL's ACL user for Sentinel and Cluster clients (redis-py takes it apart)."""
+        return unquote(self._parts.username) if self._parts.username else None
+
+    def _password(self) -> str | None:
+        """The URL's password, percent-decoded (``from_url`` does this for plain URLs)."""
+        return unquote(self._parts.password) if self._parts.password is not None else None
+
     def _make_client(self, flavour: _Flavour) -> Any:
         common: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
@@ -454,7 +474,11 @@ class RedisBackend(Backend):
                     "redis+sentinel://host:port[,host:port]/service_name[/db]"
                 )
             kwargs = dict(
-                common, password=self._parts.password, retry=retry, **flavour.sentinel_options
+                common,
+                username=self._user(),
+                password=self._password(),
+                retry=retry,
+                **flavour.sentinel_options,
             )
             if len(path) > 1:
                 kwargs["db"] = int(path[1])
@@ -469,7 +493,7 @@ class RedisBackend(Backend):
         if self.cluster:
             nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self._hosts()]
             return flavour.cluster.RedisCluster(
-                startup_nodes=nodes, password=self._parts.password, **common
+                startup_nodes=nodes, username=self._user(), password=self._password(), **common
             )
         database = self._parts.path.strip("/")
         if self.scheme != "unix" and database and not database.isdigit():
@@ -528,6 +552,10 @@ class RedisBackend(Backend):
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
+        if isinstance(exc, NoPermissionError):
+            raise BackendMisconfigured(
+                _access_refused(what, self.server, self.prefix, exc), name=name, server=self.server
+            ) from exc
         misconfigured = _misconfiguration(exc, self.server)
         if misconfigured is not None:
             raise BackendMisconfigured(
