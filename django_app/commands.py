@@ -55,6 +55,7 @@ from task_locks import (
     Lock,
     LockHeld,
     LockLost,
+    events,
     owner_context,
 )
 from task_locks.config import validate_ttl
@@ -190,21 +191,15 @@ def run_locked(
     try:
         with owner_context(command=described), _sigterm_unwinds():
             try:
-                lease = lock.acquire()
+                # The lock reports acquired/conflict/released/lost to the event stream
+                # (the audit among its subscribers), with this policy and detail.
+                with events.context(policy="exit", detail=described):
+                    lease = lock.acquire()
             except LockHeld as exc:
                 holder = conflict_holder(backend, exc)
-                audit.record(
-                    "conflict",
-                    name,
-                    fence=holder.fence if holder else None,
-                    owner=holder.owner if holder else None,
-                    detail=f"{described} found it held",
-                    policy="exit",
-                )
                 raise CommandLockHeld(
                     conflict_message(name, holder), name=name, holder=holder
                 ) from None
-            audit.record("acquired", name, fence=lease.fence, detail=described)
             command.lease = lease  # type: ignore[attr-defined]  # handle() may pass lease.fence
             stopper.handling = True
             try:
@@ -243,7 +238,6 @@ class _LossStopper:
         self._interruptible = threading.current_thread() is self._main
 
     def __call__(self, lease: Any) -> None:
-        audit.record("lost", lease.name, fence=lease.fence, detail=lease.lost_reason or "")
         if not self.handling:
             return
         self.command.stderr.write(
@@ -282,8 +276,6 @@ def _release(lease: Any, *, failing: bool) -> None:
                 f"{exc} (the command's work may have overlapped another run)",
                 returncode=EX_LEASE_LOST,
             ) from exc
-    else:
-        audit.record("released", lease.name, fence=lease.fence)
 
 
 def _exit_quietly(run_from_argv: Callable[[list[str]], None], argv: list[str]) -> None:

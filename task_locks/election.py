@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
+from . import events
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld, LockLost
 from .lock import _UNSET, AsyncLease, AsyncLock, Lease, Lock, _LeaseBase, _Unset, validate_name
@@ -303,7 +304,8 @@ class Election(_ElectionBase[Leadership]):
         if current is not None:
             return current
         try:
-            with owner_context(identity=self.identity):
+            # A follower's campaign finding a leader is no conflict worth an event.
+            with owner_context(identity=self.identity), events.context(policy=""):
                 lease = self._lock.acquire(timeout)
         except LockHeld as exc:
             raise self._held_error(exc) from None
@@ -373,7 +375,7 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
         if current is not None:
             return current
         try:
-            with owner_context(identity=self.identity):
+            with owner_context(identity=self.identity), events.context(policy=""):
                 lease = await self._lock.acquire(timeout)
         except LockHeld as exc:
             raise self._held_error(exc) from None

@@ -19,12 +19,14 @@ subscriptions (a Celery prefork child reports through the subscribers its parent
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -229,6 +231,37 @@ def _replace_subscriptions(subscriptions: tuple[Subscription, ...]) -> None:
     _hub.wanted = frozenset().union(*(s.kinds for s in subscriptions))
 
 
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a front end says about the locks it takes: the policy it applies to a conflict
+    (``skip``, ``retry``, ``wait``, ``raise``, ``exit``; ``""``: a conflict here is
+    routine, as an election follower's, and is not reported) and a detail for the audit."""
+
+    policy: str = "raise"
+    detail: str = ""
+
+
+_DEFAULT_CONTEXT: Final = Context()
+_context: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "task_locks_event_context", default=None
+)
+
+
+@contextlib.contextmanager
+def context(policy: str = "raise", detail: str = "") -> Iterator[Context]:
+    """Within this block, lock events carry ``policy`` (conflicts) and ``detail``."""
+    entered = Context(policy, detail)
+    token = _context.set(entered)
+    try:
+        yield entered
+    finally:
+        _context.reset(token)
+
+
+def current_context() -> Context:
+    return _context.get() or _DEFAULT_CONTEXT
+
+
 def wanted(kind: str) -> bool:
     """Whether any subscriber wants ``kind`` (callers skip building costly fields if not)."""
     return kind in _hub.wanted
@@ -267,8 +300,11 @@ atexit.register(flush, 2.0)
 
 __all__ = [
     "EVENT_KINDS",
+    "Context",
     "LockEvent",
     "Subscription",
+    "context",
+    "current_context",
     "dropped",
     "emit",
     "flush",

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Generator
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
+from . import events
 from .backends.base import CAPABILITIES, Backend
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
@@ -213,7 +214,7 @@ class _LeaseBase:
     _watched: bool = False
     #: A release was sent and got no answer (see ``_release_unknown``).
     _release_failed: bool = False
-    #: Its entry in the holders map (see ``_LockBase._refuse_self_wait``).
+    #: Its entry in the holders map (see ``_LockBase._held_here``).
     _holder_key: tuple[int, str, int] | None = None
 
     def __init__(
@@ -253,6 +254,8 @@ class _LeaseBase:
         self._on_lost = on_lost
         self._hold_deadline = None if max_hold is None else sent_at + max_hold
         self.renewals = 0
+        #: What the front end said when it took the lock (for the events it reports).
+        self._detail = events.current_context().detail
         # A forked child inherits this object but not the lock: see _foreign().
         self._pid = os.getpid()
 
@@ -370,6 +373,13 @@ class _LeaseBase:
             return False
         self._renew_error = error
         log.info("renewing lock %r failed, will retry: %s", self.name, error)
+        events.emit(
+            "renewal_failed",
+            self.name,
+            backend=self.backend.server,
+            fence=self.fence,
+            reason=str(error),
+        )
         return True
 
     def _hold_expired(self, now: float) -> bool:
@@ -397,6 +407,15 @@ class _LeaseBase:
         self._unschedule()
         self._unwatch()
         log.warning("lock %r (fence %s) lost: %s", self.name, self.fence, reason)
+        events.emit(
+            "lost",
+            self.name,
+            backend=self.backend.server,
+            fence=self.fence,
+            held=time.monotonic() - self._acquired_mono,
+            reason=reason,
+            detail=self._detail,
+        )
         if self._on_lost is not None:
             try:
                 outcome = self._on_lost(self)
@@ -460,6 +479,14 @@ class _LeaseBase:
             self.lost._deadline = math.inf  # released, not lost
             self._unwatch()
             log.debug("released lock %r (fence %s)", self.name, self.fence)
+            events.emit(
+                "released",
+                self.name,
+                backend=self.backend.server,
+                fence=self.fence,
+                held=time.monotonic() - self._acquired_mono,
+                detail=self._detail,
+            )
             return
         if self._release_failed:
             # An earlier release got no reply: it most likely freed the lock.
@@ -678,9 +705,17 @@ class _LockBase:
         return self.timeout if isinstance(timeout, _Unset) else validate_timeout(timeout, self.name)
 
     def _plan(
-        self, backend: Backend, timeout: float | None
+        self,
+        backend: Backend,
+        timeout: float | None,
+        mine: tuple[_LeaseBase, str] | None = None,
     ) -> Generator[Op, Any, tuple[str, int, float]]:
-        """The acquire loop: try, and while held, wait for the release or the holder's TTL."""
+        """The acquire loop: try, and while held, wait for the release or the holder's TTL.
+
+        ``mine``: a lease of this lock that the calling thread or task holds (and who that
+        is): when the server says that very lease holds the lock, waiting would wait for
+        itself, so :class:`LockHeld` is raised at once.
+        """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
         token = self._token or secrets.token_hex(16)
@@ -691,8 +726,18 @@ class _LockBase:
             sent_at = time.monotonic()
             result: AcquireResult = yield ("acquire", name, token, ttl_ms, owner)
             if result.fence is not None:
-                if time.monotonic() < sent_at + ttl - backend.clock_margin(ttl):
+                now = time.monotonic()
+                if now < sent_at + ttl - backend.clock_margin(ttl):
                     log.debug("acquired lock %r (fence %s)", name, result.fence)
+                    events.emit(
+                        "acquired",
+                        name,
+                        backend=backend.server,
+                        fence=result.fence,
+                        owner=owner,
+                        waited=now - start,
+                        detail=events.current_context().detail,
+                    )
                     return token, result.fence, sent_at
                 # The grant arrived after its TTL: it may be someone else's lock by now.
                 # Give it back (token-checked) rather than hand out a dead lease.
@@ -708,7 +753,27 @@ class _LockBase:
                 continue
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise _held_message(name, result, now - start)
+                held = _held_message(name, result, now - start)
+                context = events.current_context()
+                if context.policy and events.wanted("conflict"):  # "": not worth reporting
+                    events.emit(
+                        "conflict",
+                        name,
+                        backend=backend.server,
+                        fence=result.holder_fence,
+                        owner=held.holder.owner if held.holder else None,
+                        waited=now - start,
+                        policy=context.policy,
+                        detail=context.detail,
+                    )
+                raise held
+            if mine is not None and result.holder_fence == mine[0].fence and mine[0].held:
+                raise LockHeld(
+                    f"lock {name!r} is already held by this same {mine[1]} (fence "
+                    f"{mine[0].fence}): a second acquire would wait for itself; release "
+                    "the first lease, or pass it along instead of acquiring again",
+                    name=name,
+                )
             yield ("wait", name, _pause(result.retry_after, now, deadline))
 
     def _lease(
@@ -739,18 +804,15 @@ class _LockBase:
             _held_by[key] = weakref.ref(lease, functools.partial(_forget_holder, key))
         return lease
 
-    def _refuse_self_wait(self, backend: Backend, holder: int, described: str) -> None:
-        """Fail at once when this same thread or task already holds the lock."""
+    def _held_here(
+        self, backend: Backend, holder: int, described: str
+    ) -> tuple[_LeaseBase, str] | None:
+        """The lease of this lock that this same thread or task holds, if any (for _plan)."""
         ref = _held_by.get((id(backend), self.name, holder))
         lease = None if ref is None else ref()
         if lease is None or not lease.held or lease.token == self._token:
-            return  # not held by us (or a hand-over to our own token: Celery's lock_on="both")
-        raise LockHeld(
-            f"lock {self.name!r} is already held by this same {described} (fence "
-            f"{lease.fence}): a second acquire would wait for itself; release the first "
-            "lease, or pass it along instead of acquiring again",
-            name=self.name,
-        )
+            return None  # none (or a hand-over to our own token: Celery's lock_on="both")
+        return lease, described
 
     # ``with`` blocks: one stack of leases per thread (sync) or task (asyncio), so one
     # lock object can be entered again, or by several threads or tasks at once.
@@ -822,8 +884,12 @@ class Lock(_LockBase):
         """
         backend = self.backend
         holder = threading.get_ident()
-        self._refuse_self_wait(backend, holder, f"thread ({threading.current_thread().name})")
-        granted = _drive(self._plan(backend, self._timeout(timeout)), backend)
+        mine = self._held_here(backend, holder, f"thread ({threading.current_thread().name})")
+        try:
+            granted = _drive(self._plan(backend, self._timeout(timeout), mine), backend)
+        except BackendUnavailable as exc:
+            events.emit("error", self.name, backend=backend.server, reason=str(exc))
+            raise
         return self._keep(self._lease(Lease, backend, self.name, *granted), holder)
 
     def try_acquire(self) -> Lease | None:
@@ -857,8 +923,12 @@ class AsyncLock(_LockBase):
         task = asyncio.current_task()
         holder = id(task)
         name = task.get_name() if task is not None else "?"
-        self._refuse_self_wait(backend, holder, f"task ({name})")
-        granted = await _adrive(self._plan(backend, self._timeout(timeout)), backend)
+        mine = self._held_here(backend, holder, f"task ({name})")
+        try:
+            granted = await _adrive(self._plan(backend, self._timeout(timeout), mine), backend)
+        except BackendUnavailable as exc:
+            events.emit("error", self.name, backend=backend.server, reason=str(exc))
+            raise
         return self._keep(self._lease(AsyncLease, backend, self.name, *granted), holder)
 
     async def try_acquire(self) -> AsyncLease | None:

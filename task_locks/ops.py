@@ -717,21 +717,15 @@ def cmd_run(
     try:
         with _forwarding(child):
             try:
-                with owner_context(command=shlex.join(argv)):
+                # The lock reports acquired/conflict/released/lost to the event stream.
+                with owner_context(command=shlex.join(argv)), events.context(
+                    policy="exit", detail=f"run {shlex.join(argv)}"
+                ):
                     lease = lock.acquire()
             except LockHeld as exc:
                 holder = conflict_holder(backend, exc)
                 err.write(conflict_message(name, holder) + "\n")
-                audit(
-                    "conflict",
-                    name,
-                    fence=holder.fence if holder else None,
-                    owner=holder.owner if holder else None,
-                    detail=f"run {shlex.join(argv)}",
-                    policy="exit",
-                )
                 return EX_TEMPFAIL
-            audit("acquired", name, fence=lease.fence, detail=f"run {shlex.join(argv)}")
             try:
                 child.append(subprocess.Popen(argv))
             except OSError as exc:
@@ -741,7 +735,8 @@ def cmd_run(
             if status is None:
                 return _status(child[0].returncode)
             stopped = True
-            audit("lost", lease.name, fence=lease.fence, detail=lease.lost_reason or status)
+            if not lease.lost.is_set():  # stopped before its deadline: not yet reported
+                audit("lost", lease.name, fence=lease.fence, detail=status)
             return EX_LEASE_LOST
     except _Interrupted as stop:
         return 128 + stop.signum
@@ -810,11 +805,8 @@ def _release(lease: Lease, err: TextIO, audit: Audit) -> None:
         lease.release()
     except LockLost as exc:
         err.write(f"task-locks: {exc}\n")
-        audit("lost", lease.name, fence=lease.fence, detail=str(exc))
     except BackendUnavailable as exc:
         err.write(f"task-locks: could not release {lease.name!r} (it expires by its TTL): {exc}\n")
-    else:
-        audit("released", lease.name, fence=lease.fence)
 
 
 def run_verb(

@@ -40,6 +40,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import events
 from .types import RenewItem
 
 if TYPE_CHECKING:
@@ -228,6 +229,10 @@ def apply_results(
 ) -> None:
     """Record one batch's answers: reschedule the renewed, mark the lost, retry the rest."""
     now = time.monotonic()
+    if leases and not isinstance(results, BaseException):
+        events.emit(
+            "renewed", leases[0].name, backend=leases[0].backend.server, duration=now - sent_at
+        )
     for index, lease in enumerate(leases):
         outcome = results if isinstance(results, BaseException) else results[index]
         if outcome is True:

@@ -682,8 +682,14 @@ class RedisBackend(Backend):
     def _nap(timeout: float) -> float:
         return max(0.0, min(timeout, BLOCK_TICK))
 
-    def _holder(self, key: Any, fields: dict[Any, Any], pttl: int) -> Holder | None:
-        if not fields or pttl == -2:
+    def _holder(self, key: Any, fields: dict[Any, Any], pttl: int, sent: float) -> Holder | None:
+        """The holder from its hash and PTTL; ``sent``: when the request left (epoch s).
+
+        The expiry counts from the send, not from the reply's arrival: a reply that was
+        delayed must not show a lock as living longer than it does. A lock whose expiry
+        has passed by the time the reply arrived is no holder.
+        """
+        if not fields or pttl == -2 or (pttl >= 0 and sent + pttl / 1000 <= time.time()):
             return None
         data = {_text(k): _text(v) for k, v in fields.items()}
         acquired = data.get("acquired")
@@ -692,13 +698,15 @@ class RedisBackend(Backend):
             fence=int(data.get("fence", 0)),
             owner=Owner.from_json(data.get("owner")),
             acquired_at=int(acquired) / 1000 if acquired else None,
-            expires_at=time.time() + pttl / 1000 if pttl >= 0 else None,
+            expires_at=sent + pttl / 1000 if pttl >= 0 else None,
             renewals=int(data.get("renewals", 0)),
             token=data.get("token", ""),
         )
 
-    def _holders(self, keys: list[Any], replies: list[Any]) -> list[Holder]:
-        found = (self._holder(k, replies[2 * i], replies[2 * i + 1]) for i, k in enumerate(keys))
+    def _holders(self, keys: list[Any], replies: list[Any], sent: float) -> list[Holder]:
+        found = (
+            self._holder(k, replies[2 * i], replies[2 * i + 1], sent) for i, k in enumerate(keys)
+        )
         return sorted((h for h in found if h is not None), key=lambda h: h.name)
 
     def _match(self, prefix: str) -> str:
@@ -886,6 +894,7 @@ class RedisBackend(Backend):
         try:
             client = self.client
             keys = list(client.scan_iter(match=self._match(prefix), count=1000, _type="HASH"))
+            sent = time.time()
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(key)
@@ -893,10 +902,11 @@ class RedisBackend(Backend):
             replies = pipe.execute() if keys else []
         except _CLIENT_ERRORS as exc:
             self._fail(prefix or None, exc)
-        return self._holders(keys, replies)
+        return self._holders(keys, replies, sent)
 
     def holder(self, name: str) -> Holder | None:
         key = self._key(name)
+        sent = time.time()
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(key)
@@ -904,7 +914,7 @@ class RedisBackend(Backend):
             fields, pttl = pipe.execute()
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
-        return self._holder(key, fields, pttl)
+        return self._holder(key, fields, pttl, sent)
 
     def close(self) -> None:
         """Close the sync client; a later call reconnects. Async clients: :meth:`aclose`."""
@@ -1058,23 +1068,25 @@ class RedisBackend(Backend):
     async def aholders(self, prefix: str = "") -> list[Holder]:
         client = self._async_client()
 
-        async def run() -> tuple[list[Any], list[Any]]:
+        async def run() -> tuple[list[Any], list[Any], float]:
             match = self._match(prefix)
             keys = [k async for k in client.scan_iter(match=match, count=1000, _type="HASH")]
+            sent = time.time()
             if not keys:
-                return keys, []
+                return keys, [], sent
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(key)
                 pipe.pttl(key)
-            return keys, list(await pipe.execute())
+            return keys, list(await pipe.execute()), sent
 
-        keys, replies = await self._acall(prefix or None, run)
-        return self._holders(keys, replies)
+        keys, replies, sent = await self._acall(prefix or None, run)
+        return self._holders(keys, replies, sent)
 
     async def aholder(self, name: str) -> Holder | None:
         client = self._async_client()
         key = self._key(name)
+        sent = time.time()
 
         async def run() -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -1083,7 +1095,7 @@ class RedisBackend(Backend):
             return list(await pipe.execute())
 
         fields, pttl = await self._acall(name, run)
-        return self._holder(key, fields, pttl)
+        return self._holder(key, fields, pttl, sent)
 
     async def aclose(self) -> None:
         """Close this event loop's client (call it before the loop ends)."""

@@ -42,6 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
+from .. import events
 from ..errors import LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
@@ -126,8 +127,16 @@ def guarded_publish(
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:
-            lease = lock.acquire(timeout=timeout)
+            with events.context(policy="duplicate", detail=f"publish {task.name}"):
+                lease = lock.acquire(timeout=timeout)
         except LockHeld as held:
+            events.emit(
+                "duplicate",
+                key,
+                backend=getattr(lock.backend, "server", ""),
+                owner=held.holder.owner if held.holder is not None else None,
+                detail=f"not queued: {task.name}[{task_id}]",
+            )
             holder_id = held.holder.owner.task_id if held.holder is not None else None
             existing = task.AsyncResult(holder_id) if holder_id else None
             log.info("not queueing %s[%s]: %s", task.name, task_id, held)

@@ -25,6 +25,7 @@ from typing import Any, Final
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
+from .. import events
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
 from ..context import AnyLease, _current, current_lease  # shared with @locked
@@ -392,7 +393,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             timeout = attempts[number]
             number += 1
             try:
-                return lock.acquire(timeout=timeout)
+                with events.context(policy=self.on_conflict, detail=f"task {self.name}"):
+                    return lock.acquire(timeout=timeout)
             except LockHeld as held:
                 if self._conflict(name, held, attempts, number):
                     return None
@@ -527,7 +529,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             timeout = attempts[number]
             number += 1
             try:
-                return await lock.acquire(timeout=timeout)
+                with events.context(policy=self.on_conflict, detail=f"task {self.name}"):
+                    return await lock.acquire(timeout=timeout)
             except LockHeld as held:
                 if self._conflict(name, held, attempts, number):
                     return None

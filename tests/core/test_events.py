@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from task_locks import events
+from task_locks import BackendUnavailable, Lock, LockHeld, NotOwned, events, get_backend
 from task_locks.events import LockEvent
 
 
@@ -146,3 +146,48 @@ def test_prometheus_metrics_use_the_name_family_not_the_name() -> None:
         assert labels <= {None, "sync", "report"}
     finally:
         metrics.uninstall(registry)
+
+
+def test_every_lock_operation_reports_one_event(redis_url: str) -> None:
+    seen: list[LockEvent] = []
+    events.subscribe(seen.append)
+    with events.context(policy="skip", detail="nightly job"):
+        lease = Lock("report:7", ttl=5, backend=redis_url).acquire(timeout=0)
+        assert Lock("report:7", ttl=5, backend=redis_url).try_acquire() is None
+    lease.release()
+    lost = Lock("report:8", ttl=5, backend=redis_url, renew=False).acquire(timeout=0)
+    get_backend(redis_url).force_release("report:8", lost.fence)
+    with pytest.raises(NotOwned):
+        lost.release()
+    with pytest.raises(BackendUnavailable):
+        Lock("report:9", ttl=5, backend="redis://127.0.0.1:1/0").acquire(timeout=0)
+    assert events.flush(5.0)
+    kinds = [(e.kind, e.name) for e in seen if e.kind != "renewed"]
+    assert kinds == [
+        ("acquired", "report:7"),
+        ("conflict", "report:7"),
+        ("released", "report:7"),
+        ("acquired", "report:8"),
+        ("lost", "report:8"),
+        ("error", "report:9"),
+    ]
+    acquired, conflict, released, _, lost_event, error = (e for e in seen if e.kind != "renewed")
+    assert acquired.fence == lease.fence and acquired.detail == "nightly job"
+    assert acquired.owner is not None and acquired.waited is not None
+    assert conflict.policy == "skip" and conflict.fence == lease.fence
+    assert released.held is not None and released.detail == "nightly job"
+    assert "token was gone" in lost_event.reason and lost_event.fence == lost.fence
+    assert "127.0.0.1:1" in error.backend and error.reason
+
+
+def test_an_election_follower_reports_no_conflicts(redis_url: str) -> None:
+    from task_locks import Election
+
+    seen: list[LockEvent] = []
+    events.subscribe(seen.append, {"conflict"})
+    leader = Election("beat", ttl=5, backend=redis_url).campaign(timeout=0)
+    with pytest.raises(LockHeld):
+        Election("beat", ttl=5, backend=redis_url, identity="other").campaign(timeout=0)
+    leader.resign()
+    assert events.flush(5.0)
+    assert seen == []

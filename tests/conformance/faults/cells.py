@@ -273,7 +273,15 @@ class Cell:
             self.fences.append(lease.fence)
 
         # 1 and 2: what the faulty client believes, against the server.
-        believer = lease if self.operation in ("acquire", "renew", "release") else holder_lease
+        # A force-released holder cannot know until its next renewal: that is the operator
+        # override's documented cost (fence the resource), so it is no believer here.
+        believer = (
+            lease
+            if self.operation in ("acquire", "renew", "release")
+            else holder_lease
+            if self.operation == "holders"
+            else None
+        )
         if believer is not None and believer.held:
             until = time.monotonic() + believer.remaining
             state = checker.holder(self.name)
