@@ -335,16 +335,17 @@ def django_postgres(hub: ProxyHub) -> Target | None:
     _add_alias("faults_pg", dict(common, PORT=proxy.port))
     _migrate("faults_pg_direct")
     prefix = _prefix()
-    url = f"django://faults_pg?prefix={prefix}"
+    # libpq has no read timeout: django:// bounds each call itself (its ``timeout``).
+    url = f"django://faults_pg?prefix={prefix}&timeout={FAST_TIMEOUT}"
+    slow = f"django://faults_pg?prefix={prefix}&timeout={SLOW_TIMEOUT}"
     direct = f"django://faults_pg_direct?prefix={prefix}"
     return Target(
         "django-postgres",
         url,
-        url,  # libpq has no read timeout to set: the same URL
+        slow,
         [proxy],
         checker=lambda name: get_backend(direct),
         prefix=prefix,
-        unbounded_reads=True,
         cleanup=[
             drop_database,
             lambda: _drop_alias("faults_pg_direct"),

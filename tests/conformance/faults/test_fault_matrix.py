@@ -74,8 +74,19 @@ def _known() -> dict[tuple[str, str, str], str]:
     known: dict[tuple[str, str, str], str] = {}
     for kind in REDIS_FAMILY:
         known[(kind, "release", "retry")] = RELEASE_RETRY
-        known[(kind, "force_release", "retry")] = FORCE_RETRY
+        if not kind.startswith("redlock"):  # Redlock matches the fence once, then deletes
+            known[(kind, "force_release", "retry")] = FORCE_RETRY
     return known
+
+
+#: Cells that fail only now and then (not strict): the reason says when.
+FLAKY = {
+    ("redlock-asyncio", "force_release", "drop_reply"): (
+        "redis.asyncio leaves the timed-out master connection's socket unclosed; the "
+        "ResourceWarning (an error under -W error) surfaces at whichever garbage collection "
+        "comes next: an asyncio client resource leak, not a lock-safety failure"
+    ),
+}
 
 
 KNOWN = _known()
@@ -90,6 +101,9 @@ def _params() -> list[object]:
                 reason = KNOWN.get((kind, operation, fault))
                 if reason:
                     marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                flaky = FLAKY.get((kind, operation, fault))
+                if flaky:
+                    marks.append(pytest.mark.xfail(strict=False, reason=flaky))
                 params.append(
                     pytest.param(
                         (kind, operation, fault), marks=marks, id=f"{kind}-{operation}-{fault}"
