@@ -288,10 +288,10 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     calls: list[tuple[int, float]] = []
     original = backend.renew_many
 
-    def counted(items: Any) -> Any:  # instance attribute: counts without changing behaviour
+    def counted(items: Any, **options: Any) -> Any:  # counts without changing behaviour
         t0 = time.perf_counter()
         try:
-            return original(items)
+            return original(items, **options)
         finally:
             calls.append((len(items), time.perf_counter() - t0))
 
@@ -311,7 +311,7 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     held = [lock.acquire() for lock in locks]
     setup = now() - setup_start
     time.sleep(ttl / 3)  # at least one full round before the window opens
-    thread = thread_renewer()._thread
+    thread = thread_renewer().lanes.get(held[0], asynchronous=False)._thread  # this lane's
     if thread is None or thread.ident is None:
         raise RuntimeError("the renewal thread is not running")
     clock = time.pthread_getcpuclockid(thread.ident)

@@ -713,8 +713,10 @@ class _LockBase:
         """The acquire loop: try, and while held, wait for the release or the holder's TTL.
 
         ``mine``: a lease of this lock that the calling thread or task holds (and who that
-        is): when the server says that very lease holds the lock, waiting would wait for
-        itself, so :class:`LockHeld` is raised at once.
+        is). When the server says that very lease holds the lock, it is renewed, and there
+        is no timeout, the wait would never end (the holder is waiting for itself), so
+        :class:`LockHeld` is raised at once. A bounded wait, or one for an unrenewed lease
+        (its TTL frees it), waits as usual.
         """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
@@ -767,7 +769,13 @@ class _LockBase:
                         detail=context.detail,
                     )
                 raise held
-            if mine is not None and result.holder_fence == mine[0].fence and mine[0].held:
+            if (
+                mine is not None
+                and deadline is None
+                and result.holder_fence == mine[0].fence
+                and mine[0].held
+                and mine[0]._renewer is not None
+            ):
                 raise LockHeld(
                     f"lock {name!r} is already held by this same {mine[1]} (fence "
                     f"{mine[0].fence}): a second acquire would wait for itself; release "

@@ -197,7 +197,8 @@ def test_a_held_lock_is_refused_within_the_timeout(url: str, timeout: float) -> 
         with pytest.raises(LockHeld) as refused:
             Lock(name, ttl=30, backend=url).acquire(timeout=timeout)
         waited = time.monotonic() - start
-        assert timeout <= waited + 0.01 and waited < timeout + 1.0, (timeout, waited)
+        # etcd answers a held acquire in a few round trips of its own (lease grant, txn).
+        assert timeout <= waited + 0.01 and waited < timeout + 2.5, (timeout, waited)
         assert refused.value.name == name
     finally:
         holder.release()

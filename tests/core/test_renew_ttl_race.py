@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -37,12 +38,12 @@ def test_a_stale_watchdog_renewal_never_extends_the_local_deadline(url: str) -> 
     land = threading.Event()
     sent: list[list[int]] = []
 
-    def delayed_renew_many(items: Sequence[RenewItem]) -> list[bool]:
+    def delayed_renew_many(items: Sequence[RenewItem], **options: Any) -> list[bool]:
         if not sent:  # hold the first batch only
             sent.append([item.ttl_ms for item in items])
             in_flight.set()
             assert land.wait(5)
-        return real_renew_many(items)
+        return real_renew_many(items, **options)
 
     backend.renew_many = delayed_renew_many  # type: ignore[method-assign]
     lease = Lock("raced", ttl=0.9, backend=url).acquire(timeout=0)

@@ -60,7 +60,7 @@ def test_holders_page_lists_the_lock_and_force_release_is_audited(
     assert 'id="changelist"' in html, "the admin's own change-list markup"
 
     assert "report:7" not in client.get(HOLDERS, {"q": "invoice:"}).text
-    assert "No lock whose name starts with" in client.get(HOLDERS, {"q": "invoice:"}).text
+    assert "No lock matching these filters" in client.get(HOLDERS, {"q": "invoice:"}).text
     assert 'data-lock="report:7"' in client.get(HOLDERS, {"q": "report:"}).text
 
     confirm = client.get(FORCE, {"name": "report:7"})

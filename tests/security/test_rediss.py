@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from servers import Certs, SecureRedisServer
 
-from task_locks import BackendUnavailable, Lock, get_backend
+from task_locks import BackendMisconfigured, Lock, get_backend
 
 
 def test_rediss_with_a_client_certificate(tls_redis: SecureRedisServer) -> None:
@@ -16,7 +16,8 @@ def test_rediss_with_a_client_certificate(tls_redis: SecureRedisServer) -> None:
 
 
 def _refused(url: str) -> None:
-    with pytest.raises(BackendUnavailable):
+    """A TLS failure is a configuration error (retrying cannot help), named as TLS."""
+    with pytest.raises(BackendMisconfigured, match="TLS"):
         Lock("job", ttl=5, backend=url).acquire(timeout=0)
 
 
