@@ -97,6 +97,28 @@ class BackendMisconfigured(InvalidArgument):
         self.server = server
 
 
+class RenewalUndecided(BackendUnavailable):
+    """A batch renewal decided some leases but not all: each lease gets its own outcome.
+
+    ``outcomes[i]`` is ``True`` (renewed), ``False`` (lost) or ``None`` (no majority either
+    way yet: retry that lease until its own deadline). Raised instead of a list so that a
+    caller that only knows ``list[bool]`` still sees "cannot renew", while the watchdog
+    applies the decided outcomes lease by lease (one undecided lease must not cost the
+    others their renewal). ``name`` is the first undecided lease.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        outcomes: list[bool | None],
+        *,
+        name: str | None = None,
+        server: str | None = None,
+    ) -> None:
+        super().__init__(message, name=name, server=server)
+        self.outcomes = outcomes
+
+
 class MissingCapability(LockError):
     """The backend lacks a capability the caller demanded with ``require=``."""
 

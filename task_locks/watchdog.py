@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import events
+from .errors import RenewalUndecided
 from .types import RenewItem
 
 if TYPE_CHECKING:
@@ -235,6 +236,9 @@ def apply_results(
         )
     for index, lease in enumerate(leases):
         outcome = results if isinstance(results, BaseException) else results[index]
+        if isinstance(results, RenewalUndecided):  # decided lease by lease (Redlock)
+            decided = results.outcomes[index]
+            outcome = results if decided is None else decided
         if outcome is True:
             if lease._renewed(sent_at):
                 schedule.add(lease, next_renewal(lease, sent_at))

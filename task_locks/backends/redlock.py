@@ -90,7 +90,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config import check_ttl_ms
-from ..errors import BackendUnavailable, InvalidArgument, LockError
+from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend
 from .redis import SCRIPTS, Commands, RedisBackend, script_command
@@ -434,9 +434,6 @@ class RedlockBackend(Backend):
                 no += 1
         return yes, no
 
-    def _decided(self, yes: int, no: int) -> bool:
-        return yes >= self.quorum or no > len(self.masters) - self.quorum
-
     def _all_answered(self, answers: list[Any]) -> bool:
         return all(a is not PENDING for a in answers)
 
@@ -522,23 +519,37 @@ class RedlockBackend(Backend):
             check_ttl_ms(item.ttl_ms, item.name)
         started = time.monotonic()
 
+        def outcome(answers: list[Any], index: int, validity: float = 1.0) -> bool | None:
+            """Each lease on its own: renewed (a majority said yes in time), lost (a
+            majority of yes is out of reach: masters that said no, or cannot vote, leave
+            too few), or undecided (``None``: retried until that lease's deadline)."""
+            voters = self._voters(answers)
+            yes, _ = self._tally(answers, index)
+            silent = sum(
+                1 for a in voters if a is not NO_VOTE and isinstance(a, _Silence | BaseException)
+            )
+            if yes >= self.quorum:
+                return True if validity > 0 else None
+            if yes + silent < self.quorum:
+                return False
+            return None
+
         def enough(answers: list[Any]) -> bool:
-            return all(self._decided(*self._tally(answers, i)) for i in range(len(items)))
+            return all(outcome(answers, i) is not None for i in range(len(items)))
 
         answers = yield _Call("renew_many", (list(items),), enough)
         elapsed = time.monotonic() - started
-        results: list[bool] = []
+        outcomes: list[bool | None] = []
         for index, item in enumerate(items):
-            yes, no = self._tally(answers, index)
             ttl = item.ttl_ms / 1000
-            validity = ttl - elapsed - self.clock_margin(ttl)
-            if yes >= self.quorum and validity > 0:
-                results.append(True)
-            elif no > len(self.masters) - self.quorum:
-                results.append(False)
-            else:
-                raise self._unavailable(item.name, "cannot renew", answers)
-        return results
+            outcomes.append(outcome(answers, index, ttl - elapsed - self.clock_margin(ttl)))
+        if None in outcomes:
+            # One lease without a majority either way must not cost the others theirs:
+            # the decided outcomes travel with the error, the watchdog applies them.
+            first = items[outcomes.index(None)].name
+            error = self._unavailable(first, "cannot renew", answers)
+            raise RenewalUndecided(str(error), outcomes, name=first, server=self.server)
+        return [bool(o) for o in outcomes]
 
     def _release_plan(self, name: str, token: str) -> _Plan[bool]:
         # Every master is awaited (up to node_timeout), not just a majority: once release()

@@ -12,6 +12,8 @@ from servers import RedisMasters
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, get_backend
 from task_locks.backends.redlock import RedlockBackend
+from task_locks.errors import RenewalUndecided
+from task_locks.types import RenewItem
 
 MastersFactory = Callable[..., RedisMasters]
 
@@ -223,3 +225,51 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
     assert force(now.fence) is True
     for server in masters:
         assert redis.Redis(port=server.port).exists("task_locks:{audit}") == 0
+
+
+def _delete_lock_hash(server: object, name: str) -> None:
+    """Delete ``name``'s lock hash on one master only (that master now says "not yours")."""
+    client = redis.Redis(port=server.port)  # type: ignore[attr-defined]
+    hashes = [k for k in client.scan_iter(match=f"*{name}*") if client.type(k) == b"hash"]
+    assert hashes, f"no lock hash for {name!r} on master {server.port}"  # type: ignore[attr-defined]
+    client.delete(*hashes)
+    client.close()
+
+
+def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
+    """Issue 13 item 3: a lease without a majority either way must not sink its batch.
+
+    ``b`` is held on the two masters that answer; ``a`` was deleted on one of them and the
+    third master is paused, so ``a`` has one yes, one no and one silence: undecided. ``b``
+    must stay renewed; ``a`` is retried and lost only when its own deadline passes.
+    """
+    masters = masters_factory(3)
+    ttl = 1.5
+    url = masters.url(node_timeout=0.2)
+    backend = get_backend(url)
+    a = Lock("per-lease-a", ttl=ttl, backend=backend).acquire(timeout=0)
+    b = Lock("per-lease-b", ttl=ttl, backend=backend).acquire(timeout=0)
+    _delete_lock_hash(masters[1], "per-lease-a")
+    masters[2].pause()
+    try:
+        items = [RenewItem("per-lease-a", a.token, 1500), RenewItem("per-lease-b", b.token, 1500)]
+        with pytest.raises(RenewalUndecided) as undecided:
+            backend.renew_many(items)
+        assert undecided.value.outcomes == [None, True]
+        assert undecided.value.name == "per-lease-a"
+
+        async def arenew() -> None:
+            with pytest.raises(RenewalUndecided) as undecided:
+                await backend.arenew_many(items)
+            assert undecided.value.outcomes == [None, True]
+
+        asyncio.run(arenew())
+
+        # Through the watchdog: the two leases ride in one batch (same TTL, same backend).
+        assert a.lost.wait(ttl + 1.0), "the undecided lease must be lost by its deadline"
+        assert "unreachable" in (a.lost_reason or "")
+        assert not b.lost.wait(2 * ttl), f"b was renewed by 2 of 3 masters: {b.lost_reason}"
+        assert b.remaining > 0
+    finally:
+        masters[2].resume()
+    b.release()
