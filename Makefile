@@ -38,7 +38,7 @@ lint: install
 
 # The sdist and wheel build, and their metadata passes twine's check.
 package: install
-	rm -rf build/dist
+	rm -rf build/dist && mkdir -p build
 	@$(PY) -m build --outdir build/dist . > build/package.log 2>&1 || { cat build/package.log; exit 1; }
 	@! grep -i "deprecat" build/package.log || { echo "package: setuptools deprecation warnings (above)"; exit 1; }
 	$(VENV)/bin/twine check --strict build/dist/*
