@@ -388,7 +388,9 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
         if operation == "renew":
             # Renewed: held unless the TTL has run out since; not owned: etcd agrees.
             assert told in ("None", "not-owned", "unavailable"), told
-            if told == "not-owned":
+            if told == "not-owned" and fault != "delay_reply":
+                # (A reply after the local deadline is refused: the lease counts as lost
+                # although etcd kept it; the safe side, never two holders.)
                 assert not ours, "renew said the lock was lost, but etcd still has it ours"
         else:
             # The lock was ours when release was sent: "not ours" would be a wrong answer.
