@@ -731,15 +731,16 @@ class _LockBase:
                 now = time.monotonic()
                 if now < sent_at + ttl - backend.clock_margin(ttl):
                     log.debug("acquired lock %r (fence %s)", name, result.fence)
-                    events.emit(
-                        "acquired",
-                        name,
-                        backend=backend.server,
-                        fence=result.fence,
-                        owner=owner,
-                        waited=now - start,
-                        detail=events.current_context().detail,
-                    )
+                    if events.wanted("acquired"):  # no context look-up when nobody listens
+                        events.emit(
+                            "acquired",
+                            name,
+                            backend=backend.server,
+                            fence=result.fence,
+                            owner=owner,
+                            waited=now - start,
+                            detail=events.current_context().detail,
+                        )
                     return token, result.fence, sent_at
                 # The grant arrived after its TTL: it may be someone else's lock by now.
                 # Give it back (token-checked) rather than hand out a dead lease.
