@@ -30,7 +30,7 @@ from typing import Any
 from task_locks import AsyncLock, Lock, LockError, NotOwned
 from task_locks.backends import Backend, get_backend
 
-from .targets import DELAY, SLOW_TIMEOUT, TTL, Target
+from .targets import DELAY, SLOW_TIMEOUT, TTL, Target, wait_until
 
 OPERATIONS = ("acquire", "renew", "release", "force_release", "holders")
 FAULTS = ("drop_request", "drop_reply", "reset_mid_call", "delay", "retry")
@@ -213,7 +213,12 @@ class Cell:
                     self._check_replica(lease)
                 finally:
                     if target.replica_link is not None:
+                        # Abort the stalled replication link, or the replica waits out its
+                        # repl-timeout (60 s) and the next cell's acquire finds no replica.
+                        target.replica_link.reset()
                         target.replica_link.heal()
+                        assert target.replica_acks is not None
+                        wait_until(target.replica_acks, 20, "the replica to acknowledge again")
             elif self.operation in ("renew", "release"):
                 lease = api.acquire(name)
                 self.fences.append(lease.fence)

@@ -81,6 +81,8 @@ class Target:
     #: straight to the replica (an acquire reported held must be on the replica).
     replica_link: Proxy | None = None
     replica: redis.Redis | None = None
+    #: True once the replica acknowledges writes again (polled after its link heals).
+    replica_acks: Callable[[], bool] | None = None
     #: ``"sync"`` (Lock, Lease, backend methods) or ``"asyncio"`` (AsyncLock, ``a*``).
     api: str = "sync"
     #: The proxies of the servers that hold a lock name, when not all of them (Redis
@@ -185,6 +187,8 @@ def redis_wait_replicas(hub: ProxyHub) -> Target:
         prefix=prefix,
         replica_link=replica_link,
         replica=raw_replica,
+        # WAIT itself: "online" in INFO lags a replica that has not reconnected yet.
+        replica_acks=lambda: raw_master.wait(1, 200) == 1,
         cleanup=[raw_replica.close, replica.cleanup, master.cleanup],
     )
 
