@@ -579,7 +579,10 @@ class RedlockBackend(Backend):
         yes, no = self._tally(answers)
         if yes + no < self.quorum:
             raise self._unavailable(name, "cannot force-release", answers)
-        return yes > 0
+        # A holder was freed only if a majority may have held it: a copy left on a
+        # minority by an earlier partial release (a master that timed out) held nothing.
+        unanswered = len(self.masters) - yes - no
+        return yes > 0 and yes + unanswered >= self.quorum
 
     def _holders_plan(self, prefix: str, exact: bool) -> _Plan[list[Holder]]:
         if exact:

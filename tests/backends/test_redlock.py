@@ -10,7 +10,7 @@ import pytest
 import redis
 from servers import RedisMasters
 
-from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, get_backend
+from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
 from task_locks.backends.redlock import RedlockBackend
 from task_locks.errors import RenewalUndecided
 from task_locks.types import RenewItem
@@ -225,6 +225,29 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
     assert force(now.fence) is True
     for server in masters:
         assert redis.Redis(port=server.port).exists("task_locks:{audit}") == 0
+
+
+
+def test_force_release_of_a_minority_remnant_reports_nothing_held(
+    masters_factory: MastersFactory,
+) -> None:
+    """A force release whose call one master missed (a timeout) leaves a copy there. That
+    copy held nothing (no majority): a later force release cleans it up and says so,
+    instead of reporting that it freed a holder (seen as a conformance flake)."""
+    masters = masters_factory(3)
+    url = masters.url()
+    backend = get_backend(url)
+    single = get_backend(masters.servers[2].url())  # the remnant: one master's copy only
+    from task_locks.types import Owner
+
+    assert single.acquire("remnant", "token-old", 30_000, Owner()).acquired
+    assert backend.holder("remnant") is None
+    assert backend.force_release("remnant") is False
+    assert redis.Redis(port=masters.servers[2].port).exists("task_locks:{remnant}") == 0
+    lease = Lock("remnant", ttl=30, backend=url).acquire(timeout=0)
+    assert backend.force_release("remnant") is True  # a majority held it
+    with pytest.raises(NotOwned):
+        lease.renew()
 
 
 def _delete_lock_hash(server: object, name: str) -> None:
