@@ -60,7 +60,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from task_locks.backends.base import Backend
+from task_locks.backends.base import Backend, Capability
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.types import AcquireResult, Holder, Owner, RenewItem
 
@@ -388,8 +388,7 @@ def _setup_django() -> None:
 class DjangoBackend(Backend):
     """Locks in the ``task_locks_lock`` table of the database ``ALIAS`` names."""
 
-    schemes = ("django",)
-    capabilities = frozenset({"fencing", "multiprocess", "holders"})
+    capabilities = frozenset({Capability.FENCING, Capability.MULTIPROCESS, Capability.HOLDERS})
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -427,7 +426,7 @@ class DjangoBackend(Backend):
         self._pool.usable = self._ping
         self._dialect: _Dialect | None = None
         if self.dialect.vendor == "postgresql":
-            self.capabilities = type(self).capabilities | {"wakeup"}  # type: ignore[misc]
+            self.capabilities = type(self).capabilities | {Capability.WAKEUP}  # type: ignore[misc]
 
     # -- plumbing ----------------------------------------------------------------------
 

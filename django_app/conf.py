@@ -41,6 +41,7 @@ from django.dispatch import receiver
 
 import task_locks
 from task_locks import Backend, InvalidArgument, LockError, get_backend
+from task_locks.backends import PREFIX_SCHEMES  # where KEY_PREFIX can go: the registry's
 from task_locks.backends.base import redact_url
 from task_locks.ops import backend_namespace
 from task_locks.types import AcquireResult, Holder, Owner
@@ -84,20 +85,6 @@ TUNING_OPTIONS = frozenset(
         "restart_delay",
         "fence_sync",
         "timeout",
-    }
-)
-#: Schemes whose URL takes a ``prefix`` option (where ``KEY_PREFIX`` goes).
-PREFIX_SCHEMES = frozenset(
-    {
-        "redis",
-        "rediss",
-        "unix",
-        "redis+sentinel",
-        "redis+cluster",
-        "redlock",
-        "etcd",
-        "etcds",
-        "django",
     }
 )
 

@@ -5,7 +5,7 @@ and token-checked release. See ``README.md`` for the guarantees each backend giv
 """
 
 from .backends import close_all, get_backend, register_backend
-from .backends.base import Backend
+from .backends.base import Backend, Capability
 from .config import configure
 from .context import current_lease
 from .decorators import locked
@@ -37,6 +37,7 @@ __all__ = [
     "Backend",
     "BackendMisconfigured",
     "BackendUnavailable",
+    "Capability",
     "Election",
     "Holder",
     "InvalidArgument",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from .types import Holder
 
 
@@ -120,7 +122,17 @@ class RenewalUndecided(BackendUnavailable):
 
 
 class MissingCapability(LockError):
-    """The backend lacks a capability the caller demanded with ``require=``."""
+    """The backend lacks a capability the caller demanded with ``require=``.
+
+    ``missing`` holds the lacking :class:`~task_locks.Capability` members, so a caller
+    can choose another backend without parsing the message.
+    """
+
+    def __init__(
+        self, message: str, *, name: str | None = None, missing: Iterable[str] = ()
+    ) -> None:
+        super().__init__(message, name=name)
+        self.missing = frozenset(missing)
 
 
 class NotConfigured(LockError):

@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 from . import events
-from .backends.base import CAPABILITIES, Backend
+from .backends.base import Backend, parse_capabilities
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
@@ -672,14 +672,7 @@ class _LockBase:
         self.max_hold = None if max_hold is None else validate_ttl(max_hold, "max_hold", name=name)
         self.on_lost = on_lost
         self.renew = renew
-        self.require = frozenset(require)
-        unknown = self.require - CAPABILITIES  # a typo must not pass as "nothing required"
-        if unknown:
-            raise InvalidArgument(
-                f"lock {self.name!r}: unknown capabilities in require=: {sorted(unknown)}; "
-                f"known: {sorted(CAPABILITIES)}",
-                name=self.name,
-            )
+        self.require = parse_capabilities(require, name=self.name)  # a typo fails here
         if isinstance(backend, str):
             backend = resolve_backend(backend)  # a bad URL fails here, not at acquire
         self._backend = backend
@@ -692,8 +685,10 @@ class _LockBase:
             missing = backend.missing(self.require)
             if missing:
                 raise MissingCapability(
-                    f"lock {self.name!r} requires {sorted(missing)}, which {backend!r} lacks",
+                    f"lock {self.name!r} requires {sorted(c.value for c in missing)}, "
+                    f"which {backend!r} lacks",
                     name=self.name,
+                    missing=missing,
                 )
         return backend
 

@@ -1,34 +1,47 @@
 """Backend registry: the URL's scheme picks the backend class.
 
-Built-in schemes are listed below; other packages add schemes through the
-``task_locks.backends`` entry-point group (``scheme = "package.module:Class"``) or by
-calling :func:`register_backend`. Classes are imported only when a URL asks for them, so
-``etcd3gw`` or Django are needed only by those who use them.
+Built-in schemes are listed once, in :data:`BUILTIN_SCHEMES`; everything else that names
+schemes (the Django settings' checks, error messages) reads it. Other packages add
+schemes through the ``task_locks.backends`` entry-point group
+(``scheme = "package.module:Class"``) or by calling :func:`register_backend`. Classes are
+imported only when a URL asks for them, so ``etcd3gw`` or Django are needed only by those
+who use them.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument
-from .base import CAPABILITIES, Backend, redact_url
+from .base import CAPABILITIES, Backend, Capability, redact_url
 
-_BUILTIN: dict[str, str] = {
-    "redis": "task_locks.backends.redis:RedisBackend",
-    "rediss": "task_locks.backends.redis:RedisBackend",
-    "unix": "task_locks.backends.redis:RedisBackend",
-    "redis+sentinel": "task_locks.backends.redis:RedisBackend",
-    "redis+cluster": "task_locks.backends.redis:RedisBackend",
-    "redlock": "task_locks.backends.redlock:RedlockBackend",
-    "etcd": "task_locks.backends.etcd:EtcdBackend",
-    "etcds": "task_locks.backends.etcd:EtcdBackend",
-    "django": "django_app.backend:DjangoBackend",
-    "memory": "task_locks.backends.memory:MemoryBackend",
-}
-_registry: dict[str, str | type[Backend]] = dict(_BUILTIN)
+#: The entry-point group through which other packages add schemes.
+ENTRY_POINT_GROUP = "task_locks.backends"
+#: Every built-in URL scheme and the class serving it (``"module:Class"``, imported on
+#: first use). The one list of them: add a built-in backend here and nowhere else.
+BUILTIN_SCHEMES: Mapping[str, str] = MappingProxyType(
+    {
+        "redis": "task_locks.backends.redis:RedisBackend",
+        "rediss": "task_locks.backends.redis:RedisBackend",
+        "unix": "task_locks.backends.redis:RedisBackend",
+        "redis+sentinel": "task_locks.backends.redis:RedisBackend",
+        "redis+cluster": "task_locks.backends.redis:RedisBackend",
+        "redlock": "task_locks.backends.redlock:RedlockBackend",
+        "etcd": "task_locks.backends.etcd:EtcdBackend",
+        "etcds": "task_locks.backends.etcd:EtcdBackend",
+        "django": "django_app.backend:DjangoBackend",
+        "memory": "task_locks.backends.memory:MemoryBackend",
+    }
+)
+#: Built-in schemes whose URL takes a ``prefix`` option (the namespace before every lock
+#: name): all but ``memory://``, whose locks never leave the process.
+PREFIX_SCHEMES: frozenset[str] = frozenset(BUILTIN_SCHEMES) - {"memory"}
+_registry: dict[str, str | type[Backend]] = dict(BUILTIN_SCHEMES)
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
 
@@ -38,14 +51,29 @@ def register_backend(scheme: str, target: str | type[Backend]) -> None:
     _registry[scheme.lower()] = target
 
 
+def _add_entry_points() -> None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        _registry.setdefault(ep.name.lower(), ep.value)
+
+
+def known_schemes() -> list[str]:
+    """Every scheme a URL may use: built-in, registered or from an entry point, sorted."""
+    _add_entry_points()
+    return sorted(_registry)
+
+
+def backend_class(scheme: str) -> type[Backend]:
+    """The class serving ``scheme://`` URLs, imported now if it was not yet."""
+    return _load(scheme.lower())
+
+
 def _load(scheme: str) -> type[Backend]:
     target = _registry.get(scheme)
     if target is None:
-        for ep in entry_points(group="task_locks.backends"):
-            _registry.setdefault(ep.name.lower(), ep.value)
+        _add_entry_points()
         target = _registry.get(scheme)
     if target is None:
-        known = ", ".join(f"{s}://" for s in sorted(_registry))
+        known = ", ".join(f"{s}://" for s in known_schemes())
         raise InvalidArgument(f"unknown lock backend scheme {scheme + '://'!r}; known: {known}")
     if isinstance(target, str):
         module_name, _, class_name = target.partition(":")
@@ -98,4 +126,16 @@ def close_all() -> None:
         backend.close()
 
 
-__all__ = ["CAPABILITIES", "Backend", "close_all", "get_backend", "register_backend"]
+__all__ = [
+    "BUILTIN_SCHEMES",
+    "CAPABILITIES",
+    "ENTRY_POINT_GROUP",
+    "PREFIX_SCHEMES",
+    "Backend",
+    "Capability",
+    "backend_class",
+    "close_all",
+    "get_backend",
+    "known_schemes",
+    "register_backend",
+]

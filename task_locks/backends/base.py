@@ -25,19 +25,67 @@ import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from enum import StrEnum
 from typing import ClassVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument
 from ..types import AcquireResult, Holder, Owner, RenewItem
 
-#: Capabilities a backend may declare; ``Lock(..., require={...})`` checks them.
-#: - ``fencing``: fences strictly increase per name, even across a server restart.
-#: - ``consensus``: mutual exclusion survives the failure of a minority of servers.
-#: - ``multiprocess``: more than one process can share the lock.
-#: - ``wakeup``: waiters are woken by the release, not only by polling.
-#: - ``holders``: the live holders can be listed and force-released.
-CAPABILITIES = frozenset({"fencing", "consensus", "multiprocess", "wakeup", "holders"})
+
+class Capability(StrEnum):
+    """What a backend may declare; ``Lock(..., require={...})`` demands them.
+
+    A ``StrEnum`` so the plain names keep working (``require={"fencing"}``) while a
+    misspelt one is caught where the lock is made, against this one list.
+    """
+
+    #: Fences strictly increase per name, even across a server restart.
+    FENCING = "fencing"
+    #: Mutual exclusion survives the failure of a minority of servers.
+    CONSENSUS = "consensus"
+    #: More than one process can share the lock.
+    MULTIPROCESS = "multiprocess"
+    #: Waiters are woken by the release, not only by polling.
+    WAKEUP = "wakeup"
+    #: The live holders can be listed and force-released.
+    HOLDERS = "holders"
+
+
+#: Every capability name (plain strings, derived from :class:`Capability`).
+CAPABILITIES: frozenset[str] = frozenset(c.value for c in Capability)
+
+
+def parse_capabilities(
+    names: Iterable[object], *, name: str | None = None
+) -> frozenset[Capability]:
+    """``names`` as :class:`Capability` members; an unknown one raises :exc:`InvalidArgument`.
+
+    A typo must not pass as "nothing required".
+    """
+    where = f"lock {name!r}: " if name is not None else ""
+    if isinstance(names, str):  # else "fencing" would be read as seven one-letter names
+        raise InvalidArgument(
+            f"{where}require= takes a collection of capability names, not the string "
+            f"{names!r} (e.g. require={{{names!r}}}); known: {sorted(CAPABILITIES)}",
+            name=name,
+        )
+    known: set[Capability] = set()
+    unknown: set[str] = set()
+    for item in names:
+        if isinstance(item, str) and item in CAPABILITIES:
+            known.add(Capability(item))
+        else:
+            unknown.add(str(item))
+    if unknown:
+        raise InvalidArgument(
+            f"{where}unknown capabilities in require=: {sorted(unknown)}; "
+            f"known: {sorted(CAPABILITIES)}",
+            name=name,
+        )
+    return frozenset(known)
+
+
 #: Longest sleep of the default :meth:`Backend.wait_any` before it looks again.
 WAIT_ANY_SLICE = 0.1
 #: Threads (per process, shared by every backend) for the asyncio adapter's blocking
@@ -101,9 +149,9 @@ def redact_url(url: str) -> str:
 class Backend(abc.ABC):
     """The contract between :class:`~task_locks.Lock` and a lock service."""
 
-    #: URL schemes this class serves (the registry maps them here).
-    schemes: ClassVar[tuple[str, ...]] = ()
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: What this backend guarantees (the URL schemes it serves are named only in the
+    #: registry, :data:`task_locks.backends.BUILTIN_SCHEMES`).
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -270,8 +318,9 @@ class Backend(abc.ABC):
 
     # -------------------------------------------------------------------------------
 
-    def missing(self, required: Iterable[str]) -> set[str]:
-        return set(required) - set(self.capabilities)
+    def missing(self, required: Iterable[str]) -> set[Capability]:
+        """The capabilities in ``required`` this backend lacks (unknown names raise)."""
+        return set(parse_capabilities(required)) - set(self.capabilities)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.server}>"

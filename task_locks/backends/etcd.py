@@ -92,7 +92,7 @@ from requests.adapters import HTTPAdapter
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend
+from .base import Backend, Capability
 
 _OPTIONS: Final = {"prefix", "timeout"}
 #: Options only ``etcds://`` takes (TLS files and the hostname check).
@@ -206,8 +206,15 @@ def _granted_seconds(held: _Held) -> int | None:
 
 
 class EtcdBackend(Backend):
-    schemes = ("etcd", "etcds")
-    capabilities = frozenset({"consensus", "fencing", "holders", "multiprocess", "wakeup"})
+    capabilities = frozenset(
+        {
+            Capability.CONSENSUS,
+            Capability.FENCING,
+            Capability.HOLDERS,
+            Capability.MULTIPROCESS,
+            Capability.WAKEUP,
+        }
+    )
 
     def __init__(self, url: str) -> None:
         super().__init__(url)

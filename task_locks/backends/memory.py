@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import check_ttl_ms
 from ..types import AcquireResult, Holder, Owner
-from .base import Backend
+from .base import Backend, Capability
 
 log = logging.getLogger("task_locks.backends.memory")
 
@@ -30,8 +30,7 @@ class _Entry:
 
 
 class MemoryBackend(Backend):
-    schemes = ("memory",)
-    capabilities = frozenset({"fencing", "wakeup", "holders"})
+    capabilities = frozenset({Capability.FENCING, Capability.WAKEUP, Capability.HOLDERS})
 
     def __init__(self, url: str) -> None:
         super().__init__(url)

@@ -73,7 +73,7 @@ from redis.sentinel import MasterNotFoundError
 from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend
+from .base import Backend, Capability
 
 T = TypeVar("T")
 #: Replies that mean "ask another node": a bounded renewal sent straight to one primary
@@ -379,8 +379,9 @@ _ASYNC = _Flavour(
 
 
 class RedisBackend(Backend):
-    schemes = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
-    capabilities = frozenset({"fencing", "multiprocess", "wakeup", "holders"})
+    capabilities = frozenset(
+        {Capability.FENCING, Capability.MULTIPROCESS, Capability.WAKEUP, Capability.HOLDERS}
+    )
 
     def __init__(self, url: str) -> None:
         super().__init__(url)

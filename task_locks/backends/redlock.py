@@ -92,7 +92,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..config import check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend
+from .base import Backend, Capability
 from .redis import SCRIPTS, Commands, RedisBackend, script_command
 
 T = TypeVar("T")
@@ -309,8 +309,9 @@ def _after_fork(ref: weakref.ReferenceType[RedlockBackend]) -> None:
 
 
 class RedlockBackend(Backend):
-    schemes = ("redlock",)
-    capabilities = frozenset({"fencing", "holders", "multiprocess", "wakeup"})
+    capabilities = frozenset(
+        {Capability.FENCING, Capability.HOLDERS, Capability.MULTIPROCESS, Capability.WAKEUP}
+    )
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
