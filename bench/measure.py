@@ -26,7 +26,17 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
-from common import TTL, Plan, log, quantile  # noqa: E402
+from common import (  # noqa: E402
+    FLOOR,
+    PEER_ADAPTERS,
+    PEER_FLOOR,
+    TTL,
+    Plan,
+    log,
+    quantile,
+    summary_us,
+)
+from peers import installed  # noqa: E402
 from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
 
 
@@ -434,3 +444,170 @@ def other_backends(python: str, started: list[Any]) -> list[Subject]:
             subject.error = f"not available: {type(exc).__name__}: {exc}"[:300]
         subjects.append(subject)
     return subjects
+
+
+# -- the whole measuring sequence, in the order bench/run.py runs it -------------------
+
+
+def subjects_for(
+    url: str, peers_python: str | None, peers: dict[str, str], plan: Plan, extra: list[Any]
+) -> list[Subject]:
+    """Every library and backend measured uncontended, each in its own worker process."""
+    main_python = sys.executable
+    subjects = [
+        Subject("task-locks", "redis", main_python, "task-locks", url),
+        Subject("task-locks", "memory", main_python, "task-locks", "memory://"),
+        Subject(
+            "task-locks (renew=False)",
+            "redis",
+            main_python,
+            "task-locks-norenew",
+            url,
+            diagnostic=True,
+        ),
+        Subject("redis-py Lock", "redis", main_python, "redis-py", url),
+    ]
+    for peer, adapter in PEER_ADAPTERS.items():
+        if peers_python and installed(peers, peer):
+            label = peer if peer != "pottery" else "pottery Redlock"
+            subjects.append(Subject(label, "redis", peers_python, adapter, url))
+    if plan.other_backends:
+        subjects += other_backends(main_python, extra)
+    return subjects
+
+
+def floor_workers(subjects: list[Subject]) -> dict[str, Worker]:
+    """The floor runs on the very client our Redis backend uses (redis-py's if ours failed
+    to start), and on the peers' client as a check that their stack is alike."""
+    floors: dict[str, Worker] = {}
+    for key, adapters in (
+        (FLOOR, ("task-locks", "redis-py")),
+        (PEER_FLOOR, ("python-redis-lock",)),
+    ):
+        usable = [
+            s
+            for a in adapters
+            for s in subjects
+            if s.adapter == a and s.backend == "redis" and not s.error
+        ]
+        if usable and usable[0].worker:
+            floors[key] = usable[0].worker
+    return floors
+
+
+def uncontended_rows(subjects: list[Subject]) -> list[dict[str, Any]]:
+    rows = []
+    for s in subjects:
+        row: dict[str, Any] = {"label": s.label, "backend": s.backend, "diagnostic": s.diagnostic}
+        if s.error or not s.samples.get("cycle"):
+            row["error"] = f"failed: {s.error}"
+        else:
+            row.update(summary_us(s.samples["cycle"]))
+            row["acquire_median_us"] = quantile(s.samples["acq"], 0.5) / 1000
+            row["release_median_us"] = quantile(s.samples["rel"], 0.5) / 1000
+            row["client_cpu_us"] = s.cpu_ns / s.cpu_cycles / 1000 if s.cpu_cycles else None
+            row["server_us"] = s.server_us
+            row["server_calls"] = s.server_calls
+        rows.append(row)
+    return rows
+
+
+def contention_libraries(
+    plan: Plan, peers_python: str | None, peers: dict[str, str]
+) -> list[tuple[str, str, str]]:
+    libs = [
+        ("task-locks", sys.executable, "task-locks"),
+        ("redis-py Lock", sys.executable, "redis-py"),
+    ]
+    if (
+        "python-redis-lock" in plan.libraries
+        and peers_python
+        and installed(peers, "python-redis-lock")
+    ):
+        libs.append(("python-redis-lock", peers_python, "python-redis-lock"))
+    return libs
+
+
+def hooks(
+    plan: Plan, celery: bool, url: str, peers_python: str | None, peers: dict[str, str]
+) -> dict[str, Any]:
+    """The measurements in modules of their own: Celery, other backends, coordination."""
+    out: dict[str, Any] = {"celery": {"status": "not measured: skipped"}}
+    if plan.celery and celery:
+        log("celery: bench/celery_bench.py")
+        out["celery"] = run_hook(
+            "celery_bench",
+            redis_url=url,
+            quick=plan.mode != "full",
+            peers_python=peers_python,
+            peers=peers,
+            **({} if plan.mode == "full" else {"n": 300, "rounds": 2}),
+        )
+    if plan.mode == "full":
+        log("backends: bench/backends_bench.py")
+        out["backends"] = run_hook("backends_bench", quick=False)
+        out["coordination"] = run_hook("coordination_bench", quick=False)
+    else:
+        out["backends"] = {"status": f"skipped in --{plan.mode} (full run only)"}
+        out["coordination"] = dict(out["backends"])
+    return out
+
+
+def measure_all(
+    plan: Plan,
+    url: str,
+    peers_python: str | None,
+    peers: dict[str, str],
+    log_dir: Path,
+    *,
+    celery: bool = True,
+) -> dict[str, Any]:
+    """Every measurement of one run against the Redis server at ``url``, in order:
+    uncontended (with the floor and the server's cost), contention, renewal, the hooks.
+
+    Returns the results' measurement sections; worker processes and the extra servers of
+    other backends are stopped before it returns, whatever happens.
+    """
+    import redis
+
+    admin = redis.Redis.from_url(url)
+    workers: list[Worker] = []
+    extra_servers: list[Any] = []
+    try:
+        subjects = subjects_for(url, peers_python, peers, plan, extra_servers)
+        start_subjects(subjects, log_dir)
+        workers += [s.worker for s in subjects if s.worker]
+        log(f"uncontended: {plan.rounds} rounds x {plan.cycles} cycles x {len(subjects)} subjects")
+        floors = measure_uncontended(subjects, plan, floor_workers(subjects))
+        measure_server_cost(subjects, admin, plan.cycles)
+        uncontended = uncontended_rows(subjects)
+        for worker in workers:
+            worker.close()
+        workers.clear()
+
+        admin.flushall()
+        log(
+            f"contention: procs {plan.procs}, holds {plan.holds}, {plan.contention_seconds} s per run"
+        )
+        contention = measure_contention(
+            contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
+        )
+        log(f"renewal: {plan.leases} leases")
+        renewal = measure_renewal(url, plan, log_dir, admin.flushall)
+        admin.flushall()
+        hooked = hooks(plan, celery, url, peers_python, peers)
+    finally:
+        for worker in workers:
+            worker.close()
+        for extra in extra_servers:
+            extra.cleanup()
+    return {
+        "floor": {who: {k: summary_us(v) for k, v in f.items() if v} for who, f in floors.items()},
+        "uncontended": uncontended,
+        "contention": contention,
+        "renewal": renewal,
+        "renewal_ttl": plan.renew_ttl,
+        "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
+        "backends": hooked["backends"],
+        "coordination": hooked["coordination"],
+    }

@@ -101,5 +101,16 @@ def _dist_version(dist: str) -> str:
         return "not installed"
 
 
+def versions_of(peers: dict[str, str]) -> dict[str, str]:
+    """The versions measured: ours, our client stack, and every installed peer."""
+    return {
+        "task-locks": _dist_version("task-locks"),
+        "redis-py": _dist_version("redis"),
+        "hiredis": _dist_version("hiredis"),
+        "celery": _dist_version("celery"),
+        **{k: v for k, v in peers.items() if not v.startswith("not installed")},
+    }
+
+
 def installed(status: dict[str, str], peer: str) -> bool:
     return not status.get(peer, "not installed").startswith("not installed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,22 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
 
-from common import FLOOR, fmt, ratio  # noqa: E402
+from common import FLOOR, fmt, log, ratio  # noqa: E402
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+    """Notes, then results.json, results.md and results.png; the targets' verdicts logged.
+
+    ``results["targets"]`` is already filled in (:func:`targets.target_rows`).
+    """
+    results["notes"] = notes(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    write_markdown(results, out / "results.md")
+    write_plot(results, out / "results.png")
+    for t in results["targets"]:
+        log(
+            f"{t['verdict']:4}  {t['what']}: {fmt(t['value'], 2)} (threshold {t['threshold']}) {t['note']}"
+        )
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:

@@ -12,6 +12,10 @@ targets of issues 2 and 8 are checked as ratios from this same run.
 
 Writes ``bench/results.md``, ``bench/results.png`` and ``bench/results.json``.
 
+This file only orchestrates; each step lives in a module of its own: installing the
+peers (``peers.py``), measuring (``measure.py``), checking the targets (``targets.py``)
+and writing the reports (``report.py``).
+
     .venv/bin/python bench/run.py            # full run (< 10 min)
     .venv/bin/python bench/run.py --quick    # about a minute: smaller counts, fewer cells
     .venv/bin/python bench/run.py --smoke --no-peers --out /tmp/x   # the test's few seconds
@@ -20,7 +24,6 @@ Writes ``bench/results.md``, ``bench/results.png`` and ``bench/results.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -34,23 +37,12 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
-from common import FLOOR, PEER_ADAPTERS, PEER_FLOOR, PLANS, Plan, fmt, log, quantile, summary_us  # noqa: E402
-from measure import (  # noqa: E402
-    Subject,
-    Worker,
-    machine_facts,
-    measure_contention,
-    measure_renewal,
-    measure_server_cost,
-    measure_uncontended,
-    other_backends,
-    run_hook,
-    start_subjects,
-)
-from peers import _dist_version, ensure_peers, installed  # noqa: E402
-from report import notes, write_markdown, write_plot  # noqa: E402
+from common import PLANS, log  # noqa: E402
+from measure import machine_facts, measure_all  # noqa: E402
+from peers import ensure_peers, versions_of  # noqa: E402
+from report import write_results  # noqa: E402
 from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
-from targets import check_targets  # noqa: E402
+from targets import target_rows  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,133 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def subjects_for(
-    url: str, peers_python: str | None, peers: dict[str, str], plan: Plan, extra: list[Any]
-) -> list[Subject]:
-    """Every library and backend measured uncontended, each in its own worker process."""
-    main_python = sys.executable
-    subjects = [
-        Subject("task-locks", "redis", main_python, "task-locks", url),
-        Subject("task-locks", "memory", main_python, "task-locks", "memory://"),
-        Subject(
-            "task-locks (renew=False)",
-            "redis",
-            main_python,
-            "task-locks-norenew",
-            url,
-            diagnostic=True,
-        ),
-        Subject("redis-py Lock", "redis", main_python, "redis-py", url),
-    ]
-    for peer, adapter in PEER_ADAPTERS.items():
-        if peers_python and installed(peers, peer):
-            label = peer if peer != "pottery" else "pottery Redlock"
-            subjects.append(Subject(label, "redis", peers_python, adapter, url))
-    if plan.other_backends:
-        subjects += other_backends(main_python, extra)
-    return subjects
-
-
-def floor_workers(subjects: list[Subject]) -> dict[str, Worker]:
-    """The floor runs on the very client our Redis backend uses (redis-py's if ours failed
-    to start), and on the peers' client as a check that their stack is alike."""
-    floors: dict[str, Worker] = {}
-    for key, adapters in (
-        (FLOOR, ("task-locks", "redis-py")),
-        (PEER_FLOOR, ("python-redis-lock",)),
-    ):
-        usable = [
-            s
-            for a in adapters
-            for s in subjects
-            if s.adapter == a and s.backend == "redis" and not s.error
-        ]
-        if usable and usable[0].worker:
-            floors[key] = usable[0].worker
-    return floors
-
-
-def uncontended_rows(subjects: list[Subject]) -> list[dict[str, Any]]:
-    rows = []
-    for s in subjects:
-        row: dict[str, Any] = {"label": s.label, "backend": s.backend, "diagnostic": s.diagnostic}
-        if s.error or not s.samples.get("cycle"):
-            row["error"] = f"failed: {s.error}"
-        else:
-            row.update(summary_us(s.samples["cycle"]))
-            row["acquire_median_us"] = quantile(s.samples["acq"], 0.5) / 1000
-            row["release_median_us"] = quantile(s.samples["rel"], 0.5) / 1000
-            row["client_cpu_us"] = s.cpu_ns / s.cpu_cycles / 1000 if s.cpu_cycles else None
-            row["server_us"] = s.server_us
-            row["server_calls"] = s.server_calls
-        rows.append(row)
-    return rows
-
-
-def contention_libraries(
-    plan: Plan, peers_python: str | None, peers: dict[str, str]
-) -> list[tuple[str, str, str]]:
-    libs = [
-        ("task-locks", sys.executable, "task-locks"),
-        ("redis-py Lock", sys.executable, "redis-py"),
-    ]
-    if (
-        "python-redis-lock" in plan.libraries
-        and peers_python
-        and installed(peers, "python-redis-lock")
-    ):
-        libs.append(("python-redis-lock", peers_python, "python-redis-lock"))
-    return libs
-
-
-def hooks(
-    plan: Plan, args: argparse.Namespace, url: str, peers_python: str | None, peers: dict[str, str]
-) -> dict[str, Any]:
-    """The measurements in modules of their own: Celery, other backends, coordination."""
-    out: dict[str, Any] = {"celery": {"status": "not measured: skipped"}}
-    if plan.celery and not args.no_celery:
-        log("celery: bench/celery_bench.py")
-        out["celery"] = run_hook(
-            "celery_bench",
-            redis_url=url,
-            quick=plan.mode != "full",
-            peers_python=peers_python,
-            peers=peers,
-            **({} if plan.mode == "full" else {"n": 300, "rounds": 2}),
-        )
-    if plan.mode == "full":
-        log("backends: bench/backends_bench.py")
-        out["backends"] = run_hook("backends_bench", quick=False)
-        out["coordination"] = run_hook("coordination_bench", quick=False)
-    else:
-        out["backends"] = {"status": f"skipped in --{plan.mode} (full run only)"}
-        out["coordination"] = dict(out["backends"])
-    return out
-
-
-def versions_of(peers: dict[str, str]) -> dict[str, str]:
-    return {
-        "task-locks": _dist_version("task-locks"),
-        "redis-py": _dist_version("redis"),
-        "hiredis": _dist_version("hiredis"),
-        "celery": _dist_version("celery"),
-        **{k: v for k, v in peers.items() if not v.startswith("not installed")},
-    }
-
-
-def write_results(results: dict[str, Any], out: Path) -> None:
-    """Targets and notes, then results.json, results.md and results.png."""
-    results["targets"] = [dict(vars(t), verdict=t.verdict) for t in check_targets(results)]
-    results["notes"] = notes(results)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    write_markdown(results, out / "results.md")
-    write_plot(results, out / "results.png")
-    for t in results["targets"]:
-        log(
-            f"{t['verdict']:4}  {t['what']}: {fmt(t['value'], 2)} (threshold {t['threshold']}) {t['note']}"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -202,58 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_facts()
     peers_python, peers = ensure_peers(not args.no_peers)
     server = RedisServer().start()
-    workers: list[Worker] = []
-    extra_servers: list[Any] = []
     try:
         url = server.url()
-        import redis
-
-        admin = redis.Redis.from_url(url)
         log(
             f"{plan.mode} run; redis-server on port {server.port}; peers: "
             + ", ".join(f"{k} {v}" for k, v in peers.items())
         )
-        subjects = subjects_for(url, peers_python, peers, plan, extra_servers)
-        start_subjects(subjects, log_dir)
-        workers += [s.worker for s in subjects if s.worker]
-        log(f"uncontended: {plan.rounds} rounds x {plan.cycles} cycles x {len(subjects)} subjects")
-        floors = measure_uncontended(subjects, plan, floor_workers(subjects))
-        measure_server_cost(subjects, admin, plan.cycles)
-        uncontended = uncontended_rows(subjects)
-        for worker in workers:
-            worker.close()
-        workers.clear()
-
-        admin.flushall()
-        log(
-            f"contention: procs {plan.procs}, holds {plan.holds}, {plan.contention_seconds} s per run"
-        )
-        contention = measure_contention(
-            contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
-        )
-        log(f"renewal: {plan.leases} leases")
-        renewal = measure_renewal(url, plan, log_dir, admin.flushall)
-        admin.flushall()
-        hooked = hooks(plan, args, url, peers_python, peers)
-
+        measured = measure_all(plan, url, peers_python, peers, log_dir, celery=not args.no_celery)
         machine["loadavg_end"] = os.getloadavg()
         results: dict[str, Any] = {
             "mode": plan.mode,
             "machine": machine,
             "versions": versions_of(peers),
             "peers": peers,
-            "floor": {
-                who: {k: summary_us(v) for k, v in f.items() if v} for who, f in floors.items()
-            },
-            "uncontended": uncontended,
-            "contention": contention,
-            "renewal": renewal,
-            "renewal_ttl": plan.renew_ttl,
-            "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
-            "backends": hooked["backends"],
-            "coordination": hooked["coordination"],
+            **measured,
             "elapsed_s": time.monotonic() - started,
         }
+        results["targets"] = target_rows(results)
         write_results(results, args.out)
         log(f"wrote {args.out / 'results.md'} and results.png in {results['elapsed_s']:.0f} s")
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -262,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"failed; worker logs are in {log_dir}")
         raise
     finally:
-        for worker in workers:
-            worker.close()
-        for extra in extra_servers:
-            extra.cleanup()
         server.cleanup()
 
 

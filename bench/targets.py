@@ -103,6 +103,11 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
     return targets
 
 
+def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`check_targets` as the results' ``targets`` rows (with each verdict)."""
+    return [dict(vars(t), verdict=t.verdict) for t in check_targets(results)]
+
+
 def _celery_rate(celery: dict[str, Any], variant: str) -> float | None:
     """TODO: adapt to bench/celery_bench.py's result shape once it exists."""
     rates = celery.get("throughput") or {}
