@@ -10,7 +10,7 @@ the holder's secret), and the release frees only that holder, atomically on the 
 A lock that changed hands meanwhile is left alone: the page says who holds it now,
 records a ``conflict`` event and asks again; a release writes a ``forced`` event.
 
-The holders are grouped as ``locks list`` groups them (:func:`task_locks.ops.group_holders`):
+The holders are grouped as ``locks list`` groups them (:func:`task_locks.listing.group_holders`):
 plain locks, then elections (leader, term, since, expiry), then semaphores ("holders /
 limit", each permit on its own row). An election or a permit is one lock, and is
 force-released as one (ending that term, or freeing that permit).
@@ -31,14 +31,17 @@ from django.utils import timezone
 
 from task_locks import LockError
 from task_locks.election import LeaderInfo
-from task_locks.ops import (
+from task_locks.listing import (
+    KINDS,
     Listing,
     changed_hands_message,
     describe_backend,
     describe_holder,
     describe_role,
+    filter_holders,
     format_duration,
     group_holders,
+    holder_job,
     lock_role,
     slot_index,
 )
@@ -55,7 +58,7 @@ def _row(holder: Holder) -> dict[str, Any]:
     owner = holder.owner
     return {
         "name": holder.name,
-        "job": _job(owner),
+        "job": holder_job(owner),
         "worker": owner.worker or "",
         "host": owner.host,
         "pid": owner.pid or "",
@@ -102,27 +105,8 @@ def _grouped(listing: Listing) -> dict[str, Any]:
     }
 
 
-#: The holders page's filters (GET parameters) beside the name search.
-KINDS = ("lock", "election", "semaphore")
 #: Seconds between two refreshes of the holders page; ``?refresh=0`` starts paused.
 REFRESH_EVERY = 5
-
-
-def _job(owner: Owner) -> str:
-    if owner.task_name or owner.task_id:
-        return f"task {owner.task_name or '?'} [{owner.task_id or '?'}]"
-    return owner.command or ""
-
-
-def _filtered(holders: list[Holder], job: str, host: str, kind: str) -> list[Holder]:
-    """The holders matching the filters: job contains ``job``, on ``host``, of ``kind``."""
-    return [
-        h
-        for h in holders
-        if (not job or job.lower() in _job(h.owner).lower())
-        and (not host or h.owner.host == host)
-        and (not kind or lock_role(h) == kind)
-    ]
 
 
 def _refresh_every(value: str | None) -> int:
@@ -191,7 +175,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             holders = conf.backend().holders(prefix)
         except LockError as exc:
             holders, error = [], str(exc)
-        shown = _filtered(holders, job, host, kind)
+        shown = filter_holders(holders, job=job, host=host, kind=kind)
         context = {
             **self._context(request, "Lock holders"),
             "prefix": prefix,

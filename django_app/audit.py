@@ -36,7 +36,7 @@ from django.dispatch import receiver
 
 from task_locks import events
 from task_locks.events import LockEvent as StreamEvent
-from task_locks.ops import format_duration
+from task_locks.listing import format_duration
 from task_locks.types import Owner
 
 from . import conf

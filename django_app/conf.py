@@ -43,7 +43,7 @@ import task_locks
 from task_locks import Backend, InvalidArgument, LockError, get_backend
 from task_locks.backends import PREFIX_SCHEMES  # where KEY_PREFIX can go: the registry's
 from task_locks.backends.base import redact_url
-from task_locks.ops import backend_namespace
+from task_locks.listing import backend_namespace
 from task_locks.types import AcquireResult, Holder, Owner
 
 SETTING = "TASK_LOCKS"

@@ -18,7 +18,7 @@ from servers import wait_until
 
 from django_app.models import LockEvent
 from task_locks import Lock, NotOwned, get_backend
-from task_locks.ops import format_duration
+from task_locks.listing import format_duration
 
 
 @pytest.mark.django_db(transaction=True)
