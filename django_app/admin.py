@@ -28,6 +28,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.translation import gettext, gettext_lazy
 
 from task_locks import LockError
 from task_locks.election import LeaderInfo
@@ -177,7 +178,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             holders, error = [], str(exc)
         shown = filter_holders(holders, job=job, host=host, kind=kind)
         context = {
-            **self._context(request, "Lock holders"),
+            **self._context(request, gettext("Lock holders")),
             "prefix": prefix,
             "job": job,
             "host": host,
@@ -186,6 +187,8 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             "hosts": sorted({h.owner.host for h in holders if h.owner.host} | ({host} - {""})),
             "filtered": bool(prefix or job or host or kind),
             "refresh_every": _refresh_every(request.GET.get("refresh")),
+            # What "resume" runs at when the page started paused (?refresh=0).
+            "refresh_period": _refresh_every(request.GET.get("refresh")) or REFRESH_EVERY,
             **_grouped(group_holders(shown)),
             "error": error,
             "can_force_release": self.has_force_release_permission(request),
@@ -201,15 +204,23 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         name = data.get("name", "")
         changelist = reverse("admin:task_locks_lockholder_changelist")
         if not name:
-            self.message_user(request, "No lock name given to force-release.", messages.WARNING)
+            self.message_user(
+                request, gettext("No lock name given to force-release."), messages.WARNING
+            )
             return HttpResponseRedirect(changelist)
         try:
             holder = conf.backend().holder(name)
         except LockError as exc:
-            self.message_user(request, f"Could not read lock {name!r}: {exc}", messages.ERROR)
+            self.message_user(
+                request,
+                gettext("Could not read lock “%(name)s”: %(error)s") % {"name": name, "error": exc},
+                messages.ERROR,
+            )
             return HttpResponseRedirect(changelist)
         if holder is None:
-            self.message_user(request, f"Lock “{name}” is not held.", messages.WARNING)
+            self.message_user(
+                request, gettext("Lock “%(name)s” is not held.") % {"name": name}, messages.WARNING
+            )
             return HttpResponseRedirect(changelist)
         if request.method == "POST":
             try:
@@ -217,7 +228,10 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             except ValueError:
                 self.message_user(
                     request,
-                    f"No holder given for lock “{name}”: confirm the release on this page.",
+                    gettext(
+                        "No holder given for lock “%(name)s”: confirm the release on this page."
+                    )
+                    % {"name": name},
                     messages.WARNING,
                 )
                 return HttpResponseRedirect(f"{request.path}?{urlencode({'name': name})}")
@@ -225,7 +239,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
                 return self._changed_hands(request, name, fence, holder)
             return self._force_release(request, holder, changelist)
         context = {
-            **self._context(request, "Are you sure?"),
+            **self._context(request, gettext("Are you sure?")),
             "row": _row(holder),
         }
         return TemplateResponse(request, "admin/task_locks/force_release_confirm.html", context)
@@ -238,7 +252,12 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             released = backend.force_release(holder.name, fence=holder.fence)
             now = None if released else backend.holder(holder.name)
         except LockError as exc:
-            self.message_user(request, f"Could not release “{holder.name}”: {exc}", messages.ERROR)
+            self.message_user(
+                request,
+                gettext("Could not release “%(name)s”: %(error)s")
+                % {"name": holder.name, "error": exc},
+                messages.ERROR,
+            )
             return HttpResponseRedirect(changelist)
         if now is not None:
             return self._changed_hands(request, holder.name, holder.fence, now)
@@ -254,11 +273,16 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             )
             self.message_user(
                 request,
-                f"Released lock “{holder.name}” (was held by {holder.owner.describe()}).",
+                gettext("Released lock “%(name)s” (was held by %(holder)s).")
+                % {"name": holder.name, "holder": holder.owner.describe()},
                 messages.SUCCESS,
             )
         else:
-            self.message_user(request, f"Lock “{holder.name}” was already free.", messages.INFO)
+            self.message_user(
+                request,
+                gettext("Lock “%(name)s” was already free.") % {"name": holder.name},
+                messages.INFO,
+            )
         return HttpResponseRedirect(changelist)
 
     def _changed_hands(
@@ -276,7 +300,10 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             sync=True,
         )
         self.message_user(
-            request, f"Lock “{name}”: {changed_hands_message(now)}.", messages.WARNING
+            request,
+            gettext("Lock “%(name)s”: %(what)s.")
+            % {"name": name, "what": changed_hands_message(now)},
+            messages.WARNING,
         )
         return HttpResponseRedirect(f"{request.path}?{urlencode({'name': name})}")
 
@@ -297,11 +324,11 @@ class LockEventAdmin(_ReadOnlyAdmin):
     readonly_fields = ("when", "kind", "name", "fence", "holder", "actor", "detail")
     fields = readonly_fields
 
-    @admin.display(description="time", ordering="created_at")
+    @admin.display(description=gettext_lazy("time"), ordering="created_at")
     def when(self, event: LockEvent) -> str:
         """To the second, with the time zone: events a second apart are told apart."""
         return timezone.localtime(event.created_at).strftime("%Y-%m-%d %H:%M:%S %Z")
 
-    @admin.display(description="holder")
+    @admin.display(description=gettext_lazy("holder"))
     def holder(self, event: LockEvent) -> str:
         return Owner.from_json(event.owner).describe() if event.owner_data else "-"

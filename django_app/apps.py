@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class TaskLocksConfig(AppConfig):
     name = "django_app"
     label = "task_locks"
-    verbose_name = "Task locks"
+    verbose_name = _("Task locks")
     default_auto_field = "django.db.models.BigAutoField"
     # Said explicitly: an editable install made before this package existed can make
     # ``django_app`` look like a namespace package with several locations.

@@ -19,6 +19,7 @@ from typing import Any
 
 from django.db import models
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 #: Same bound as ``task_locks.lock.MAX_NAME_LENGTH``.
 NAME_LENGTH = 512
@@ -30,14 +31,14 @@ class LockRecord(models.Model):
     name = models.CharField(max_length=NAME_LENGTH, primary_key=True)
     token = models.CharField(max_length=64)
     fence = models.BigIntegerField(default=0)
-    owner = models.TextField(default="", help_text="Owner metadata as JSON.")
+    owner = models.TextField(default="", help_text=_("Owner metadata as JSON."))
     acquired_at = models.DateTimeField()
     expires_at = models.DateTimeField(db_index=True)
     renewals = models.IntegerField(default=0)
 
     class Meta:
         db_table = "task_locks_lock"
-        verbose_name = "lock record"
+        verbose_name = _("lock record")
         default_permissions = ()
 
     def __str__(self) -> str:
@@ -52,7 +53,7 @@ class FenceCounter(models.Model):
 
     class Meta:
         db_table = "task_locks_fence"
-        verbose_name = "fence counter"
+        verbose_name = _("fence counter")
         default_permissions = ()
 
     def __str__(self) -> str:
@@ -68,7 +69,7 @@ class ResourceFence(models.Model):
 
     class Meta:
         db_table = "task_locks_resource_fence"
-        verbose_name = "resource fence"
+        verbose_name = _("resource fence")
         default_permissions = ()
 
     def __str__(self) -> str:
@@ -79,7 +80,8 @@ class LockEvent(models.Model):
     """One notable thing that happened to a lock, kept for ``EVENT_RETENTION_DAYS``."""
 
     class Kind(models.TextChoices):
-        # Labels are the values: the admin names kinds as TASK_LOCKS["AUDIT"] does.
+        # Labels are the values, not translated: the admin names kinds as
+        # TASK_LOCKS["AUDIT"] does, and an operator copies them from there.
         ACQUIRED = "acquired", "acquired"
         RELEASED = "released", "released"
         LOST = "lost", "lost"
@@ -91,20 +93,27 @@ class LockEvent(models.Model):
         ERROR = "error", "error"
 
     #: When it happened (the event's time, not when its batch was written).
-    created_at = models.DateTimeField(default=timezone.now, db_index=True)
-    kind = models.CharField(max_length=16, choices=Kind.choices, db_index=True)
-    name = models.CharField("lock name", max_length=NAME_LENGTH, db_index=True)
-    fence = models.BigIntegerField(null=True, blank=True)
-    owner = models.TextField(blank=True, default="", help_text="The holder, as JSON.")
-    actor = models.CharField(
-        max_length=255, blank=True, default="", help_text="Who caused it (operator, process)."
+    created_at = models.DateTimeField(_("time"), default=timezone.now, db_index=True)
+    kind = models.CharField(_("kind"), max_length=16, choices=Kind.choices, db_index=True)
+    name = models.CharField(_("lock name"), max_length=NAME_LENGTH, db_index=True)
+    fence = models.BigIntegerField(_("fence"), null=True, blank=True)
+    owner = models.TextField(
+        _("owner"), blank=True, default="", help_text=_("The holder, as JSON.")
     )
-    detail = models.TextField(blank=True, default="")
+    actor = models.CharField(
+        _("actor"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_("Who caused it (operator, process)."),
+    )
+    detail = models.TextField(_("detail"), blank=True, default="")
 
     class Meta:
         db_table = "task_locks_event"
         ordering = ("-created_at", "-id")
-        verbose_name = "lock event"
+        verbose_name = _("lock event")
+        verbose_name_plural = _("lock events")
         default_permissions = ("view",)
 
     def __str__(self) -> str:
@@ -127,9 +136,10 @@ class LockHolder(models.Model):
     class Meta:
         managed = False
         db_table = "task_locks_lock"
-        verbose_name = "lock holder"
-        verbose_name_plural = "lock holders"
+        verbose_name = _("lock holder")
+        verbose_name_plural = _("lock holders")
         default_permissions = ("view",)
+        # Stored in the database by name: not translated, as Django's own are not.
         permissions = (("force_release_lock", "Can force-release a lock held by anyone"),)
 
     def __str__(self) -> str:
