@@ -28,6 +28,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.html import format_html
 from django.utils.translation import gettext, gettext_lazy
 
 from task_locks import LockError
@@ -326,8 +327,17 @@ class LockEventAdmin(_ReadOnlyAdmin):
 
     @admin.display(description=gettext_lazy("time"), ordering="created_at")
     def when(self, event: LockEvent) -> str:
-        """To the second, with the time zone: events a second apart are told apart."""
-        return timezone.localtime(event.created_at).strftime("%Y-%m-%d %H:%M:%S %Z")
+        """To the second, with the time zone: events a second apart are told apart.
+
+        The date and the time each stay on one line, so a narrow column wraps between them.
+        """
+        local = timezone.localtime(event.created_at)
+        return format_html(
+            '<span class="lock-time" style="white-space: nowrap">{}</span> '
+            '<span class="lock-time" style="white-space: nowrap">{}</span>',
+            local.strftime("%Y-%m-%d"),
+            local.strftime("%H:%M:%S %Z"),
+        )
 
     @admin.display(description=gettext_lazy("holder"))
     def holder(self, event: LockEvent) -> str:

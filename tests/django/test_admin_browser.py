@@ -4,14 +4,20 @@ Debian's ``chromium`` (installed by ``scripts/install-servers.sh``) driven by Pl
 Python package (the ``test`` extra); Playwright never downloads a browser of its own.
 Screenshots are saved to ``tests/artifacts/*.png`` for a person to look at:
 ``holders.png`` (every table), ``holders-paused.png`` (auto-refresh paused, a lock taken
-meanwhile not shown yet), ``holders-filtered.png`` (filters by kind and host) and
-``events.png`` (the Lock events page).
+meanwhile not shown yet), ``holders-filtered.png`` (filters by kind and host),
+``events.png`` (the Lock events page) and ``jobruns.png`` (the example project's Job runs).
+Each page must fit its window: no table wider than the page, no column cut off.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,6 +25,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from servers import free_port, wait_until
 
 from django_app import audit
 from task_locks import Election, Lock, Semaphore, owner_context
@@ -78,6 +85,29 @@ def _count(page: Any, what: str) -> int:
     return int(page.locator(f'.lock-footer [data-count="{what}"]').inner_text())
 
 
+#: Each table's overflow past its box and its right edge, against the window's width.
+_TABLES = """() => [...document.querySelectorAll("#content table")].map(t => {
+    const box = t.closest(".results") || t.parentElement;
+    return {id: t.id, overflow: box.scrollWidth - box.clientWidth,
+            right: Math.round(t.getBoundingClientRect().right), window: window.innerWidth};
+})"""
+
+
+def _assert_fits(page: Any) -> None:
+    """Every table fits the page: nothing to scroll sideways, no column cut off."""
+    tables = page.evaluate(_TABLES)
+    assert tables, "no table on the page"
+    assert all(t["overflow"] <= 0 and t["right"] <= t["window"] for t in tables), tables
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def _one_line_each(page: Any, selector: str) -> None:
+    """A time's date and its time of day each stay on one line (a column may wrap
+    between them, never inside "01:27:24 UTC")."""
+    lines = page.locator(selector).evaluate_all("els => els.map(e => e.getClientRects().length)")
+    assert lines and set(lines) == {1}, lines
+
+
 @pytest.mark.django_db(transaction=True)
 def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop_url: str) -> None:
     from playwright.sync_api import sync_playwright
@@ -131,6 +161,10 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             # An election's leader, once.
             election = page.locator('#election_list tr[data-election="reports"]')
             assert election.inner_text().count("beat@web-1") == 1, election.inner_text()
+            # Every column visible, the force-release buttons included.
+            _assert_fits(page)
+            _one_line_each(page, "td.lock-time span")
+            assert page.locator("td.lock-action a").count() == 5
             page.screenshot(path=str(shots["holders"]), full_page=True)
 
             # Auto-refresh: on by default; a lock taken now shows up without a reload.
@@ -174,6 +208,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
                 "rows => rows.map(r => r.dataset.lock)"
             )
             assert listed == ["sync:42"]
+            _assert_fits(page)
             page.screenshot(path=str(shots["holders-filtered"]), full_page=True)
             page.goto(f"{base}/admin/task_locks/lockholder/?refresh=0")
             page.fill("#lock-filter-job", "nightly")
@@ -194,8 +229,115 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             times = page.locator("#result_list th.field-when, #result_list td.field-when")
             assert all(re.fullmatch(TIME, t) for t in times.all_inner_texts()), times
             assert times.count() >= 2
+            _assert_fits(page)
+            _one_line_each(page, "#result_list .field-when span")
             page.screenshot(path=str(shots["events"]), full_page=True)
         finally:
             browser.close()
     for shot in shots.values():
         assert shot.stat().st_size > 10_000, shot
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "example_project"
+#: Job runs' times: to the millisecond (runs last fractions of a second), with the zone.
+RUN_TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} [A-Z]{3}"
+#: Makes the example's admin user and three runs of the demo's jobs, one still running.
+JOB_RUNS = """
+import time
+from django.contrib.auth.models import User
+from shop.models import JobRun
+User.objects.create_superuser("admin", "admin@example.com", "admin")
+now = time.time()
+JobRun.objects.create(job="sync_account", key="sync:1", started=now - 3.5, ended=now - 2.25,
+                      pid=4242, fence=1796174844421034)
+JobRun.objects.create(job="send_invoice_mail", key="mail:17", started=now - 2.0,
+                      ended=now - 1.8, pid=4243, fence=1796174844421881, retries=3)
+JobRun.objects.create(job="nightly_report", key="nightly-report", started=now - 1.0, pid=4244)
+"""
+
+
+@pytest.fixture
+def example_site(tmp_path: Path) -> Iterator[str]:
+    """The example project served by ``manage.py runserver`` on its embedded defaults, in a
+    private folder (``DEMO_VAR_DIR``), with an admin and a few job runs."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TASK_LOCKS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # pytest-django's; the example has its own
+    env.update(DEMO_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
+
+    def manage(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=EXAMPLE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+
+    manage("migrate", "--verbosity", "0")
+    manage("shell", "--command", JOB_RUNS)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
+        cwd=EXAMPLE,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def answers() -> bool:
+        assert server.poll() is None, server.communicate()[1]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(answers, 60, "the example site to answer", interval=0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+
+
+def test_example_project_job_runs_in_chromium(example_site: str) -> None:
+    """The example's Job runs: readable times (not epoch seconds) and a table that fits."""
+    from playwright.sync_api import sync_playwright
+
+    shot = ARTIFACTS / "jobruns.png"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot.unlink(missing_ok=True)
+    started = time.monotonic()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{example_site}/admin/login/?next=/admin/shop/jobrun/")
+            page.fill("#id_username", "admin")
+            page.fill("#id_password", "admin")
+            page.click("input[type=submit]")
+            page.wait_for_selector("#result_list")
+            assert page.locator("#result_list tbody tr").count() == 3
+            started_at = page.locator("#result_list .field-started_at").all_inner_texts()
+            assert all(re.fullmatch(RUN_TIME, t) for t in started_at), started_at
+            took = page.locator("#result_list td.field-took").all_inner_texts()
+            assert took == ["running", "0.2s", "1.2s"], took  # newest first
+            assert not re.search(r"\d{10}\.\d", page.inner_text("#result_list")), "epoch seconds"
+            page.screenshot(path=str(shot), full_page=True)  # kept when a check below fails
+            _assert_fits(page)
+            _one_line_each(page, "#result_list .field-started_at span")
+        finally:
+            browser.close()
+    assert time.monotonic() - started < 120
+    assert shot.stat().st_size > 10_000, shot
