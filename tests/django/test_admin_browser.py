@@ -139,6 +139,10 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             page.click("text=Lock holders")
             page.wait_for_selector("#result_list")
             assert page.locator("h1").first.inner_text() == "Lock holders"
+            # Auto-refresh is on by default, every few seconds.
+            assert page.locator("#lock-autorefresh-status").inner_text() == (
+                "auto-refresh every 5 s"
+            )
 
             row = page.locator('#result_list tr[data-lock="nightly-report"]')
             assert row.count() == 1, "the held lock is listed"
