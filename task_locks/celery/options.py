@@ -12,13 +12,18 @@ Keys (each replaces the task's option for this call only; :data:`PER_CALL`):
   ``lock_on="enqueue"``/``"both"``, whether ``apply_async`` raises ``DuplicateTask``
   (``"raise"``) or returns the queued task's handle;
 - ``timeout``: how long ``on_conflict="wait"`` waits (``wait_timeout``);
-- ``max_hold``: seconds after which renewal stops (``max_hold``).
+- ``max_hold``: seconds after which renewal stops (``max_hold``);
+- ``enqueue_ttl``: for ``lock_on="enqueue"``/``"both"``, how long the lock taken when
+  this message is published lasts (``@singleton_task(enqueue_ttl=)``, counted from the
+  message's ETA): celery-once's ``once={"timeout": ...}``.
 
 They are validated in ``apply_async`` (a bad key or value raises
 :class:`~task_locks.InvalidArgument` there, and nothing is sent) and travel in the
 message's headers (:data:`OPTIONS_HEADER`), so they reach the worker, eager runs and the
-task's own retries. The enqueue-time lock of ``lock_on="enqueue"``/``"both"`` keeps the
-task's ``enqueue_ttl`` and ``wait_timeout``.
+task's own retries. The publish guard reads them from the message too, but takes only
+``enqueue_ttl`` (:func:`for_this_publish`): whether a publish waits for a queued
+duplicate stays the task's choice (its ``on_conflict`` and ``wait_timeout``), while
+``on_conflict="raise"`` for the call still makes ``apply_async`` raise ``DuplicateTask``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ PER_CALL: Final = {
     "on_conflict": "on_conflict",
     "timeout": "wait_timeout",
     "max_hold": "max_hold",
+    "enqueue_ttl": "enqueue_ttl",
 }
 _APPLIED: Final = "_task_locks_per_call"
 
@@ -65,7 +71,7 @@ def check_lock_options(task_name: str, options: object) -> dict[str, Any]:
             f"{what}: on_conflict must be one of {', '.join(map(repr, ON_CONFLICT))}, "
             f"got {checked['on_conflict']!r}"
         )
-    for key in ("ttl", "max_hold"):
+    for key in ("ttl", "max_hold", "enqueue_ttl"):
         if checked.get(key) is not None:
             checked[key] = validate_ttl(checked[key], f"{what}: {key}")
     if "timeout" in checked:
@@ -102,12 +108,45 @@ def for_this_call(task: SingletonTask, options: Mapping[str, Any]) -> SingletonT
     not set on it. The copy shares its class, hence its request stack, app and key.
     (``copy.copy`` would not do: a Celery task pickles as a reference to itself.)
     """
-    clone = object.__new__(type(task))
-    clone.__dict__.update(task.__dict__)
+    clone = _copy(task)
     for key, value in check_lock_options(task.name, options).items():
         setattr(clone, PER_CALL[key], value)
     setattr(clone, _APPLIED, True)
     return clone
 
 
-__all__ = ["OPTIONS_HEADER", "PER_CALL", "call_options", "check_lock_options", "for_this_call"]
+def for_this_publish(
+    task: SingletonTask, headers: Mapping[str, Any], options: Mapping[str, Any]
+) -> SingletonTask:
+    """``task`` as the publish-time lock of one message sees it: with the call's
+    ``enqueue_ttl``, if it set one (else ``task`` itself).
+
+    The guard runs inside ``send_task_message``, before Celery merges
+    ``options["headers"]`` into the message's headers: look in both (a retry's message
+    carries them in its own headers).
+    """
+    extra = options.get("headers")
+    found = (extra if isinstance(extra, Mapping) else {}).get(OPTIONS_HEADER)
+    if found is None:
+        found = headers.get(OPTIONS_HEADER)
+    if not isinstance(found, Mapping) or "enqueue_ttl" not in found:
+        return task
+    clone = _copy(task)
+    clone.enqueue_ttl = check_lock_options(task.name, found)["enqueue_ttl"]
+    return clone
+
+
+def _copy(task: SingletonTask) -> SingletonTask:
+    clone = object.__new__(type(task))
+    clone.__dict__.update(task.__dict__)
+    return clone
+
+
+__all__ = [
+    "OPTIONS_HEADER",
+    "PER_CALL",
+    "call_options",
+    "check_lock_options",
+    "for_this_call",
+    "for_this_publish",
+]

@@ -46,6 +46,7 @@ from .. import events
 from ..errors import LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
+from .options import for_this_publish
 from .task import (
     FENCE_HEADER,
     TOKEN_HEADER,
@@ -117,6 +118,7 @@ def guarded_publish(
     options: dict[str, Any],
 ) -> Any:
     headers, _properties, body, _event = message
+    task = for_this_publish(task, headers, options)  # lock_options={"enqueue_ttl": ...}
     args, kwargs = _message_arguments(body)
     task_id = headers.get("id") if "id" in headers else body.get("id")
     retries = headers.get("retries") or (body.get("retries") if isinstance(body, dict) else 0)

@@ -70,11 +70,13 @@ def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"tll": 5}, r"unknown lock_options \['tll'\]; known: \['max_hold', 'on_conflict'"),
+        ({"tll": 5}, r"unknown lock_options \['tll'\]; known: \['enqueue_ttl', 'max_hold', 'on_conflict'"),
         ({"graceful": True}, "unknown lock_options"),
         ({"ttl": 0}, "lock_options: ttl must be"),
         ({"ttl": "long"}, "lock_options: ttl must be a number"),
         ({"max_hold": -1}, "lock_options: max_hold"),
+        ({"enqueue_ttl": 0}, "lock_options: enqueue_ttl must be"),
+        ({"enqueue_ttl": "1h"}, "lock_options: enqueue_ttl must be a number"),
         ({"on_conflict": "sometimes"}, "on_conflict must be one of"),
         ({"timeout": -2}, "lock_options: timeout must be >= 0"),
         ("ttl=5", "lock_options must be a dict"),
@@ -114,6 +116,42 @@ def test_already_queued_is_caught_at_a_real_publish(cluster: Any, key: str) -> N
         assert again.id == first.id
     finally:
         get_backend(cluster.locks_url).force_release(f"t:{key}")
+
+
+def test_enqueue_ttl_per_call_sets_the_queued_locks_server_ttl(cluster: Any, key: str) -> None:
+    """celery-once's ``once={"timeout": N}``: the lock a real publish takes lasts N s on
+    the server (counted from the ETA), for that call only. Nothing consumes the queue."""
+    import redis
+
+    tasks, queue, name = cluster.tasks, f"tl_none_{key}", f"t:{key}"
+    backend = get_backend(cluster.locks_url)
+
+    def server_ttl() -> float:
+        holder = backend.holder(name)
+        assert holder is not None and holder.expires_in is not None
+        pttl = cluster.store.pttl(f"task_locks:{{{name}}}")  # the lock's hash
+        assert abs(pttl / 1000 - holder.expires_in) < 1, (pttl, holder.expires_in)
+        return holder.expires_in
+
+    try:
+        tasks.enqueue_task.apply_async((key, "log"), queue=queue, lock_options={"enqueue_ttl": 60})
+        assert 58 <= server_ttl() <= 60
+        backend.force_release(name)
+        eta = {"countdown": 30}
+        tasks.enqueue_task.apply_async(
+            (key, "log"), queue=queue, lock_options={"enqueue_ttl": 45}, **eta
+        )
+        assert 73 <= server_ttl() <= 75  # from the ETA: 30 + 45
+        backend.force_release(name)
+        tasks.enqueue_task.apply_async((key, "log"), queue=queue)  # the task's own: 1 h
+        assert 3598 <= server_ttl() <= 3600
+        backend.force_release(name)
+        with pytest.raises(InvalidArgument, match="enqueue_ttl"):
+            tasks.enqueue_task.apply_async((key, "log"), queue=queue, lock_options={"enqueue_ttl": -5})
+        assert backend.holder(name) is None  # refused before any publish
+    finally:
+        backend.force_release(name)
+        redis.Redis(port=cluster.server.port).delete(queue)
 
 
 def test_lock_options_reach_a_real_worker(
