@@ -70,7 +70,10 @@ def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"tll": 5}, r"unknown lock_options \['tll'\]; known: \['enqueue_ttl', 'max_hold', 'on_conflict'"),
+        (
+            {"tll": 5},
+            r"unknown lock_options \['tll'\]; known: \['enqueue_ttl', 'max_hold', 'on_conflict'",
+        ),
         ({"graceful": True}, "unknown lock_options"),
         ({"ttl": 0}, "lock_options: ttl must be"),
         ({"ttl": "long"}, "lock_options: ttl must be a number"),
@@ -147,7 +150,9 @@ def test_enqueue_ttl_per_call_sets_the_queued_locks_server_ttl(cluster: Any, key
         assert 3598 <= server_ttl() <= 3600
         backend.force_release(name)
         with pytest.raises(InvalidArgument, match="enqueue_ttl"):
-            tasks.enqueue_task.apply_async((key, "log"), queue=queue, lock_options={"enqueue_ttl": -5})
+            tasks.enqueue_task.apply_async(
+                (key, "log"), queue=queue, lock_options={"enqueue_ttl": -5}
+            )
         assert backend.holder(name) is None  # refused before any publish
     finally:
         backend.force_release(name)
