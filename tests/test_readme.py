@@ -131,19 +131,28 @@ def test_every_block_is_run_or_says_why_not() -> None:
             ast.parse(block.code, filename=block.where)
 
 
-def test_links_and_anchors_resolve() -> None:
-    text = README.read_text()
+def _slugs(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown text."""
     slugs = set()
     for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
         slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
         slugs.add(slug.replace(" ", "-"))
+    return slugs
+
+
+def test_links_and_anchors_resolve() -> None:
+    text = README.read_text()
+    slugs = _slugs(text)
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if target.startswith(("http://", "https://")):
             continue
         if target.startswith("#"):
             assert target[1:] in slugs, f"no heading for {target}"
         elif target not in GENERATED:
-            assert (ROOT / target).exists(), f"README links to missing {target}"
+            path, _, anchor = target.partition("#")
+            assert (ROOT / path).exists(), f"README links to missing {target}"
+            if anchor:
+                assert anchor in _slugs((ROOT / path).read_text()), f"no heading for {target}"
 
 
 # -- the reference tables match the code ----------------------------------------------
@@ -291,6 +300,28 @@ def test_migrating_guide_has_a_run_after_block_per_peer() -> None:
 def test_readme_comparison_links_the_migrating_guide() -> None:
     comparison = README.read_text().split("## Comparison", 1)[1].split("\n## ", 1)[0]
     assert "(docs/migrating.md)" in comparison
+    # In the table itself: a row whose cells link each peer's section of the guide.
+    rows = [line for line in comparison.splitlines() if line.startswith("|")]
+    peers = [cell.strip() for cell in rows[0].strip("|").split("|")][2:]
+    guide = [row for row in rows if "](docs/migrating.md" in row]
+    assert len(guide) == 1, guide
+    cells = [cell.strip() for cell in guide[0].strip("|").split("|")][2:]
+    assert len(cells) == len(peers)
+    sections = _sections(MIGRATING)
+    for peer, cell in zip(peers, cells, strict=True):
+        anchor = re.fullmatch(r"\[guide\]\(docs/migrating\.md#([\w-]+)\)", cell)
+        assert anchor is not None, (peer, cell)
+        title = next(t for t in sections if anchor.group(1) in _slugs(f"## {t}"))
+        assert title.replace("`", "") == peer.replace("`", ""), (peer, title)
+
+
+def test_lock_options_row_names_every_per_call_option() -> None:
+    from task_locks.celery.options import PER_CALL
+
+    row = re.search(r"^\| `lock_options` \|.*$", README.read_text(), re.M)
+    assert row is not None, "lock_options missing from the @singleton_task options table"
+    for key in PER_CALL:
+        assert f"`{key}`" in row.group(0), key
 
 
 def test_docs_links_and_anchors_resolve() -> None:
