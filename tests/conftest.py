@@ -16,6 +16,15 @@ from task_locks import config
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The conformance deployments' servers, for every directory (one set per session).
+from deployments import (  # noqa: F401
+    etcd_cluster,
+    etcd_node,
+    redis_cluster,
+    redis_masters,
+    redis_sentinel,
+)
+
 # The secured servers of issue 18 (TLS, etcd RBAC, Redis ACL users), for every directory.
 from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # noqa: F401
 from servers import RedisServer

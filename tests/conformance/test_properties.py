@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -41,13 +40,6 @@ EXAMPLES = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-
-
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[RedisClusterNodes]:
-    nodes = RedisClusterNodes(3).start()
-    yield nodes
-    nodes.cleanup()
 
 
 @pytest.fixture(params=[*KINDS, *_django_params(), "redis-cluster"])

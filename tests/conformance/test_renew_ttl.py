@@ -3,6 +3,7 @@
 redis-py's ``extend(additional_time, replace_ttl=True)`` and python-redis-lock's
 ``extend(expire)`` users look for it. After ``renew(ttl=X)`` the server's expiry is
 about X from now, and the watchdog renews to X (not the TTL the lock was taken with).
+Runs on every conformance deployment and on Redis Sentinel and Cluster.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import pytest
 from task_locks import AsyncLock, InvalidArgument, Lock, LockLost, get_backend
 from task_locks.types import Holder
 
-from .conftest import Deployment
+from .conftest import REDIS_TOPOLOGIES, Deployment, build_deployment, deployment_params
+
+
+@pytest.fixture(params=deployment_params(*REDIS_TOPOLOGIES))
+def deployment(request: pytest.FixtureRequest) -> Deployment:
+    """Every conformance deployment, and Redis behind a Sentinel and as a Cluster."""
+    return build_deployment(request, request.param)
 
 
 def tolerance(deployment: Deployment) -> float:
