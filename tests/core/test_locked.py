@@ -1,17 +1,17 @@
 """``@locked``: any function, plain or async, under a named lock (issue 16).
 
-Runs on real Redis and on the memory backend. The key templates are the ones of
-``@singleton_task`` (same code: task_locks.keys), checked at definition time.
+Runs on every backend (the conformance deployments, and Redis Sentinel and Cluster).
+The key templates are the ones of ``@singleton_task`` (same code: task_locks.keys),
+checked at definition time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
-from collections.abc import Iterator
 
 import pytest
+from deployments import REDIS_TOPOLOGIES, build_deployment, deployment_params
 
 import task_locks
 from task_locks import (
@@ -26,12 +26,10 @@ from task_locks import (
 )
 
 
-@pytest.fixture(params=["memory", "redis"])
-def url(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "memory":
-        yield f"memory://{uuid.uuid4().hex[:8]}"
-    else:
-        yield request.getfixturevalue("redis_url")
+@pytest.fixture(params=deployment_params(*REDIS_TOPOLOGIES))
+def url(request: pytest.FixtureRequest) -> str:
+    """Every conformance deployment (tests/deployments.py), Sentinel and Cluster too."""
+    return build_deployment(request, request.param).url
 
 
 def test_key_template_names_the_lock_and_the_lease_is_reachable_inside(url: str) -> None:
