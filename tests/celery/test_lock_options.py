@@ -2,11 +2,13 @@
 
 ``apply_async(..., lock_options={...})`` is validated at the call and applies to that run
 only: in eager mode (the run in this process, through the same ``__call__`` a worker
-uses) and in a real ``celery worker``.
+uses), on every backend, and in a real ``celery worker``. The peer check (Redis keys of
+an old library) runs on Redis, Sentinel and Cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,13 +16,15 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from deployments import REDIS_TOPOLOGIES, build_deployment, deployment_params
 
 from task_locks import InvalidArgument, Lock, LockHeld, get_backend
 from task_locks.celery import AlreadyQueued, DuplicateTask, current_lease, singleton_task
 
 
-@pytest.fixture
-def eager(redis_url: str) -> Iterator[tuple[Celery, Any]]:
+@contextlib.contextmanager
+def eager_app(url: str) -> Iterator[tuple[Celery, Any]]:
+    """An eager Celery app and a singleton task (key ``opt:{n}``) locking on ``url``."""
     app = Celery(f"opts-{uuid.uuid4().hex[:6]}", set_as_current=False)
     app.conf.task_always_eager = True
     app.conf.task_eager_propagates = True
@@ -29,16 +33,35 @@ def eager(redis_url: str) -> Iterator[tuple[Celery, Any]]:
     # when a later shared task is registered beside a same-named one.
     name = f"opt_job_{uuid.uuid4().hex[:8]}"
 
-    @singleton_task(
-        app=app, name=name, key="opt:{n}", ttl=10, backend=redis_url, on_conflict="skip"
-    )
+    @singleton_task(app=app, name=name, key="opt:{n}", ttl=10, backend=url, on_conflict="skip")
     def job(n: int) -> dict[str, Any]:
         lease = current_lease()
         assert lease is not None
         return {"ttl": lease.ttl, "max_hold": lease._hold_deadline is not None}
 
-    yield app, job
-    app.close()
+    try:
+        yield app, job
+    finally:
+        app.close()
+
+
+@pytest.fixture(params=deployment_params(*REDIS_TOPOLOGIES))
+def lock_url(request: pytest.FixtureRequest) -> str:
+    """The lock backend: every conformance deployment, Redis Sentinel and Cluster too."""
+    return build_deployment(request, request.param).url
+
+
+@pytest.fixture
+def eager(lock_url: str) -> Iterator[tuple[Celery, Any]]:
+    with eager_app(lock_url) as made:
+        yield made
+
+
+@pytest.fixture
+def eager_on_redis(redis_url: str) -> Iterator[tuple[Celery, Any]]:
+    """For what does not depend on the backend (validation)."""
+    with eager_app(redis_url) as made:
+        yield made
 
 
 def test_lock_options_apply_to_one_call(eager: tuple[Celery, Any]) -> None:
@@ -52,9 +75,9 @@ def test_lock_options_apply_to_one_call(eager: tuple[Celery, Any]) -> None:
     assert job.s(2).set(lock_options={"ttl": 5}).apply_async().get()["ttl"] == 5.0
 
 
-def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: str) -> None:
+def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], lock_url: str) -> None:
     _app, job = eager
-    with Lock("opt:1", ttl=10, backend=redis_url):
+    with Lock("opt:1", ttl=10, backend=lock_url):
         skipped = job.apply_async((1,))  # the task's own choice: skip
         assert skipped.state != "SUCCESS"
         with pytest.raises(LockHeld):
@@ -64,7 +87,7 @@ def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: 
             job.apply_async((1,), lock_options={"on_conflict": "wait", "timeout": 0.3})
         assert 0.25 <= time.monotonic() - started < 3
     assert job.apply_async((1,), lock_options={"on_conflict": "raise"}).get()["ttl"] == 10.0
-    assert get_backend(redis_url).holder("opt:1") is None
+    assert get_backend(lock_url).holder("opt:1") is None
 
 
 @pytest.mark.parametrize(
@@ -86,9 +109,9 @@ def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], redis_url: 
     ],
 )
 def test_bad_lock_options_raise_at_apply_async(
-    eager: tuple[Celery, Any], options: object, message: str, redis_url: str
+    eager_on_redis: tuple[Celery, Any], options: object, message: str, redis_url: str
 ) -> None:
-    _app, job = eager
+    _app, job = eager_on_redis
     with pytest.raises(InvalidArgument, match=message) as refused:
         job.apply_async((1,), lock_options=options)
     assert job.name in str(refused.value)
@@ -187,37 +210,57 @@ def test_lock_options_reach_a_real_worker(
             raised.get(timeout=30)
 
 
-def test_peer_checked_task_meets_an_old_celery_singleton_key(
-    eager: tuple[Celery, Any], redis_url: str
-) -> None:
-    """Rolling deploy: the new task's run waits out celery-singleton's key (its real
-    layout, SETNX'd by hand) for the same call."""
+@pytest.fixture(params=["redis", *REDIS_TOPOLOGIES])
+def peer_redis(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    """Peer keys are Redis keys: a lock URL on plain Redis, Sentinel or Cluster, and a
+    redis-py client on the same servers (where the old library keeps its keys)."""
     import redis
 
+    url = build_deployment(request, request.param).url
+    client: Any
+    if request.param == "redis":
+        client = redis.Redis(port=request.getfixturevalue("redis_server").port)
+    elif request.param == "sentinel":
+        client = redis.Redis(port=request.getfixturevalue("redis_sentinel").master.port)
+    else:
+        port = request.getfixturevalue("redis_cluster").nodes[0].port
+        client = redis.RedisCluster(host="127.0.0.1", port=port)
+    yield url, client
+    client.close()
+
+
+def test_peer_checked_task_meets_an_old_celery_singleton_key(peer_redis: tuple[str, Any]) -> None:
+    """Rolling deploy: the new task's run waits out celery-singleton's key (its real
+    layout, SETNX'd by hand) for the same call."""
     from task_locks.celery.peers import PeerCheckedTask
     from task_locks.peers import PeerKeys, celery_singleton_key
 
-    app, _job = eager
-    old = redis.Redis.from_url(redis_url)
+    url, old = peer_redis
+    task_name = f"tasks.sync_account_{uuid.uuid4().hex[:8]}"  # the old keys are unprefixed
 
     def old_key(name: str) -> str:
-        return celery_singleton_key("tasks.sync_account", [int(name.split(":")[1])])
+        return celery_singleton_key(task_name, [int(name.split(":")[1])])
 
-    @singleton_task(
-        app=app,
-        name=f"sync_account_{uuid.uuid4().hex[:8]}",
-        key="sync:{account_id}",
-        backend=redis_url,
-        on_conflict="raise",
-        base=PeerCheckedTask,
-        lock_peers=PeerKeys(old, old_key),
-    )
-    def sync_account(account_id: int) -> str:
-        return f"synced {account_id}"
+    with eager_app(url) as (app, _job):
 
-    assert old.setnx(old_key("sync:42"), "old-task-id")
-    with pytest.raises(LockHeld, match="SINGLETONLOCK_"):
-        sync_account.apply_async((42,))
-    assert sync_account.apply_async((7,)).get() == "synced 7"  # another account is free
-    old.delete(old_key("sync:42"))  # the old worker's on_success
-    assert sync_account.apply_async((42,)).get() == "synced 42"
+        @singleton_task(
+            app=app,
+            name=f"sync_account_{uuid.uuid4().hex[:8]}",
+            key="sync:{account_id}",
+            backend=url,
+            on_conflict="raise",
+            base=PeerCheckedTask,
+            lock_peers=PeerKeys(old, old_key),
+        )
+        def sync_account(account_id: int) -> str:
+            return f"synced {account_id}"
+
+        assert old.setnx(old_key("sync:42"), "old-task-id")
+        try:
+            with pytest.raises(LockHeld, match="SINGLETONLOCK_"):
+                sync_account.apply_async((42,))
+            assert sync_account.apply_async((7,)).get() == "synced 7"  # another account
+        finally:
+            old.delete(old_key("sync:42"))  # the old worker's on_success
+        assert sync_account.apply_async((42,)).get() == "synced 42"
+        assert get_backend(url).holder("sync:42") is None
