@@ -19,8 +19,8 @@ import inspect
 import logging
 import random
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Final
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from celery import Task, shared_task
 from celery.exceptions import Ignore
@@ -338,6 +338,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         }
 
     # -- the run -----------------------------------------------------------------------
+    #
+    # One plan (:meth:`_plan`, a generator) makes every decision of a run and yields the
+    # I/O it needs as typed steps; :func:`_drive` performs them with blocking calls and
+    # :func:`_adrive` with awaited ones (async tasks). Errors of a step are thrown back
+    # into the plan, which handles them where the decision is made.
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         per_call = call_options(self)  # apply_async(lock_options=...): run on a copy
@@ -353,111 +358,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         with owner_context(**self._owner(request)):
             if self._is_async:
                 return asyncio.run(self._arun_in_own_loop(body, name, handed, args, kwargs))
-            if handed and self.lock_on == "enqueue":
-                self._drop_queued_lock(name, handed)
-            tick = _beat_tick(request)
-            if tick is not None:
-                current = stale_tick_term(tick, self._election_holder(tick))
-                if current is not None and not claim_holds(self.app, tick):
-                    if handed and self.lock_on == "both":
-                        self._drop_queued_lock(name, handed)  # refused below: free the key
-                    if self._refuse_stale(tick, current):
-                        return None
-            if self.lock_on == "enqueue":
-                return body(*args, **kwargs)
-            guard = None
-            guard_name = self._guard_name(name, request.id)
-            if guard_name is not None:
-                guard = self._take(Lock(guard_name, **self._lock_options()), guard_name)
-                if guard is None:
-                    return None
-            try:
-                run_lock = self._run_lock(name)
-                run_lock._token = self._run_token(handed)
-                lease = self._take(run_lock, name)
-            except BaseException:
-                self._release_guard(guard, request.id)
-                raise
-            if lease is None:
-                self._release_guard(guard, request.id)
-                return None
-            if handed and _queued_fence(request) not in (None, lease.fence):
-                self._queued_lock_expired(name)
-            return self._hold(lease, body, args, kwargs, request.id, guard)
-
-    def _take(self, lock: Lock | Semaphore, name: str) -> Lease | None:
-        """Acquire ``lock`` as ``on_conflict`` says; ``None``: return without running."""
-        attempts = self._attempts()
-        number = 0
-        while True:
-            timeout = attempts[number]
-            number += 1
-            try:
-                with events.context(policy=self.on_conflict, detail=f"task {self.name}"):
-                    return lock.acquire(timeout=timeout)
-            except LockHeld as held:
-                if self._conflict(name, held, attempts, number):
-                    return None
-
-    def _hold(
-        self,
-        lease: Lease,
-        body: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
-        task_id: str | None,
-        guard: Lease | None = None,
-    ) -> Any:
-        reset = _current.set(lease)
-        live_leases.add(task_id, lease)
-        if guard is not None:
-            live_leases.add(task_id, guard)
-        try:
-            result = body(*args, **kwargs)
-        except BaseException:
-            self._release(lease, task_id, failing=True)
-            self._release_guard(guard, task_id)
-            raise
-        finally:
-            _current.reset(reset)
-        self._release(lease, task_id, failing=False)
-        self._release_guard(guard, task_id)
-        return result
-
-    def _release_guard(self, guard: Lease | None, task_id: str | None) -> None:
-        """Free the run guard after the run lock (a lost guard only costs a log line)."""
-        if guard is None:
-            return
-        try:
-            guard.release()
-        except LockError as exc:
-            log.warning("task %s[%s]: releasing %r: %s", self.name, task_id, guard.name, exc)
-        finally:
-            live_leases.discard(task_id, guard)
-
-    def _release(self, lease: Lease, task_id: str | None, *, failing: bool) -> None:
-        keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
-        try:
-            if keep is not None:
-                lease._unschedule()
-                self._parked(lease, lease.backend.renew(lease.name, lease.token, int(keep * 1000)))
-                return
-            lease.release()
-        except (LockLost, BackendUnavailable) as exc:
-            self._release_failed(lease, exc, failing=failing)
-        finally:
-            live_leases.discard(task_id, lease)
+            return _drive(self._plan(body, name, handed, args, kwargs))
 
     async def _arun_in_own_loop(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
     ) -> Any:
-        """``_arun`` in the loop ``asyncio.run`` made for this run, closing its client after.
+        """The run's plan in the loop ``asyncio.run`` made for it, closing its client after.
 
         The backend keeps one async client per event loop; this loop ends with the run, so
         its sockets are closed now instead of being left to the garbage collector.
         """
         try:
-            return await self._arun(body, name, handed, args, kwargs)
+            return await _adrive(self._plan(body, name, handed, args, kwargs))
         finally:
             used = [self._lock_backend()]
             if _beat_tick(self.request) is not None:
@@ -468,61 +380,61 @@ class SingletonTask(Task):  # type: ignore[misc]
                 except Exception as exc:  # closing must not hide the run's own outcome
                     log.debug("closing %r's client of this run failed: %s", backend, exc)
 
-    async def _arun(
+    def _plan(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
-    ) -> Any:
-        """The async twin of ``__call__``'s body: same decisions, awaited I/O."""
+    ) -> Generator[_Step, Any, Any]:
+        """Every decision of one run; yields its I/O (see :func:`_drive`)."""
+        request = self.request
         if handed and self.lock_on == "enqueue":
-            await self._adrop_queued_lock(name, handed)
-        tick = _beat_tick(self.request)
+            yield from self._drop_queued_lock(name, handed)
+        tick = _beat_tick(request)
         if tick is not None:
-            current = stale_tick_term(tick, await self._aelection_holder(tick))
-            if current is not None and not await aclaim_holds(self.app, tick):
+            current = stale_tick_term(tick, (yield _ElectionHolder(self.app, tick)))
+            if current is not None and not (yield _ClaimHolds(self.app, tick)):
                 if handed and self.lock_on == "both":
-                    await self._adrop_queued_lock(name, handed)
+                    yield from self._drop_queued_lock(name, handed)  # refused below: free it
                 if self._refuse_stale(tick, current):
                     return None
         if self.lock_on == "enqueue":
-            return await body(*args, **kwargs)
-        task_id = self.request.id
+            return (yield _Body(body, args, kwargs))
+        task_id = request.id
         guard = None
         guard_name = self._guard_name(name, task_id)
         if guard_name is not None:
-            guard_lock = AsyncLock(guard_name, **self._lock_options())
-            guard = await self._atake(guard_lock, guard_name)
+            guard = yield from self._take(guard_name, None, guard=True)
             if guard is None:
                 return None
         try:
-            run_lock = self._async_run_lock(name)
-            run_lock._token = self._run_token(handed)
-            lease = await self._atake(run_lock, name)
+            lease = yield from self._take(name, self._run_token(handed), guard=False)
         except BaseException:
-            await self._arelease_guard(guard, task_id)
+            yield from self._release_guard(guard, task_id)
             raise
         if lease is None:
-            await self._arelease_guard(guard, task_id)
+            yield from self._release_guard(guard, task_id)
             return None
-        if handed and _queued_fence(self.request) not in (None, lease.fence):
+        if handed and _queued_fence(request) not in (None, lease.fence):
             self._queued_lock_expired(name)
         reset = _current.set(lease)
         live_leases.add(task_id, lease)
         if guard is not None:
             live_leases.add(task_id, guard)
         try:
-            coroutine: Coroutine[Any, Any, Any] = body(*args, **kwargs)
-            result = await coroutine
+            result = yield _Body(body, args, kwargs)
         except BaseException:
-            await self._arelease(lease, task_id, failing=True)
-            await self._arelease_guard(guard, task_id)
+            yield from self._release(lease, task_id, failing=True)
+            yield from self._release_guard(guard, task_id)
             raise
         finally:
             _current.reset(reset)
-        await self._arelease(lease, task_id, failing=False)
-        await self._arelease_guard(guard, task_id)
+        yield from self._release(lease, task_id, failing=False)
+        yield from self._release_guard(guard, task_id)
         return result
 
-    async def _atake(self, lock: AsyncLock | AsyncSemaphore, name: str) -> AsyncLease | None:
-        """The async twin of :meth:`_take`."""
+    def _take(
+        self, name: str, token: str | None, *, guard: bool
+    ) -> Generator[_Step, Any, AnyLease | None]:
+        """Acquire as ``on_conflict`` says (the run guard if ``guard``); ``None``: return
+        without running."""
         attempts = self._attempts()
         number = 0
         while True:
@@ -530,30 +442,35 @@ class SingletonTask(Task):  # type: ignore[misc]
             number += 1
             try:
                 with events.context(policy=self.on_conflict, detail=f"task {self.name}"):
-                    return await lock.acquire(timeout=timeout)
+                    lease: AnyLease = yield _Acquire(self, name, token, guard, timeout)
+                    return lease
             except LockHeld as held:
                 if self._conflict(name, held, attempts, number):
                     return None
 
-    async def _arelease_guard(self, guard: AsyncLease | None, task_id: str | None) -> None:
+    def _release_guard(
+        self, guard: AnyLease | None, task_id: str | None
+    ) -> Generator[_Step, Any, None]:
+        """Free the run guard after the run lock (a lost guard only costs a log line)."""
         if guard is None:
             return
         try:
-            await guard.release()
+            yield _Release(guard)
         except LockError as exc:
             log.warning("task %s[%s]: releasing %r: %s", self.name, task_id, guard.name, exc)
         finally:
             live_leases.discard(task_id, guard)
 
-    async def _arelease(self, lease: AsyncLease, task_id: str | None, *, failing: bool) -> None:
+    def _release(
+        self, lease: AnyLease, task_id: str | None, *, failing: bool
+    ) -> Generator[_Step, Any, None]:
         keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
         try:
             if keep is not None:
                 lease._unschedule()
-                ttl_ms = int(keep * 1000)
-                self._parked(lease, await lease.backend.arenew(lease.name, lease.token, ttl_ms))
+                self._parked(lease, (yield _Renew(lease, int(keep * 1000))))
                 return
-            await lease.release()
+            yield _Release(lease)
         except (LockLost, BackendUnavailable) as exc:
             self._release_failed(lease, exc, failing=failing)
         finally:
@@ -580,18 +497,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             "task %s[%s]: releasing lock %r: %s", self.name, self.request.id, lease.name, exc
         )
 
-    def _drop_queued_lock(self, name: str, token: str) -> None:
+    def _drop_queued_lock(self, name: str, token: str) -> Generator[_Step, Any, None]:
         """Free the lock taken when this message was published (token-checked).
 
         ``"enqueue"``: the key is free again once the task starts. ``"both"`` takes the
         queued lock over instead (:meth:`_run_token`), and drops it only for a run it
         refuses before that (a stale beat tick).
         """
-        if not self._lock_backend().release(name, token):
-            self._queued_lock_expired(name)
-
-    async def _adrop_queued_lock(self, name: str, token: str) -> None:
-        if not await self._lock_backend().arelease(name, token):
+        if not (yield _DropQueued(self._lock_backend(), name, token)):
             self._queued_lock_expired(name)
 
     def _queued_lock_expired(self, name: str) -> None:
@@ -606,12 +519,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
 
     # -- beat ticks sent under an old term (issue: HA beat) ------------------------------
-
-    def _election_holder(self, tick: BeatTick) -> Holder | None:
-        return election_holder(self.app, tick.election)
-
-    async def _aelection_holder(self, tick: BeatTick) -> Holder | None:
-        return await aelection_holder(self.app, tick.election)
 
     def _refuse_stale(self, tick: BeatTick, current: int) -> bool:
         """Refuse a beat message that may be a second send of its tick.
@@ -716,6 +623,158 @@ class SingletonTask(Task):  # type: ignore[misc]
             meta["limit"] = self.lock_limit
         self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
         raise Ignore()
+
+
+# -- the run's I/O: each step's blocking and awaited form, and the two drivers -----------
+
+
+_L = TypeVar("_L", Lock | Semaphore, AsyncLock | AsyncSemaphore)
+
+
+class _Acquire(NamedTuple):
+    """Take the run lock (or, ``guard``, the run guard) once, waiting up to ``timeout``."""
+
+    task: SingletonTask
+    name: str
+    token: str | None
+    guard: bool
+    timeout: float | None
+
+    def run(self) -> Lease:
+        return self._lock(Lock, self.task._run_lock).acquire(timeout=self.timeout)
+
+    async def arun(self) -> AsyncLease:
+        lock = self._lock(AsyncLock, self.task._async_run_lock)
+        return await lock.acquire(timeout=self.timeout)
+
+    def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
+        if self.guard:
+            return guard_lock(self.name, **self.task._lock_options())
+        lock = run_lock(self.name)
+        lock._token = self.token
+        return lock
+
+
+class _Body(NamedTuple):
+    """Run the task's body."""
+
+    body: Callable[..., Any]
+    args: Any
+    kwargs: Any
+
+    def run(self) -> Any:
+        return self.body(*self.args, **self.kwargs)
+
+    async def arun(self) -> Any:
+        return await self.body(*self.args, **self.kwargs)
+
+
+class _Release(NamedTuple):
+    """Release a lease (token-checked)."""
+
+    lease: AnyLease
+
+    def run(self) -> None:
+        cast(Lease, self.lease).release()
+
+    async def arun(self) -> None:
+        await cast(AsyncLease, self.lease).release()
+
+
+class _Renew(NamedTuple):
+    """Keep a lease for ``ttl_ms`` more (parked for a retry); ``True`` if it was held."""
+
+    lease: AnyLease
+    ttl_ms: int
+
+    def run(self) -> bool:
+        return self.lease.backend.renew(self.lease.name, self.lease.token, self.ttl_ms)
+
+    async def arun(self) -> bool:
+        return await self.lease.backend.arenew(self.lease.name, self.lease.token, self.ttl_ms)
+
+
+class _DropQueued(NamedTuple):
+    """Free the lock taken at publish (token-checked); ``True`` if it was still held."""
+
+    backend: Backend
+    name: str
+    token: str
+
+    def run(self) -> bool:
+        return self.backend.release(self.name, self.token)
+
+    async def arun(self) -> bool:
+        return await self.backend.arelease(self.name, self.token)
+
+
+class _ElectionHolder(NamedTuple):
+    """Who leads the beat election a tick was sent under."""
+
+    app: Any
+    tick: BeatTick
+
+    def run(self) -> Holder | None:
+        return election_holder(self.app, self.tick.election)
+
+    async def arun(self) -> Holder | None:
+        return await aelection_holder(self.app, self.tick.election)
+
+
+class _ClaimHolds(NamedTuple):
+    """Whether the tick's claim is still this message's."""
+
+    app: Any
+    tick: BeatTick
+
+    def run(self) -> bool:
+        return claim_holds(self.app, self.tick)
+
+    async def arun(self) -> bool:
+        return await aclaim_holds(self.app, self.tick)
+
+
+_Step = _Acquire | _Body | _Release | _Renew | _DropQueued | _ElectionHolder | _ClaimHolds
+
+
+class _Finished(NamedTuple):
+    value: Any
+
+
+def _advance(
+    plan: Generator[_Step, Any, Any], answer: Any, error: BaseException | None
+) -> _Step | _Finished:
+    """Hand a step's answer (or its error) to the plan; its next step, or its result."""
+    try:
+        return plan.send(answer) if error is None else plan.throw(error)
+    except StopIteration as done:
+        return _Finished(done.value)
+
+
+def _drive(plan: Generator[_Step, Any, Any]) -> Any:
+    """Run a run's plan with blocking I/O."""
+    step = _advance(plan, None, None)
+    while not isinstance(step, _Finished):
+        try:
+            answer = step.run()
+        except BaseException as exc:
+            step = _advance(plan, None, exc)
+        else:
+            step = _advance(plan, answer, None)
+    return step.value
+
+
+async def _adrive(plan: Generator[_Step, Any, Any]) -> Any:
+    """Run a run's plan with awaited I/O (``async def`` tasks)."""
+    step = _advance(plan, None, None)
+    while not isinstance(step, _Finished):
+        try:
+            answer = await step.arun()
+        except BaseException as exc:
+            step = _advance(plan, None, exc)
+        else:
+            step = _advance(plan, answer, None)
+    return step.value
 
 
 def singleton_task(
