@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ..config import validate_ttl
 from ..errors import InvalidArgument
 from ..lock import validate_timeout
+from ._common import ON_CONFLICT
 
 if TYPE_CHECKING:
     from .task import SingletonTask
@@ -53,8 +54,6 @@ _APPLIED: Final = "_task_locks_per_call"
 
 def check_lock_options(task_name: str, options: object) -> dict[str, Any]:
     """``options`` validated (a plain dict, JSON-able), or :class:`InvalidArgument`."""
-    from .task import ON_CONFLICT
-
     if not isinstance(options, Mapping):
         raise InvalidArgument(
             f"task {task_name}: lock_options must be a dict, got {type(options).__name__}"

@@ -40,22 +40,25 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from .. import events
 from ..errors import LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
-from .options import for_this_publish
-from .task import (
+from ._common import (
     FENCE_HEADER,
     TOKEN_HEADER,
     DuplicateTask,
-    SingletonTask,
-    _message_arguments,
+    LockedTask,
     hand_over_to_retry,
+    message_arguments,
     park_for_retry,
 )
+from .options import for_this_publish
+
+if TYPE_CHECKING:
+    from .task import SingletonTask
 
 log = logging.getLogger("task_locks.celery")
 
@@ -95,9 +98,12 @@ class _GuardedSender:
     def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         send = self._sender()
         task = self.app._tasks.get(name)  # as send_task does: never finalizes the app
-        if not isinstance(task, SingletonTask) or task.lock_on == "run":
+        if not isinstance(task, LockedTask):
             return send(producer, name, message, **options)
-        return guarded_publish(task, send, producer, name, message, options)
+        singleton = cast("SingletonTask", task)
+        if singleton.lock_on == "run":
+            return send(producer, name, message, **options)
+        return guarded_publish(singleton, send, producer, name, message, options)
 
 
 def install_publish_guard(app: Any) -> None:
@@ -119,7 +125,7 @@ def guarded_publish(
 ) -> Any:
     headers, _properties, body, _event = message
     task = for_this_publish(task, headers, options)  # lock_options={"enqueue_ttl": ...}
-    args, kwargs = _message_arguments(body)
+    args, kwargs = message_arguments(body)
     task_id = headers.get("id") if "id" in headers else body.get("id")
     retries = headers.get("retries") or (body.get("retries") if isinstance(body, dict) else 0)
     if retries:

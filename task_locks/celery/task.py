@@ -18,8 +18,7 @@ import asyncio
 import inspect
 import logging
 import random
-import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from celery import Task, shared_task
@@ -34,6 +33,17 @@ from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
 from ..types import Holder
+from ._common import (
+    FENCE_HEADER,
+    LOCK_ON,
+    ON_CONFLICT,
+    SKIPPED,
+    STALE_TICK,
+    TOKEN_HEADER,
+    DuplicateTask,
+    LockedTask,
+    unpark,
+)
 from .beat import (
     ELECTION_HEADER,
     BeatTick,
@@ -47,29 +57,17 @@ from .beat import (
 )
 from .keys import KeySpec, TaskKey
 from .options import call_options, for_this_call, with_lock_options
+from .publish import install_publish_guard
 from .registry import live_leases
 
 log = logging.getLogger("task_locks.celery")
 
-#: The state a skipped run finishes in (``AsyncResult(id).state``); not a success.
-SKIPPED: Final = "SKIPPED"
-#: The state of a beat tick refused because it was sent under an old leader's term.
-STALE_TICK: Final = "STALE_TICK"
-ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
-LOCK_ON: Final = ("run", "enqueue", "both")
-#: Message header carrying the token of the lock taken at publish time.
-TOKEN_HEADER: Final = "task_locks_token"
-#: Message header carrying the fence of that lock (to tell if it expired before the run).
-FENCE_HEADER: Final = "task_locks_fence"
 #: Joins a key and a task id into the name of that task id's run guard (see
 #: :func:`task_id_lock_name`).
 TASK_ID_SEPARATOR: Final = "#task:"
 #: Seconds a retry (``request.retries`` > 0) waits for its previous attempt, which has
 #: the same task id and may still be letting go of the key, before refusing as a copy.
 RETRY_HANDOVER_WAIT: Final = 5.0
-
-#: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
-_parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
 
 
 def task_id_lock_name(name: str, task_id: str) -> str:
@@ -83,21 +81,6 @@ def task_id_lock_name(name: str, task_id: str) -> str:
     finds it held by its own task id and is refused, as with ``limit=1``.
     """
     return f"{name}{TASK_ID_SEPARATOR}{task_id}"
-
-
-class DuplicateTask(LockHeld):
-    """A publish was dropped because the same key is already queued (or running).
-
-    ``existing`` is the :class:`~celery.result.AsyncResult` of the task that holds the
-    key, when its id is known. ``apply_async``/``delay`` return it instead of raising
-    unless ``on_conflict="raise"``; ``app.send_task`` raises this error.
-    """
-
-    def __init__(
-        self, message: str, *, name: str | None = None, holder: Any = None, existing: Any = None
-    ) -> None:
-        super().__init__(message, name=name, holder=holder)
-        self.existing = existing
 
 
 def check_options(
@@ -157,7 +140,7 @@ def _task_function(cls: type) -> tuple[Callable[..., Any], bool] | None:
     return run, True
 
 
-class SingletonTask(Task):  # type: ignore[misc]
+class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     """A Celery task base whose runs hold the lock named by ``lock_key``.
 
     Use through :func:`singleton_task`, or ``@app.task(base=SingletonTask, lock_key=...)``.
@@ -219,8 +202,6 @@ class SingletonTask(Task):  # type: ignore[misc]
     def on_bound(cls, app: Any) -> None:
         super().on_bound(app)
         if cls.lock_on != "run":
-            from .publish import install_publish_guard
-
             install_publish_guard(app)
 
     # -- what users call -------------------------------------------------------------
@@ -464,7 +445,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _release(
         self, lease: AnyLease, task_id: str | None, *, failing: bool
     ) -> Generator[_Step, Any, None]:
-        keep = _parked_for_retry.pop(lease, None) if _parked_for_retry else None
+        keep = unpark(lease)
         try:
             if keep is not None:
                 lease._unschedule()
@@ -844,29 +825,6 @@ def singleton_task(
     return decorate(fun) if fun is not None else decorate
 
 
-def hand_over_to_retry(
-    task: SingletonTask, task_id: str, args: Any, kwargs: Any
-) -> AnyLease | None:
-    """The running lease a ``lock_on="both"`` task passes to its own retry message, if any.
-
-    ``self.retry()`` publishes the next attempt while this one still holds the key.
-    Releasing at the end of this attempt would leave the key free during the retry's
-    countdown, and a duplicate could be queued; instead the lease is parked (renewal
-    stops, TTL = countdown + ``enqueue_ttl``) and the retry adopts it like any queued lock.
-    """
-    lease = current_lease()
-    if task.lock_on != "both" or lease is None or not lease.held:
-        return None
-    if task.request.id != task_id or task._lock_name(args, kwargs) != lease.name:
-        return None
-    return lease
-
-
-def park_for_retry(lease: AnyLease, countdown: float, ttl: float) -> None:
-    """Keep ``lease`` (unrenewed) for ``countdown + ttl`` seconds when its run ends."""
-    _parked_for_retry[lease] = max(0.0, countdown) + ttl
-
-
 def _beat_tick(request: Any) -> BeatTick | None:
     """The beat tick a running message carries; one attribute look-up for the others."""
     if getattr(request, ELECTION_HEADER, None) is None:
@@ -883,13 +841,6 @@ def _queued_fence(request: Any) -> int | None:
         return None if fence is None else int(fence)
     except (TypeError, ValueError):
         return None
-
-
-def _message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
-    """``(args, kwargs)`` of a task message body (protocol 2 tuple or protocol 1 dict)."""
-    if isinstance(body, dict):
-        return tuple(body.get("args") or ()), body.get("kwargs") or {}
-    return tuple(body[0] or ()), body[1] or {}
 
 
 __all__ = [

@@ -1,0 +1,107 @@
+"""What :mod:`~task_locks.celery.task` and :mod:`~task_locks.celery.publish` share.
+
+The publish guard (enqueue time) and the task (run time) speak about the same message
+headers, states and hand-overs; both import them from here, below them both, so neither
+imports the other's module for them (issue 17: no import cycle). ``task`` imports
+``publish`` (it installs the guard), never the other way round: the guard recognises a
+singleton task by :class:`LockedTask`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from ..context import AnyLease, current_lease
+from ..errors import LockHeld
+
+if TYPE_CHECKING:
+    from .task import SingletonTask
+
+#: The state a skipped run finishes in (``AsyncResult(id).state``); not a success.
+SKIPPED: Final = "SKIPPED"
+#: The state of a beat tick refused because it was sent under an old leader's term.
+STALE_TICK: Final = "STALE_TICK"
+ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
+LOCK_ON: Final = ("run", "enqueue", "both")
+#: Message header carrying the token of the lock taken at publish time.
+TOKEN_HEADER: Final = "task_locks_token"
+#: Message header carrying the fence of that lock (to tell if it expired before the run).
+FENCE_HEADER: Final = "task_locks_fence"
+
+#: Leases a ``lock_on="both"`` run handed to its own retry message -> seconds to keep them.
+_parked_for_retry: weakref.WeakKeyDictionary[AnyLease, float] = weakref.WeakKeyDictionary()
+
+
+class LockedTask:
+    """Marker base of :class:`~task_locks.celery.SingletonTask`: what the publish guard
+    checks for, without importing the task module."""
+
+    __slots__ = ()
+
+
+class DuplicateTask(LockHeld):
+    """A publish was dropped because the same key is already queued (or running).
+
+    ``existing`` is the :class:`~celery.result.AsyncResult` of the task that holds the
+    key, when its id is known. ``apply_async``/``delay`` return it instead of raising
+    unless ``on_conflict="raise"``; ``app.send_task`` raises this error.
+    """
+
+    def __init__(
+        self, message: str, *, name: str | None = None, holder: Any = None, existing: Any = None
+    ) -> None:
+        super().__init__(message, name=name, holder=holder)
+        self.existing = existing
+
+
+def hand_over_to_retry(
+    task: SingletonTask, task_id: str, args: Any, kwargs: Any
+) -> AnyLease | None:
+    """The running lease a ``lock_on="both"`` task passes to its own retry message, if any.
+
+    ``self.retry()`` publishes the next attempt while this one still holds the key.
+    Releasing at the end of this attempt would leave the key free during the retry's
+    countdown, and a duplicate could be queued; instead the lease is parked (renewal
+    stops, TTL = countdown + ``enqueue_ttl``) and the retry adopts it like any queued lock.
+    """
+    lease = current_lease()
+    if task.lock_on != "both" or lease is None or not lease.held:
+        return None
+    if task.request.id != task_id or task._lock_name(args, kwargs) != lease.name:
+        return None
+    return lease
+
+
+def park_for_retry(lease: AnyLease, countdown: float, ttl: float) -> None:
+    """Keep ``lease`` (unrenewed) for ``countdown + ttl`` seconds when its run ends."""
+    _parked_for_retry[lease] = max(0.0, countdown) + ttl
+
+
+def unpark(lease: AnyLease) -> float | None:
+    """Seconds to keep ``lease`` for its retry (:func:`park_for_retry`), once; else None."""
+    return _parked_for_retry.pop(lease, None) if _parked_for_retry else None
+
+
+def message_arguments(body: Any) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
+    """``(args, kwargs)`` of a task message body (protocol 2 tuple or protocol 1 dict)."""
+    if isinstance(body, dict):
+        return tuple(body.get("args") or ()), body.get("kwargs") or {}
+    return tuple(body[0] or ()), body[1] or {}
+
+
+__all__ = [
+    "FENCE_HEADER",
+    "LOCK_ON",
+    "ON_CONFLICT",
+    "SKIPPED",
+    "STALE_TICK",
+    "TOKEN_HEADER",
+    "DuplicateTask",
+    "LockedTask",
+    "hand_over_to_retry",
+    "message_arguments",
+    "park_for_retry",
+    "unpark",
+]

@@ -1,0 +1,167 @@
+"""The package's modules import each other in layers (issue 17): no cycle, and the core
+does not pull in Django or Celery.
+
+A cycle makes the import order matter (a module sees a half-initialised partner) and
+hides which module owns a name; a function-level import that closes a cycle is still
+one. Imports under ``if TYPE_CHECKING:`` never run, so they are left out. A package's
+``__init__`` importing its own submodules is an ordinary edge like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import task_locks
+
+PACKAGE = Path(task_locks.__file__).resolve().parent
+ROOT_NAME = "task_locks"
+#: Third-party frameworks only the integration packages may import.
+FRAMEWORKS = ("celery", "django")
+#: Where importing a framework is allowed (module name prefixes).
+INTEGRATIONS = ("task_locks.celery",)
+
+
+def module_name(path: Path) -> str:
+    parts = [ROOT_NAME, *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement below ``node``, except the bodies of ``if TYPE_CHECKING``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _imports_of(other)
+            continue
+        yield from _imports_of(child)
+
+
+def _imports_of(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node
+    yield from _imports(node)
+
+
+def imported(name: str, path: Path, known: set[str]) -> tuple[set[str], set[str]]:
+    """(modules of this package, top-level names of other packages) that ``name`` imports."""
+    is_package = path.name == "__init__.py"
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            # ``from pkg import sub`` imports the submodule when there is one.
+            subs = [f"{module}.{alias.name}" for alias in node.names]
+            targets = [sub for sub in subs if sub in known] or [module]
+            if len(targets) < len(subs) and module in known:
+                targets.append(module)
+        for target in targets:
+            if target == ROOT_NAME or target.startswith(ROOT_NAME + "."):
+                while target not in known:  # a name defined in a package: the package
+                    target = target.rpartition(".")[0]
+                if target != name:
+                    inside.add(target)
+            else:
+                outside.add(target.partition(".")[0])
+    return inside, outside
+
+
+def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    found = modules()
+    known = set(found)
+    edges: dict[str, set[str]] = {}
+    third_party: dict[str, set[str]] = {}
+    for name, path in found.items():
+        edges[name], third_party[name] = imported(name, path, known)
+    return edges, third_party
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (as a path that ends where it starts), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle is not None:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = visit(node)
+            if cycle is not None:
+                return cycle
+    return None
+
+
+def test_the_graph_sees_the_package() -> None:
+    edges, _ = graph()
+    assert "task_locks.celery.task" in edges
+    assert "task_locks.lock" in edges["task_locks.celery.task"]
+
+
+def test_no_import_cycle_among_task_locks_modules() -> None:
+    edges, _ = graph()
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_core_never_imports_celery_or_django() -> None:
+    _, third_party = graph()
+    offenders = {
+        name: sorted(set(FRAMEWORKS) & used)
+        for name, used in third_party.items()
+        if not name.startswith(INTEGRATIONS) and set(FRAMEWORKS) & used
+    }
+    assert offenders == {}
+
+
+def test_type_checking_imports_are_left_out(tmp_path: Path) -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from .b import X\n"
+        "else:\n"
+        "    from .c import Y\n"
+        "def f():\n"
+        "    from .d import Z\n"
+    )
+    found = [
+        node.module
+        for node in _imports(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert found == ["c", "d"]
