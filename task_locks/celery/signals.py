@@ -20,6 +20,7 @@ from typing import Any
 from celery import signals
 
 from .registry import live_leases, recover_task_locks, release_leftovers
+from .releaser import releaser
 from .task import TOKEN_HEADER, SingletonTask
 
 
@@ -54,6 +55,7 @@ def _on_revoked(
 
 
 def _on_shutdown(**_: Any) -> None:
+    releaser.flush()  # releases handed over by finished runs go out first
     leftovers = live_leases.pop_all()
     if leftovers:
         release_leftovers(leftovers, "worker shutdown")

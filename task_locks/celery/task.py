@@ -15,6 +15,7 @@ publish passes: :mod:`task_locks.celery.publish`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import random
@@ -22,6 +23,7 @@ from collections.abc import Callable, Generator
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from celery import Task, shared_task
+from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore
 
 from .. import events
@@ -59,6 +61,7 @@ from .keys import KeySpec, TaskKey
 from .options import call_options, for_this_call, with_lock_options
 from .publish import install_publish_guard
 from .registry import live_leases
+from .releaser import releaser
 
 log = logging.getLogger("task_locks.celery")
 
@@ -378,6 +381,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                     return None
         if self.lock_on == "enqueue":
             return (yield _Body(body, args, kwargs))
+        if releaser.pending(name):  # this process's last run of the key is letting go
+            releaser.flush_key(name)
         task_id = request.id
         guard = None
         guard_name = self._guard_name(name, task_id)
@@ -407,8 +412,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             raise
         finally:
             _current.reset(reset)
-        yield from self._release(lease, task_id, failing=False)
-        yield from self._release_guard(guard, task_id)
+        later = name if self._releases_later(request) else None
+        yield from self._release(lease, task_id, failing=False, later=later)
+        yield from self._release_guard(guard, task_id, later=later)
         return result
 
     def _take(
@@ -430,20 +436,20 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                     return None
 
     def _release_guard(
-        self, guard: AnyLease | None, task_id: str | None
+        self, guard: AnyLease | None, task_id: str | None, later: str | None = None
     ) -> Generator[_Step, Any, None]:
         """Free the run guard after the run lock (a lost guard only costs a log line)."""
         if guard is None:
             return
         try:
-            yield _Release(guard)
+            yield _Release(guard, self._late(guard, later, task_id))
         except LockError as exc:
             log.warning("task %s[%s]: releasing %r: %s", self.name, task_id, guard.name, exc)
         finally:
             live_leases.discard(task_id, guard)
 
     def _release(
-        self, lease: AnyLease, task_id: str | None, *, failing: bool
+        self, lease: AnyLease, task_id: str | None, *, failing: bool, later: str | None = None
     ) -> Generator[_Step, Any, None]:
         keep = unpark(lease)
         try:
@@ -451,7 +457,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 lease._unschedule()
                 self._parked(lease, (yield _Renew(lease, int(keep * 1000))))
                 return
-            yield _Release(lease)
+            yield _Release(lease, self._late(lease, later, task_id))
         except (LockLost, BackendUnavailable) as exc:
             self._release_failed(lease, exc, failing=failing)
         finally:
@@ -469,6 +475,29 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 self.request.id,
                 lease.name,
             )
+
+    def _releases_later(self, request: Any) -> bool:
+        """Whether this run's releases may be sent after it ends (issue 15).
+
+        Only when nothing could act on the run's end before they are sent: its result
+        is not stored (no one can see it finish), no callback or chain is published after
+        it, it runs in a worker (not eagerly or directly) and is not ``async def`` (its
+        event loop ends with the run). See :mod:`task_locks.celery.releaser`.
+        """
+        if self._is_async or request.called_directly or request.is_eager:
+            return False
+        if request.callbacks or request.chain or not get_actual_ignore_result(self, request):
+            return False
+        return True
+
+    def _late(self, lease: AnyLease, later: str | None, task_id: str | None) -> _Late | None:
+        """How to hand ``lease``'s release to the releaser, or ``None``: release it now.
+
+        A lease already lost here is released now, so that the run fails loudly as ever.
+        """
+        if later is None or not isinstance(lease, Lease) or not lease.held:
+            return None
+        return _Late(later, functools.partial(_late_release_failed, self.name, task_id))
 
     def _release_failed(self, lease: AnyLease, exc: LockError, *, failing: bool) -> None:
         """A lease lost while the body ran fails an otherwise successful run, loudly."""
@@ -650,12 +679,23 @@ class _Body(NamedTuple):
         return await self.body(*self.args, **self.kwargs)
 
 
+class _Late(NamedTuple):
+    """A release handed to the releaser: its key, and who hears of its failure."""
+
+    key: str
+    on_error: Callable[[Lease, LockError], None]
+
+
 class _Release(NamedTuple):
-    """Release a lease (token-checked)."""
+    """Release a lease (token-checked); ``later``: hand it to the releaser thread."""
 
     lease: AnyLease
+    later: _Late | None = None
 
     def run(self) -> None:
+        if self.later is not None:
+            releaser.submit(self.later.key, cast(Lease, self.lease), self.later.on_error)
+            return
         cast(Lease, self.lease).release()
 
     async def arun(self) -> None:
@@ -756,6 +796,13 @@ async def _adrive(plan: Generator[_Step, Any, Any]) -> Any:
         else:
             step = _advance(plan, answer, None)
     return step.value
+
+
+def _late_release_failed(task_name: str, task_id: str | None, lease: Lease, exc: LockError) -> None:
+    """A release sent after its run failed: the run has ended, so it is only logged."""
+    log.warning(
+        "task %s[%s]: releasing lock %r after the run: %s", task_name, task_id, lease.name, exc
+    )
 
 
 def singleton_task(

@@ -306,3 +306,10 @@ def options_task(self: Any, key: str, log: str, retries: int = 0) -> dict[str, A
     if self.request.retries < retries:
         raise self.retry(countdown=0.1)
     return {"ttl": lease.ttl, "on_conflict": self.on_conflict, "wait_timeout": self.wait_timeout}
+
+
+@singleton_task(**common, ttl=10, on_conflict="raise", ignore_result=True)
+def fire_and_forget_task(self: Any, key: str, log: str) -> None:
+    """No stored result: its release follows the run (issue 15); a refused run records
+    nothing."""
+    record(log, event="ran", task_id=self.request.id)

@@ -1,0 +1,263 @@
+"""Where the time of one ``@singleton_task`` run goes (issue 15: profile before tuning).
+
+Runs a plain task and a singleton task (distinct keys) in this process through Celery's
+own tracer (``build_tracer``: what a solo worker calls per message, signals included),
+against a real ``redis-server`` it starts (``tests/servers.py``), and prints:
+
+- the per-run time of each (uninstrumented, median of rounds);
+- a table of the singleton run's parts in us and %: each part is timed by wrapping the
+  functions that do it with ``time.perf_counter_ns`` and counted *exclusively* (a part
+  called inside another is subtracted from the outer one), so the rows add up. The
+  wrappers cost a little themselves; the table says the instrumented total too.
+
+    .venv/bin/python bench/celery_profile.py            # 5 rounds of 2,000 runs
+    .venv/bin/python bench/celery_profile.py --n 500 --rounds 3 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from celery import Celery  # noqa: E402
+from celery.app import trace as celery_trace  # noqa: E402
+from celery.app.trace import build_tracer  # noqa: E402
+
+from task_locks import events, get_backend, lock  # noqa: E402
+from task_locks.celery import registry  # noqa: E402
+from task_locks.celery import task as task_module  # noqa: E402
+from task_locks.celery.task import SingletonTask, singleton_task  # noqa: E402
+from task_locks.types import Owner  # noqa: E402
+
+#: Part name -> the (owner, attribute) pairs whose calls make it up. The order is the
+#: table's; what no wrapper covers is the last row (tracer, plan and driver).
+PARTS: dict[str, list[tuple[Any, str]]] = {
+    "per-call options (lock_options header look-up)": [(task_module, "call_options")],
+    "key rendering (lock_key over the arguments)": [(SingletonTask, "_lock_name")],
+    "owner metadata (owner_context, current_owner, JSON)": [
+        (SingletonTask, "_owner"),
+        (lock, "current_owner"),
+        (Owner, "to_json"),
+    ],
+    "acquire round trip (Lock, plan, Redis EVAL, Lease)": [
+        (getattr(task_module, "_Acquire", None), "run"),
+    ],
+    "context set-up (current_lease, live leases, watchdog, events context)": [
+        (registry.LiveLeases, "add"),
+        (registry.LiveLeases, "discard"),
+        (lock.Lease, "_watch"),
+        (lock.Lease, "_schedule"),
+        (lock.Lease, "_unschedule"),
+        (lock.Lease, "_unwatch"),
+        (task_module.events, "context"),
+    ],
+    "task body": [(getattr(task_module, "_Body", None), "run")],
+    "release (Redis EVAL, token check; or the hand-over to the releaser)": [
+        (getattr(task_module, "_Release", None), "run"),
+    ],
+    "lock events (acquired/released)": [(events, "emit")],
+    "Celery signals (prerun/postrun/success receivers)": [
+        (celery_trace, "send_prerun"),
+        (celery_trace, "send_postrun"),
+        (celery_trace, "send_success"),
+    ],
+}
+REST = "Celery tracer, run plan and driver (the rest)"
+
+
+class Clock:
+    """Exclusive time per part: a stack of running parts, each minus its callees."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, int] = dict.fromkeys([*PARTS, REST], 0)
+        self._stack: list[list[int]] = []  # [start, time of timed callees]
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        stack, spent, now = self._stack, self.spent, time.perf_counter_ns
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [now(), 0]
+            stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = now() - frame[0]
+                stack.pop()
+                spent[part] += took - frame[1]
+                if stack:
+                    stack[-1][1] += took
+
+        return timed
+
+    def wrap_context(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A context manager factory whose creation, enter and exit count to ``part``."""
+        timed = self.wrap(part, fn)
+        clock = self
+
+        @contextlib.contextmanager
+        def managed(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            manager = timed(*args, **kwargs)
+            value = clock.wrap(part, manager.__enter__)()
+            try:
+                yield value
+            except BaseException:
+                if not clock.wrap(part, manager.__exit__)(*sys.exc_info()):
+                    raise
+            else:
+                clock.wrap(part, manager.__exit__)(None, None, None)
+
+        return managed
+
+
+@contextlib.contextmanager
+def instrumented(clock: Clock) -> Iterator[None]:
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for part, targets in PARTS.items():
+            for owner, attribute in targets:
+                if owner is None or attribute not in vars(owner):
+                    continue
+                original = vars(owner)[attribute]
+                saved.append((owner, attribute, original))
+                if attribute == "context":
+                    setattr(owner, attribute, clock.wrap_context(part, original))
+                else:
+                    setattr(owner, attribute, clock.wrap(part, original))
+        owner_context = task_module.owner_context
+        saved.append((task_module, "owner_context", owner_context))
+        task_module.owner_context = clock.wrap_context(  # type: ignore[attr-defined]
+            "owner metadata (owner_context, current_owner, JSON)", owner_context
+        )
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
+
+
+def make_app(url: str) -> tuple[Any, Any, Any]:
+    app = Celery("celery_profile", broker="memory://", set_as_current=True)
+    app.conf.update(task_ignore_result=True)
+
+    @app.task(name="profile.plain")
+    def plain(i: str) -> None:
+        pass
+
+    @singleton_task(app=app, name="profile.single", key="bench:{i}", backend=url)
+    def single(i: str) -> None:
+        pass
+
+    return app, plain, single
+
+
+def tracer(app: Any, task: Any) -> Callable[..., Any]:
+    return build_tracer(task.name, task, app=app, hostname="profile@host", eager=False)
+
+
+def run_many(trace: Callable[..., Any], n: int, tag: str) -> int:
+    """Ns per run of ``n`` runs with distinct arguments (hence distinct keys)."""
+    start = time.perf_counter_ns()
+    for i in range(n):
+        task_id = f"{tag}-{i}"
+        trace(task_id, (f"{tag}:{i}",), {}, {"id": task_id, "delivery_info": {}})
+    return (time.perf_counter_ns() - start) // n
+
+
+def flush() -> None:
+    """Let the background releaser (if the run path has one) finish before the next round."""
+    try:
+        from task_locks.celery.releaser import releaser
+    except ImportError:  # an older tree: every release is sent in the run
+        return
+    releaser.flush()
+
+
+def profile(url: str, n: int, rounds: int) -> dict[str, Any]:
+    app, plain, single = make_app(url)
+    plain_trace, single_trace = tracer(app, plain), tracer(app, single)
+    run_many(plain_trace, 200, "warm-p")
+    run_many(single_trace, 200, "warm-s")
+    flush()
+    ping = get_backend(url).client.ping  # the floor: one bare round trip, same client
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        ping()
+    ping_ns = (time.perf_counter_ns() - start) // n
+    plain_ns, single_ns = [], []
+    for number in range(rounds):
+        plain_ns.append(run_many(plain_trace, n, f"p{number}"))
+        single_ns.append(run_many(single_trace, n, f"s{number}"))
+        flush()
+    clock = Clock()
+    with instrumented(clock):
+        instrumented_ns = run_many(tracer(app, single), n, "i")
+        flush()
+    covered = sum(clock.spent.values())
+    clock.spent[REST] = max(0, instrumented_ns * n - covered)
+    return {
+        "n": n,
+        "rounds": rounds,
+        "plain_us": statistics.median(plain_ns) / 1000,
+        "singleton_us": statistics.median(single_ns) / 1000,
+        "instrumented_us": instrumented_ns / 1000,
+        "ping_us": ping_ns / 1000,
+        "parts_us": {part: ns / n / 1000 for part, ns in clock.spent.items()},
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    total = result["instrumented_us"]
+    lines = [
+        "| part of one singleton run | us | % |",
+        "| --- | ---: | ---: |",
+    ]
+    for part, us in result["parts_us"].items():
+        lines.append(f"| {part} | {us:.1f} | {100 * us / total:.0f} |")
+    lines.append(f"| **total (instrumented)** | **{total:.1f}** | 100 |")
+    extra = result["singleton_us"] - result["plain_us"]
+    lines.append("")
+    lines.append(
+        f"Uninstrumented, median of {result['rounds']} rounds of {result['n']} runs through "
+        f"Celery's tracer in one process (no broker): plain task {result['plain_us']:.1f} "
+        f"us/run, singleton {result['singleton_us']:.1f} us/run (+{extra:.1f} us); one "
+        f"bare Redis PING from the same client: {result['ping_us']:.1f} us."
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000, help="runs per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--redis-url", help="an existing server (default: start one)")
+    parser.add_argument("--markdown", action="store_true", help="the table only")
+    args = parser.parse_args()
+    server = None
+    url = args.redis_url
+    if url is None:
+        from servers import RedisServer
+
+        server = RedisServer().start()
+        url = server.url()
+    try:
+        result = profile(url, args.n, args.rounds)
+    finally:
+        if server is not None:
+            server.cleanup()
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
