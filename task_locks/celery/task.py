@@ -3,7 +3,10 @@
 Run-time locking happens in ``__call__``, the one hook Celery's tracer calls around the
 task body in every pool (prefork, threads, solo) and also for direct calls: the lock is
 taken before the body, renewed by the process's watchdog thread while it runs (no thread
-per task) and released in ``finally``. What a ``finally`` cannot cover (a child killed by
+per task) and released when it ends (a run whose result nobody stores hands the release
+to the process's thread in :mod:`task_locks.celery.releaser`, so the worker does not
+wait for it). The run's decisions are one plan, driven by a blocking and an awaiting
+driver (``async def`` tasks). What a ``finally`` cannot cover (a child killed by
 SIGKILL, the OOM killer, a hard time limit or ``revoke(terminate=True)``) is covered by
 the worker's main process (:mod:`task_locks.celery.request`), which releases the dead
 child's lock, token-checked, as soon as the child is gone.
