@@ -17,10 +17,11 @@ subscriptions (a Celery prefork child reports through the subscribers its parent
 
 Logging is one subscriber among the others (:func:`log_events`, installed at import): it
 logs what happens to a lease in the background, where no caller's return value or
-exception says so (``lost``, ``forced``, ``renewal_failed``, ``renewal_late``), at WARNING
-on the ``task_locks.events`` logger. What a caller sees (a lock acquired, a conflict, a
-duplicate, a release) is logged once by the front end that acted on it (``task_locks.lock``
-at DEBUG, a skipped task at INFO...), never again here: nothing is logged twice.
+exception says so (``lost``, ``renewal_failed``, ``renewal_late``), at WARNING on the
+``task_locks.events`` logger. What a caller sees (a lock acquired, a conflict, a duplicate,
+a release) is logged once by the front end that acted on it (``task_locks.lock`` at DEBUG,
+a skipped task at INFO...), and a force release by the backend that did it (for every
+caller, the API's included), never again here: nothing is logged twice.
 """
 
 from __future__ import annotations
@@ -304,7 +305,6 @@ def emit(kind: str, name: str, **fields: object) -> None:
 LOG_LEVELS: Final[Mapping[str, int]] = MappingProxyType(
     {
         "lost": logging.WARNING,
-        "forced": logging.WARNING,
         "renewal_failed": logging.WARNING,
         "renewal_late": logging.WARNING,
     }
