@@ -7,12 +7,10 @@ the metrics subscriber fed, and the events and log records the operations produc
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from servers import RedisServer, wait_until
