@@ -101,9 +101,7 @@ def validate_timeout(timeout: object, name: str | None = None) -> float | None:
     return float(timeout)
 
 
-def _report_acquired(
-    name: str, backend: Backend, fence: int, owner: Owner, waited: float
-) -> None:
+def _report_acquired(name: str, backend: Backend, fence: int, owner: Owner, waited: float) -> None:
     """The ``acquired`` event of a lock or a semaphore's permit."""
     if events.wanted("acquired"):  # no context look-up when nobody listens
         events.emit(
