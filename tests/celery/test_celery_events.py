@@ -71,6 +71,7 @@ def test_a_duplicate_publish_is_one_event_and_the_queued_lock_is_handed_over(
     job.apply_async((1,))
     with pytest.raises(DuplicateTask):  # (apply_async would return the pending handle)
         app.send_task(job.name, args=(1,))
+    assert events.flush(5.0)
     kinds = [(e.kind, e.reason) for e in seen if e.kind != "renewed"]
     assert kinds == [("acquired", ""), ("released", events.HANDED_OVER), ("duplicate", "")]
     assert "worker of" in seen[1].detail

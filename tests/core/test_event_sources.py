@@ -147,6 +147,7 @@ def test_locked_reports_its_policy_and_a_skip_is_a_conflict(
     with Lock("job:1", ttl=5, backend=redis_url):
         assert job(1) is None
     assert job(1) == 1
+    assert events.flush(5.0)
     conflict = next(e for e in seen if e.kind == "conflict")
     assert conflict.policy == "skip" and "job" in conflict.detail
     assert acquisitions(metric, "job", "conflict") == 1
