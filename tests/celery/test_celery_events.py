@@ -130,3 +130,21 @@ def test_a_lost_lease_in_a_singleton_task_is_logged_once(
         and "lost" in r.getMessage()
     ]
     assert len(losses) == 1, losses
+
+
+def test_a_beat_tick_claim_is_handed_over_and_a_second_claim_is_no_conflict(
+    redis_url: str, seen: list[LockEvent], metric: Value
+) -> None:
+    from types import SimpleNamespace
+
+    from task_locks import Election
+    from task_locks.celery.beat import LeaderMixin
+
+    scheduler = SimpleNamespace(election=Election("beat", ttl=5, backend=redis_url))
+    assert LeaderMixin._claim(scheduler, "nightly@1000", 5.0)  # type: ignore[arg-type]
+    assert LeaderMixin._claim(scheduler, "nightly@1000", 5.0) is None  # already sent
+    assert metric("task_locks_acquisitions_total", lock="beat-tick", outcome="acquired") == 1
+    assert metric("task_locks_acquisitions_total", lock="beat-tick", outcome="conflict") == 0
+    assert metric("task_locks_held", lock="beat-tick") == 0
+    kinds = [(e.kind, e.reason) for e in seen if e.kind != "renewed"]
+    assert kinds == [("acquired", ""), ("released", events.HANDED_OVER)]
