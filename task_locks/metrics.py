@@ -132,6 +132,7 @@ LOST_REASONS = ("max_hold", "unreachable", "deadline", "forced", "unknown", "oth
 _REASONS = (
     ("max_hold", "max_hold"),
     ("unreachable", "unreachable"),
+    ("not renewed", "unreachable"),  # `run` stopped its program before the deadline
     ("force-released", "forced"),
     ("TTL ran out", "deadline"),
     ("it expired", "deadline"),

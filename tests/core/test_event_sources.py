@@ -334,3 +334,20 @@ def test_a_slow_renewal_is_reported_late(
     started = time.monotonic()
     lease.release()
     assert time.monotonic() - started < 2
+
+
+def test_a_lost_leadership_is_logged_once_naming_the_candidate(
+    redis_url: str, metric: Value, caplog: pytest.LogCaptureFixture
+) -> None:
+    election = Election("beat", ttl=1.2, backend=redis_url, identity="node-a")
+    leader = election.campaign(timeout=0)
+    assert get_backend(redis_url).force_release(leader.lease.name)
+    wait_until(
+        lambda: metric("task_locks_lost_total", lock="election", reason="forced") == 1,
+        3,
+        "the renewal to find the term over",
+    )
+    leader.resign()  # already over: nothing more to say
+    losses = loss_records(caplog, leader.lease.name)
+    assert len(losses) == 1 and "candidate node-a" in losses[0], losses
+    assert not [r for r in caplog.records if "lost term" in r.getMessage()]
