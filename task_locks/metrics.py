@@ -126,8 +126,8 @@ class _Collectors:
 #: out; ``deadline``: no renewal answered in time (a stalled link, a paused process, a
 #: ``renew=False`` lease held past its TTL); ``forced``: the token was gone before the TTL
 #: ran out (a force release, a server restart or failover); ``unknown``: a release got
-#: no reply; ``other``.
-LOST_REASONS = ("max_hold", "unreachable", "deadline", "forced", "unknown", "other")
+#: no reply; ``dropped``: a renewed lease was garbage-collected while held; ``other``.
+LOST_REASONS = ("max_hold", "unreachable", "deadline", "forced", "unknown", "dropped", "other")
 #: Substrings of the reasons ``Lease`` gives, first match wins.
 _REASONS = (
     ("max_hold", "max_hold"),
@@ -137,6 +137,7 @@ _REASONS = (
     ("TTL ran out", "deadline"),
     ("it expired", "deadline"),
     ("outcome is unknown", "unknown"),
+    ("garbage-collected", "dropped"),
 )
 
 

@@ -57,6 +57,8 @@ IDLE_EXIT = 5.0
 #: reported ``renewal_late``: renewals go out a third of the TTL in, so such a reply
 #: came with less than 5/12 of the TTL left, and a little more delay costs the lease.
 RENEWAL_LATE_FRACTION = 0.25
+#: A renewed lease that was garbage-collected while held is reported lost with this.
+GC_REASON = "garbage-collected while held: renewal stopped, and it ends within its TTL"
 #: The shortest timeout a renewal call is given (a lease with less left is as good as lost).
 MIN_CALL_TIMEOUT = 0.01
 
@@ -170,12 +172,12 @@ class Schedule:
                     dropped.append(top)
                 else:
                     batches.setdefault(lease.backend, []).append(lease)
-        for entry in dropped:
-            log.warning(
-                "lock %r (fence %s) was garbage-collected while held: renewal stopped, and "
-                "it ends within its TTL; keep the lease and release() it (or use `with`)",
+        for entry in dropped:  # a `lost` this process will not see otherwise (logged once)
+            events.emit(
+                "lost",
                 entry.name,
-                entry.fence,
+                fence=entry.fence,
+                reason=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
             )
         return batches
 

@@ -7,6 +7,7 @@ the metrics subscriber fed, and the events and log records the operations produc
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -351,3 +352,14 @@ def test_a_lost_leadership_is_logged_once_naming_the_candidate(
     losses = loss_records(caplog, leader.lease.name)
     assert len(losses) == 1 and "candidate node-a" in losses[0], losses
     assert not [r for r in caplog.records if "lost term" in r.getMessage()]
+
+
+def test_a_garbage_collected_lease_is_a_dropped_loss(redis_url: str, metric: Value) -> None:
+    Lock("sync:6", ttl=0.6, backend=redis_url).acquire(timeout=0)  # dropped at once
+    gc.collect()
+    wait_until(
+        lambda: metric("task_locks_lost_total", lock="sync", reason="dropped") == 1,
+        3,
+        "the renewer to find the lease gone",
+    )
+    assert metric("task_locks_held", lock="sync") == 0
