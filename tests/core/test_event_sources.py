@@ -363,3 +363,61 @@ def test_a_garbage_collected_lease_is_a_dropped_loss(redis_url: str, metric: Val
         "the renewer to find the lease gone",
     )
     assert metric("task_locks_held", lock="sync") == 0
+
+
+# -- prometheus_client multiprocess mode (prefork workers) ------------------------------
+
+HOLDER = """
+import sys
+from task_locks import Lock, events, metrics
+metrics.install()
+lease = Lock(sys.argv[2], ttl=10, backend=sys.argv[1]).acquire(timeout=5)
+assert events.flush(5.0)
+print("held", flush=True)
+sys.stdin.readline()
+lease.release()
+assert events.flush(5.0)
+"""
+
+
+def test_multiprocess_mode_sums_the_held_leases_of_live_workers(
+    redis_url: str, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+
+    from prometheus_client import multiprocess
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, redis_url, f"mp:{i}"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+    def value(name: str, **labels: str) -> float:
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+        return registry.get_sample_value(name, labels) or 0.0
+
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        assert value("task_locks_held", lock="mp") == 2
+        for child in children:
+            child.communicate("\n", timeout=10)
+            assert child.returncode == 0
+            multiprocess.mark_process_dead(child.pid, str(tmp_path))  # a worker's exit hook
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    assert value("task_locks_held", lock="mp") == 0
+    assert value("task_locks_acquisitions_total", lock="mp", outcome="acquired") == 2
+    assert value("task_locks_hold_seconds_count", lock="mp") == 2
