@@ -45,6 +45,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
+from . import events
 from .backends.base import Backend
 from .config import resolve_backend, validate_ttl
 from .context import AnyLease, _current
@@ -72,7 +73,7 @@ def _release_failed(label: str, lease: AnyLease, exc: LockLost | BackendUnavaila
     """After a successful body: a lost lease is an error, an unreachable backend is not."""
     if isinstance(exc, LockLost):
         raise exc
-    log.warning("%s: releasing lock %r: %s (it ends by its TTL)", label, lease.name, exc)
+    # Unreachable: the lease was marked lost (outcome unknown), and that was logged.
 
 
 def locked(
@@ -124,7 +125,8 @@ def locked(
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 name = render(args, kwargs)
                 try:
-                    lease = await AsyncLock(name, **options).acquire(timeout=wait)
+                    with events.context(policy=on_conflict, detail=label):
+                        lease = await AsyncLock(name, **options).acquire(timeout=wait)
                 except LockHeld as held:
                     return _conflict(on_conflict, label, name, held)
                 reset = _current.set(lease)
@@ -148,7 +150,8 @@ def locked(
             def run(*args: Any, **kwargs: Any) -> Any:
                 name = render(args, kwargs)
                 try:
-                    lease = Lock(name, **options).acquire(timeout=wait)
+                    with events.context(policy=on_conflict, detail=label):
+                        lease = Lock(name, **options).acquire(timeout=wait)
                 except LockHeld as held:
                     return _conflict(on_conflict, label, name, held)
                 reset = _current.set(lease)
@@ -176,15 +179,15 @@ def _release_quietly(label: str, lease: Lease) -> None:
     """Release after the body raised: its exception is the one the caller must see."""
     try:
         lease.release()
-    except (LockLost, BackendUnavailable) as exc:
-        log.warning("%s failed, and releasing lock %r failed too: %s", label, lease.name, exc)
+    except (LockLost, BackendUnavailable):
+        pass  # the lease was marked lost, and that was logged (task_locks.events)
 
 
 async def _arelease_quietly(label: str, lease: AsyncLease) -> None:
     try:
         await lease.release()
-    except (LockLost, BackendUnavailable) as exc:
-        log.warning("%s failed, and releasing lock %r failed too: %s", label, lease.name, exc)
+    except (LockLost, BackendUnavailable):
+        pass  # the lease was marked lost, and that was logged (task_locks.events)
 
 
 __all__ = ["LOCKED_ON_CONFLICT", "locked"]

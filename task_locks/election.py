@@ -149,7 +149,8 @@ class _LeadershipBase(Generic[L]):
         return True
 
     def _resign_refused(self, exc: LockLost) -> bool:
-        log.warning("election %r: term %s was already over at resignation: %s", *self._who(), exc)
+        # Its loss was logged when it happened (task_locks.events).
+        log.debug("election %r: term %s was already over at resignation: %s", *self._who(), exc)
         return False
 
     def _who(self) -> tuple[str, int]:
@@ -244,11 +245,16 @@ class _ElectionBase(Generic[LS]):
     def _current(self) -> LS | None:
         return self.leadership if self.is_leader else None
 
+    @property
+    def _detail(self) -> str:
+        """The leader's lease events say whose it is (the lost one is logged with it)."""
+        return f"election {self.name!r}, candidate {self.identity}"
+
     def _lease_lost(self, lease: Any) -> object:
         leadership = self.leadership
         if leadership is None or leadership.lease is not lease:
             return None
-        log.warning("election %r: %s lost term %s", self.name, self.identity, leadership.term)
+        # The lost term is logged once, as the lease's loss (task_locks.events).
         return None if self.on_lost is None else self.on_lost(leadership)
 
     def _held_error(self, exc: LockHeld) -> LockHeld:
@@ -305,7 +311,10 @@ class Election(_ElectionBase[Leadership]):
             return current
         try:
             # A follower's campaign finding a leader is no conflict worth an event.
-            with owner_context(identity=self.identity), events.context(policy=""):
+            with (
+                owner_context(identity=self.identity),
+                events.context(policy="", detail=self._detail),
+            ):
                 lease = self._lock.acquire(timeout)
         except LockHeld as exc:
             raise self._held_error(exc) from None
@@ -375,7 +384,10 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
         if current is not None:
             return current
         try:
-            with owner_context(identity=self.identity), events.context(policy=""):
+            with (
+                owner_context(identity=self.identity),
+                events.context(policy="", detail=self._detail),
+            ):
                 lease = await self._lock.acquire(timeout)
         except LockHeld as exc:
             raise self._held_error(exc) from None

@@ -14,6 +14,14 @@ in a background dispatcher thread, never on the lock's path:
 
 A forked child starts with an empty queue and its own dispatcher; it keeps the parent's
 subscriptions (a Celery prefork child reports through the subscribers its parent set up).
+
+Logging is one subscriber among the others (:func:`log_events`, installed at import): it
+logs what happens to a lease in the background, where no caller's return value or
+exception says so (``lost``, ``renewal_failed``, ``renewal_late``), at WARNING on the
+``task_locks.events`` logger. What a caller sees (a lock acquired, a conflict, a duplicate,
+a release) is logged once by the front end that acted on it (``task_locks.lock`` at DEBUG,
+a skipped task at INFO...), and a force release by the backend that did it (for every
+caller, the API's included), never again here: nothing is logged twice.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Final
 
 from .types import Owner
@@ -49,6 +58,10 @@ EVENT_KINDS: Final = (
     "error",
     "renewed",
 )
+#: ``released`` with this reason: the lease went on to another process (a published task's
+#: worker, a beat tick's claim kept to its TTL) instead of being freed; this process no
+#: longer holds it, and it is not lost.
+HANDED_OVER: Final = "handed_over"
 #: Events waiting for the dispatcher; past this, new ones are dropped and counted.
 QUEUE_SIZE: Final = 10_000
 #: Events handed to a batch subscriber at once.
@@ -72,19 +85,28 @@ class LockEvent:
     held: float | None = None
     #: ``conflict``: the policy taken (``skip``, ``retry``, ``wait``, ``raise``, ``exit``...).
     policy: str = ""
-    #: ``lost``, ``renewal_failed``, ``error``: why.
+    #: ``lost``, ``renewal_failed``, ``error``: why. ``released``: :data:`HANDED_OVER` when
+    #: the lock went on to another process (a queued task's worker) instead of being freed.
     reason: str = ""
     #: Who acted (an operator's user name, a command) and free text.
     actor: str = ""
     detail: str = ""
-    #: ``renewed``: the round trip of the renewal batch, seconds.
+    #: ``renewed``, ``renewal_late``: the round trip of the renewal, seconds.
     duration: float | None = None
+    #: ``conflict``: how long the caller was willing to wait (``0``: it tried once and gave
+    #: up at once, a conflict; more: it waited that long in vain, a timeout).
+    timeout: float | None = None
     at: float = field(default_factory=time.time)
 
     @property
     def family(self) -> str:
-        """The lock name's family (the part before the first ``:``): a metrics label."""
-        return self.name.split(":", 1)[0]
+        """The lock name's family, a metrics label: the part before the first ``:``
+        (``sync:42`` -> ``sync``); for a semaphore's slot, its semaphore's family
+        (``semaphore:export:7#2`` -> ``export``), so each semaphore has its own label."""
+        from .semaphore import parse_slot  # the lock layer does not import semaphores
+
+        slot = parse_slot(self.name)
+        return (self.name if slot is None else slot[0]).split(":", 1)[0]
 
 
 Subscriber = Callable[[LockEvent], object]
@@ -279,6 +301,58 @@ def emit(kind: str, name: str, **fields: object) -> None:
     _hub.put(event)
 
 
+#: What :func:`log_events` logs by default: the events nobody's call reports.
+LOG_LEVELS: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "lost": logging.WARNING,
+        "renewal_failed": logging.WARNING,
+        "renewal_late": logging.WARNING,
+    }
+)
+
+
+def _log_message(event: LockEvent) -> str:
+    name, kind = event.name, event.kind
+    if kind == "lost":
+        by = f" ({event.detail})" if event.detail else ""
+        return f"lock {name!r} (fence {event.fence}) lost: {event.reason}{by}"
+    if kind == "renewal_failed":
+        return f"renewing lock {name!r} failed, will retry: {event.reason}"
+    if kind == "renewal_late":
+        return (
+            f"renewing lock {name!r} took {event.duration or 0:.3f}s, over "
+            f"{event.detail or 'a large share of its TTL'}: the backend is slow"
+        )
+    if kind == "forced":
+        by = f" by {event.actor}" if event.actor else ""
+        return f"lock {name!r} (fence {event.fence}) force-released{by}: {event.detail}"
+    parts = [f"lock {name!r}: {kind}"]
+    parts += [f"{k} {v}" for k, v in (("policy", event.policy), ("reason", event.reason)) if v]
+    return "; ".join(parts + ([event.detail] if event.detail else []))
+
+
+def log_events(
+    levels: Mapping[str, int] = LOG_LEVELS, logger: logging.Logger | None = None
+) -> Subscription:
+    """Subscribe a logger (default ``task_locks.events``) to the kinds of ``levels``, each
+    logged at its level. Installed at import with :data:`LOG_LEVELS`; close
+    :data:`logging_subscription` to replace it (another logger, more kinds). Adding a
+    kind a front end already logs (``acquired``...) logs that event twice."""
+    target = log if logger is None else logger
+    chosen = dict(levels)
+
+    def write(event: LockEvent) -> None:
+        level = chosen[event.kind]
+        if target.isEnabledFor(level):
+            target.log(level, "%s", _log_message(event))
+
+    return subscribe(write, chosen, name=f"logging {target.name}")
+
+
+#: The logging subscriber installed at import (see the module doc).
+logging_subscription: Final = log_events()
+
+
 def dropped() -> int:
     """Events dropped because the queue was full, since the process started."""
     return _hub.dropped
@@ -300,6 +374,8 @@ atexit.register(flush, 2.0)
 
 __all__ = [
     "EVENT_KINDS",
+    "HANDED_OVER",
+    "LOG_LEVELS",
     "Context",
     "LockEvent",
     "Subscription",
@@ -308,6 +384,8 @@ __all__ = [
     "dropped",
     "emit",
     "flush",
+    "log_events",
+    "logging_subscription",
     "subscribe",
     "unsubscribe",
     "wanted",

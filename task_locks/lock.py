@@ -37,7 +37,7 @@ from .errors import (
     NotOwned,
 )
 from .owner import current_owner
-from .types import AcquireResult, Holder
+from .types import AcquireResult, Holder, Owner
 from .watchdog import Lane, async_renewer, deadline_watch, thread_renewer
 
 log = logging.getLogger("task_locks.lock")
@@ -101,6 +101,45 @@ def validate_timeout(timeout: object, name: str | None = None) -> float | None:
     return float(timeout)
 
 
+def _report_acquired(name: str, backend: Backend, fence: int, owner: Owner, waited: float) -> None:
+    """The ``acquired`` event of a lock or a semaphore's permit."""
+    if events.wanted("acquired"):  # no context look-up when nobody listens
+        events.emit(
+            "acquired",
+            name,
+            backend=backend.server,
+            fence=fence,
+            owner=owner,
+            waited=waited,
+            detail=events.current_context().detail,
+        )
+
+
+def _report_conflict(
+    name: str,
+    backend: Backend,
+    held: LockHeld,
+    waited: float,
+    timeout: float | None,
+    fence: int | None = None,
+) -> None:
+    """The ``conflict`` event of an acquire given up: at once (``timeout`` 0, a conflict)
+    or after waiting ``timeout`` in vain (a timeout), with the front end's policy."""
+    context = events.current_context()
+    if context.policy and events.wanted("conflict"):  # "": not worth reporting
+        events.emit(
+            "conflict",
+            name,
+            backend=backend.server,
+            fence=fence,
+            owner=held.holder.owner if held.holder else None,
+            waited=waited,
+            timeout=timeout,
+            policy=context.policy,
+            detail=context.detail,
+        )
+
+
 def _pause(retry_after: float | None, now: float, deadline: float | None) -> float:
     """How long a waiter waits before it tries again: until the holder's TTL ends (a poll
     interval when that is unknown), at least :data:`MIN_PAUSE`, never past ``deadline``."""
@@ -142,6 +181,11 @@ def _spawn(awaitable: Any) -> None:
 _flag_guard = threading.Lock()
 #: Why a lease is lost when its local deadline passed with no renewal answered in time.
 DEADLINE_REASON: Final = "its TTL ran out before it was renewed (no renewal answered in time)"
+#: Why a lock's token is gone before its (clock-margin-safe) expiry.
+FORCED_REASON: Final = (
+    "it was force-released before its TTL ran out (an operator's release, or the server "
+    "lost it: a restart or failover)"
+)
 
 
 class LostFlag:
@@ -372,8 +416,7 @@ class _LeaseBase:
             self._mark_lost(f"the backend was unreachable until the TTL ran out ({error})")
             return False
         self._renew_error = error
-        log.info("renewing lock %r failed, will retry: %s", self.name, error)
-        events.emit(
+        events.emit(  # logged by the events' logging subscriber
             "renewal_failed",
             self.name,
             backend=self.backend.server,
@@ -381,6 +424,11 @@ class _LeaseBase:
             reason=str(error),
         )
         return True
+
+    def _renewal_refused(self) -> None:
+        """A renewal found the token gone. It was sent before the local deadline (a lost
+        lease is not renewed), so the lock was removed before its TTL ran out."""
+        self._mark_lost(f"renewal found the lock's token gone: {FORCED_REASON}")
 
     def _hold_expired(self, now: float) -> bool:
         if self._hold_deadline is None or now < self._hold_deadline:
@@ -406,8 +454,7 @@ class _LeaseBase:
             return
         self._unschedule()
         self._unwatch()
-        log.warning("lock %r (fence %s) lost: %s", self.name, self.fence, reason)
-        events.emit(
+        events.emit(  # logged (once) by the events' logging subscriber
             "lost",
             self.name,
             backend=self.backend.server,
@@ -469,7 +516,14 @@ class _LeaseBase:
         self._release_failed = True
         self._mark_lost(f"the release's outcome is unknown, so it may be free already ({error})")
 
-    def _finish_release(self, ok: bool) -> None:
+    def _hand_over(self, to: str) -> None:
+        """The lock goes on to another process (``to``: a queued task's worker...): this
+        process stops holding it, with no request to the server, and reports it released
+        (reason :data:`events.HANDED_OVER`), not lost at its deadline."""
+        if self._begin_release():
+            self._finish_release(True, to)
+
+    def _finish_release(self, ok: bool, handed_to: str | None = None) -> None:
         if self._holder_key is not None:
             ref = _held_by.get(self._holder_key)
             if ref is not None and ref() is self:
@@ -478,14 +532,18 @@ class _LeaseBase:
             self._released = True
             self.lost._deadline = math.inf  # released, not lost
             self._unwatch()
-            log.debug("released lock %r (fence %s)", self.name, self.fence)
+            if handed_to is None:
+                log.debug("released lock %r (fence %s)", self.name, self.fence)
+            else:
+                log.debug("lock %r (fence %s) handed to %s", self.name, self.fence, handed_to)
             events.emit(
                 "released",
                 self.name,
                 backend=self.backend.server,
                 fence=self.fence,
                 held=time.monotonic() - self._acquired_mono,
-                detail=self._detail,
+                reason="" if handed_to is None else events.HANDED_OVER,
+                detail=self._detail if handed_to is None else f"handed to {handed_to}",
             )
             return
         if self._release_failed:
@@ -493,17 +551,11 @@ class _LeaseBase:
             self._released = True
             log.info("lock %r: an earlier release (reply lost) had freed it", self.name)
             return
-        self._mark_lost("the lock's token was gone at release")
-        self._released = True
         # Known without asking the server: before our (clock-margin-safe) expiry the TTL
         # cannot have run out, so someone removed the lock.
-        if time.monotonic() < self._expires_mono:
-            why = (
-                "it was force-released before its TTL ran out (an operator's release, or "
-                "the server lost it: a restart or failover)"
-            )
-        else:
-            why = "it expired"
+        why = FORCED_REASON if time.monotonic() < self._expires_mono else "it expired"
+        self._mark_lost(f"the lock's token was gone at release: {why}")
+        self._released = True
         raise NotOwned(
             f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: "
             f"{why}, and may be held by someone else; nothing was released",
@@ -515,7 +567,7 @@ class _LeaseBase:
             if not self._renewed(sent_at):
                 raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
             return
-        self._mark_lost("renewal found the lock's token gone (it expired or was taken)")
+        self._renewal_refused()
         raise NotOwned(
             f"lock {self.name!r} could not be renewed: it is no longer ours", name=self.name
         )
@@ -569,7 +621,7 @@ class Lease(_LeaseBase):
         except LockLost:
             if exc[0] is None:
                 raise
-            log.warning("lock %r was lost before the failing block ended", self.name)
+            # The block's own exception goes on; the loss was logged when it happened.
 
 
 class AsyncLease(_LeaseBase):
@@ -631,7 +683,7 @@ class AsyncLease(_LeaseBase):
         except LockLost:
             if exc[0] is None:
                 raise
-            log.warning("lock %r was lost before the failing block ended", self.name)
+            # The block's own exception goes on; the loss was logged when it happened.
 
 
 #: Leases held now, by (backend, name, holder), the holder being the thread (sync) or the
@@ -726,16 +778,7 @@ class _LockBase:
                 now = time.monotonic()
                 if now < sent_at + ttl - backend.clock_margin(ttl):
                     log.debug("acquired lock %r (fence %s)", name, result.fence)
-                    if events.wanted("acquired"):  # no context look-up when nobody listens
-                        events.emit(
-                            "acquired",
-                            name,
-                            backend=backend.server,
-                            fence=result.fence,
-                            owner=owner,
-                            waited=now - start,
-                            detail=events.current_context().detail,
-                        )
+                    _report_acquired(name, backend, result.fence, owner, now - start)
                     return token, result.fence, sent_at
                 # The grant arrived after its TTL: it may be someone else's lock by now.
                 # Give it back (token-checked) rather than hand out a dead lease.
@@ -752,18 +795,7 @@ class _LockBase:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 held = _held_message(name, result, now - start)
-                context = events.current_context()
-                if context.policy and events.wanted("conflict"):  # "": not worth reporting
-                    events.emit(
-                        "conflict",
-                        name,
-                        backend=backend.server,
-                        fence=result.holder_fence,
-                        owner=held.holder.owner if held.holder else None,
-                        waited=now - start,
-                        policy=context.policy,
-                        detail=context.detail,
-                    )
+                _report_conflict(name, backend, held, now - start, timeout, result.holder_fence)
                 raise held
             if (
                 mine is not None

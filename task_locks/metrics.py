@@ -7,7 +7,14 @@
 
 With the Django app, ``TASK_LOCKS["METRICS"] = True`` calls it at start-up. The ``lock``
 label is the lock name's *family*, the part before the first ``:`` (``sync:42`` ->
-``sync``), never the full name, which would give one time series per account id.
+``sync``), never the full name, which would give one time series per account id; a
+semaphore's (and a ``limit > 1`` singleton task's) is its own name's family.
+
+``outcome`` is ``acquired``, ``conflict`` (given up at once: ``timeout=0``, a skip),
+``timeout`` (given up after waiting a timeout > 0) or ``error`` (backend unreachable).
+``task_locks_held`` counts leases taken and not yet released, lost or handed over (a
+published task's queued lock goes on to its worker: the publisher reports it released).
+``reason`` of ``task_locks_lost_total`` is one of :data:`LOST_REASONS`.
 
 The collectors are fed by a subscriber of :mod:`task_locks.events`, in the events'
 dispatcher thread: counting never happens on a lock's path.
@@ -96,7 +103,7 @@ class _Collectors:
             if event.waited is not None:
                 self.wait.labels(family).observe(event.waited)
         elif kind == "conflict":
-            outcome = "timeout" if event.waited else "conflict"
+            outcome = "timeout" if event.timeout else "conflict"
             self.acquisitions.labels(family, outcome).inc()
             if event.waited is not None:
                 self.wait.labels(family).observe(event.waited)
@@ -104,6 +111,8 @@ class _Collectors:
             self.acquisitions.labels(family, "error").inc()
         elif kind in ("released", "lost"):
             self.held.labels(family).dec()
+            if event.reason == events.HANDED_OVER:
+                return  # held here only while it was published: not a hold
             if event.held is not None:
                 self.hold.labels(family).observe(event.held)
             if kind == "lost":
@@ -112,15 +121,23 @@ class _Collectors:
             self.renewal.labels(event.backend.split("://", 1)[0]).observe(event.duration)
 
 
-#: Reasons as short label values (a free-text reason would explode cardinality).
+#: ``reason`` labels of ``task_locks_lost_total`` (a free-text reason would explode
+#: cardinality): ``max_hold`` exceeded; ``unreachable``: renewals failed until the TTL ran
+#: out; ``deadline``: no renewal answered in time (a stalled link, a paused process, a
+#: ``renew=False`` lease held past its TTL); ``forced``: the token was gone before the TTL
+#: ran out (a force release, a server restart or failover); ``unknown``: a release got
+#: no reply; ``dropped``: a renewed lease was garbage-collected while held; ``other``.
+LOST_REASONS = ("max_hold", "unreachable", "deadline", "forced", "unknown", "dropped", "other")
+#: Substrings of the reasons ``Lease`` gives, first match wins.
 _REASONS = (
     ("max_hold", "max_hold"),
-    ("deadline", "deadline"),
-    ("TTL ran out", "deadline"),
     ("unreachable", "unreachable"),
-    ("token gone", "taken"),
-    ("force", "forced"),
-    ("release", "taken"),
+    ("not renewed", "unreachable"),  # `run` stopped its program before the deadline
+    ("force-released", "forced"),
+    ("TTL ran out", "deadline"),
+    ("it expired", "deadline"),
+    ("outcome is unknown", "unknown"),
+    ("garbage-collected", "dropped"),
 )
 
 
@@ -159,4 +176,4 @@ def uninstall(registry: Any = None) -> None:
         registry.unregister(getattr(collectors, name))
 
 
-__all__ = ["install", "uninstall"]
+__all__ = ["LOST_REASONS", "install", "uninstall"]

@@ -479,7 +479,7 @@ def cmd_run(
                 return _status(child[0].returncode)
             stopped = True
             if not lease.lost.is_set():  # stopped before its deadline: not yet reported
-                audit("lost", lease.name, fence=lease.fence, detail=status)
+                lease._mark_lost(status)  # one `lost` event, as any lease's (no later one)
             return EX_LEASE_LOST
     except _Interrupted as stop:
         return 128 + stop.signum

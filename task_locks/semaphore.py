@@ -41,6 +41,8 @@ from .lock import (
     _drive,
     _LockBase,
     _pause,
+    _report_acquired,
+    _report_conflict,
     _Unset,
     format_wait,
     validate_name,
@@ -172,9 +174,13 @@ class _SemaphoreBase(_LockBase):
         validate_name(self.slot_names[-1])  # the longest one must fit too
 
     def _permit_plan(
-        self, timeout: float | None
+        self, backend: Backend, timeout: float | None
     ) -> Generator[Op, Any, tuple[int, str, int, float]]:
-        """Try the slots in random order; when all are taken, wait for a release or a TTL."""
+        """Try the slots in random order; when all are taken, wait for a release or a TTL.
+
+        Reports ``acquired`` under the slot's name and ``conflict`` under the semaphore's
+        (both have the semaphore's family: :attr:`~task_locks.events.LockEvent.family`).
+        """
         names = self.slot_names
         ttl_ms = max(1, int(self.effective_ttl * 1000))
         token = secrets.token_hex(16)
@@ -187,6 +193,9 @@ class _SemaphoreBase(_LockBase):
                 sent_at = time.monotonic()
                 result: AcquireResult = yield ("acquire", names[index], token, ttl_ms, owner)
                 if result.fence is not None:
+                    _report_acquired(
+                        names[index], backend, result.fence, owner, time.monotonic() - start
+                    )
                     return index, token, result.fence, sent_at
                 if result.retry_after is not None and (
                     soonest is None or result.retry_after < soonest
@@ -194,7 +203,9 @@ class _SemaphoreBase(_LockBase):
                     soonest = result.retry_after
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise self._full(now - start)
+                full = self._full(now - start)
+                _report_conflict(self.name, backend, full, now - start, timeout)
+                raise full
             yield ("wait_any", names, _pause(soonest, now, deadline))
 
     def _full(self, waited: float) -> LockHeld:
@@ -233,7 +244,7 @@ class Semaphore(_SemaphoreBase):
     def acquire(self, timeout: float | _Unset | None = _UNSET) -> Permit:
         """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
-        granted = _drive(self._permit_plan(self._timeout(timeout)), backend)
+        granted = _drive(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(Permit, backend, *granted)
 
     def try_acquire(self) -> Permit | None:
@@ -267,7 +278,7 @@ class AsyncSemaphore(_SemaphoreBase):
 
     async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncPermit:
         backend = self.backend
-        granted = await _adrive(self._permit_plan(self._timeout(timeout)), backend)
+        granted = await _adrive(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(AsyncPermit, backend, *granted)
 
     async def try_acquire(self) -> AsyncPermit | None:

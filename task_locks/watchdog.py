@@ -53,6 +53,12 @@ log = logging.getLogger("task_locks.watchdog")
 BATCH_WINDOW = 0.25
 #: A lane's thread (and the deadline watch) exits after this long with nothing to do.
 IDLE_EXIT = 5.0
+#: A renewal granted after a round trip longer than this share of the lease's TTL is
+#: reported ``renewal_late``: renewals go out a third of the TTL in, so such a reply
+#: came with less than 5/12 of the TTL left, and a little more delay costs the lease.
+RENEWAL_LATE_FRACTION = 0.25
+#: A renewed lease that was garbage-collected while held is reported lost with this.
+GC_REASON = "garbage-collected while held: renewal stopped, and it ends within its TTL"
 #: The shortest timeout a renewal call is given (a lease with less left is as good as lost).
 MIN_CALL_TIMEOUT = 0.01
 
@@ -74,6 +80,7 @@ class Renewable(Protocol):
     def _deadline_passed(self) -> None: ...
     def _renew_failed(self, now: float, error: BaseException) -> bool: ...
     def _mark_lost(self, reason: str) -> None: ...
+    def _renewal_refused(self) -> None: ...
     def _hold_expired(self, now: float) -> bool: ...
 
 
@@ -165,12 +172,12 @@ class Schedule:
                     dropped.append(top)
                 else:
                     batches.setdefault(lease.backend, []).append(lease)
-        for entry in dropped:
-            log.warning(
-                "lock %r (fence %s) was garbage-collected while held: renewal stopped, and "
-                "it ends within its TTL; keep the lease and release() it (or use `with`)",
+        for entry in dropped:  # a `lost` this process will not see otherwise (logged once)
+            events.emit(
+                "lost",
                 entry.name,
-                entry.fence,
+                fence=entry.fence,
+                reason=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
             )
         return batches
 
@@ -242,8 +249,16 @@ def apply_results(
         if outcome is True:
             if lease._renewed(sent_at):
                 schedule.add(lease, next_renewal(lease, sent_at))
+                if now - sent_at > RENEWAL_LATE_FRACTION * lease.ttl:
+                    events.emit(
+                        "renewal_late",
+                        lease.name,
+                        backend=lease.backend.server,
+                        duration=now - sent_at,
+                        detail=f"{RENEWAL_LATE_FRACTION:.0%} of its {lease.ttl:g}s TTL",
+                    )
         elif outcome is False:
-            lease._mark_lost("renewal found the lock's token gone (it expired or was taken)")
+            lease._renewal_refused()
         elif lease._renew_failed(now, outcome):
             schedule.add(lease, now + min(lease.ttl / 10, 1.0))
 

@@ -68,6 +68,7 @@ from celery.schedules import schedstate
 from celery.schedules import schedule as interval_schedule
 from celery.utils.imports import symbol_by_name
 
+from .. import events
 from ..backends.base import Backend
 from ..config import resolve_backend
 from ..election import Election, Leadership
@@ -328,8 +329,12 @@ class LeaderMixin:
             backend=self.election.backend,
             renew=False,
         )
-        lease = claim.try_acquire()
-        return None if lease is None else lease.token
+        with events.context(policy=""):  # a tick already sent is routine, not a conflict
+            lease = claim.try_acquire()
+        if lease is None:
+            return None
+        lease._hand_over(f"tick {tick}, kept to its TTL")  # held by the sent message now
+        return lease.token
 
     def apply_async(
         self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any

@@ -135,7 +135,7 @@ def guarded_publish(
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:
-            with events.context(policy="duplicate", detail=f"publish {task.name}"):
+            with events.context(policy="", detail=f"publish {task.name}"):  # one `duplicate`
                 lease = lock.acquire(timeout=timeout)
         except LockHeld as held:
             events.emit(
@@ -153,13 +153,15 @@ def guarded_publish(
             ) from None
     _stamp(headers, options, lease.token, lease.fence)
     try:
-        return send(producer, name, message, **options)
+        sent = send(producer, name, message, **options)
     except BaseException:
         try:
             lease.release()
         except LockError as exc:
             log.warning("releasing lock %r after a failed publish: %s", key, exc)
         raise
+    lease._hand_over(f"the worker of {task.name}[{task_id}]")  # no longer held here
+    return sent
 
 
 def _publish_retry(

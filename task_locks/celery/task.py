@@ -468,6 +468,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _parked(self, lease: AnyLease, kept: bool) -> None:
         if kept:
+            lease._hand_over(f"the retry of {self.name}[{self.request.id}]")
             log.info(
                 "task %s[%s]: lock %r handed to its retry", self.name, self.request.id, lease.name
             )
@@ -506,9 +507,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         """A lease lost while the body ran fails an otherwise successful run, loudly."""
         if isinstance(exc, LockLost) and not failing:
             raise exc
-        log.warning(
-            "task %s[%s]: releasing lock %r: %s", self.name, self.request.id, lease.name, exc
-        )
+        # Either way the lease was marked lost, and that was logged (task_locks.events).
 
     def _drop_queued_lock(self, name: str, token: str) -> Generator[_Step, Any, None]:
         """Free the lock taken when this message was published (token-checked).

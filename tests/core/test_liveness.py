@@ -10,7 +10,7 @@ import time
 import pytest
 from servers import wait_until
 
-from task_locks import AsyncLock, Lease, Lock, LockHeld, get_backend
+from task_locks import AsyncLock, Lease, Lock, LockHeld, events, get_backend
 
 from .support import holder_token
 
@@ -23,6 +23,7 @@ def test_a_dropped_lease_stops_being_renewed_and_says_so(
     assert holder_token(redis_url, "dropped") is not None  # still there: its TTL runs
     # Without renewal the lock ends within its TTL, and a warning names it.
     wait_until(lambda: holder_token(redis_url, "dropped") is None, 3, "the dropped lock to end")
+    assert events.flush(5.0)  # logged by the events' logging subscriber
     assert "'dropped'" in caplog.text and "garbage-collected" in caplog.text
     successor = Lock("dropped", ttl=1, backend=redis_url).acquire(timeout=0)
     successor.release()
@@ -41,6 +42,7 @@ def test_a_dropped_async_lease_stops_being_renewed(
         await get_backend(redis_url).aclose()  # this loop's client, before the loop ends
 
     asyncio.run(main())
+    assert events.flush(5.0)
     assert "'dropped-async'" in caplog.text and "garbage-collected" in caplog.text
 
 

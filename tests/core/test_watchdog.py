@@ -11,7 +11,7 @@ import pytest
 import redis
 from servers import wait_until
 
-from task_locks import Lock, LockLost, NotOwned, get_backend, watchdog
+from task_locks import Lock, LockLost, NotOwned, events, get_backend, watchdog
 
 from .support import SyncDriver, holder_token, lock_fields
 
@@ -62,6 +62,7 @@ def test_lost_token_sets_lost_raises_calls_back_and_warns(
     assert not handle.held
     wait_until(lambda: called, 2, "the on_lost callback")
     assert called == [handle.lease]
+    assert events.flush(5.0)  # logging is a subscriber of the event stream
     assert warnings_about(caplog, "stolen", "lost: renewal found the lock's token gone")
     with pytest.raises(NotOwned):
         handle.release()
@@ -79,6 +80,7 @@ def test_connection_errors_are_retried_until_expiry_then_lost(
     wait_until(handle.lost.is_set, ttl + 2 * socket_timeout + 1, "the lease to be lost")
     lost_after = time.monotonic() - acquired_at
     server.resume()
+    assert events.flush(5.0)  # logging is a subscriber of the event stream
     # Retried while time remained; given up only when the lease was about to expire.
     retries = [r for r in caplog.records if "'flaky' failed, will retry" in r.getMessage()]
     assert len(retries) >= 2
@@ -200,6 +202,7 @@ def test_max_hold_marks_lost_and_releases(
     wait_until(lambda: holder_token(redis_url, "bounded") is None, 1, "the release")
     other = driver.acquire("bounded", timeout=0, backend=redis_url, ttl=2)
     other.release()
+    assert events.flush(5.0)
     assert warnings_about(caplog, "bounded", "max_hold exceeded")
 
 

@@ -1,0 +1,150 @@
+"""Singleton tasks and the publish guard feed the event stream and the metrics (issue 14).
+
+In-process: the tasks are called directly (the code path a worker runs) or published to
+a real Redis broker with no worker: what matters is what this process reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from task_locks import Lock, LockLost, Semaphore, events, get_backend
+from task_locks.celery import DuplicateTask, current_lease, singleton_task
+from task_locks.events import LockEvent
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+Value = Callable[..., float]
+
+
+@pytest.fixture(autouse=True)
+def _only_logging_stays() -> Iterator[None]:
+    yield
+    for subscription in list(events._hub.subscriptions):
+        if subscription is not events.logging_subscription:
+            subscription.close()
+    assert events.flush(5.0)
+
+
+@pytest.fixture
+def app(redis_url: str) -> Iterator[Celery]:
+    app = Celery("events", broker=redis_url, backend="cache+memory://", set_as_current=False)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def seen() -> list[LockEvent]:
+    got: list[LockEvent] = []
+    events.subscribe(got.append)
+    return got
+
+
+@pytest.fixture
+def metric() -> Iterator[Value]:
+    from task_locks import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.install(registry)
+
+    def value(name: str, **labels: str) -> float:
+        assert events.flush(5.0)
+        return registry.get_sample_value(name, labels) or 0.0
+
+    yield value
+    metrics.uninstall(registry)
+
+
+def test_a_duplicate_publish_is_one_event_and_the_queued_lock_is_handed_over(
+    app: Celery, redis_url: str, seen: list[LockEvent], metric: Value
+) -> None:
+    @singleton_task(
+        app=app, shared=False, key="pub:{n}", ttl=30, backend=redis_url, lock_on="enqueue"
+    )
+    def job(n: int) -> int:
+        return n
+
+    job.apply_async((1,))
+    with pytest.raises(DuplicateTask):  # (apply_async would return the pending handle)
+        app.send_task(job.name, args=(1,))
+    assert events.flush(5.0)
+    kinds = [(e.kind, e.reason) for e in seen if e.kind != "renewed"]
+    assert kinds == [("acquired", ""), ("released", events.HANDED_OVER), ("duplicate", "")]
+    assert "worker of" in seen[1].detail
+    assert Lock("pub:1", backend=redis_url).holder() is not None  # still queued
+    value = metric
+    assert value("task_locks_acquisitions_total", lock="pub", outcome="acquired") == 1
+    assert value("task_locks_acquisitions_total", lock="pub", outcome="conflict") == 0
+    assert value("task_locks_held", lock="pub") == 0
+    assert value("task_locks_hold_seconds_count", lock="pub") == 0  # not a hold
+    assert not [e for e in seen if e.kind == "lost"]
+
+
+def test_a_limited_task_is_labelled_by_its_keys_family(
+    app: Celery, redis_url: str, seen: list[LockEvent], metric: Value
+) -> None:
+    @singleton_task(
+        app=app, shared=False, key="exports:{tenant}", ttl=5, backend=redis_url, limit=2
+    )
+    def export(tenant: str) -> int:
+        lease = current_lease()
+        assert lease is not None
+        return lease.fence
+
+    assert export("acme")
+    others = Semaphore("exports:acme", limit=2, ttl=5, backend=redis_url)
+    first, second = others.acquire(timeout=0), others.acquire(timeout=0)
+    assert export("acme") is None  # skipped: both permits taken
+    first.release()
+    second.release()
+    assert metric("task_locks_acquisitions_total", lock="exports", outcome="acquired") == 3
+    assert metric("task_locks_acquisitions_total", lock="exports", outcome="conflict") == 1
+    assert metric("task_locks_held", lock="exports") == 0
+    conflict = next(e for e in seen if e.kind == "conflict")
+    assert conflict.policy == "skip" and conflict.name == "exports:acme"
+
+
+@pytest.mark.parametrize("body_fails", [False, True])
+def test_a_lost_lease_in_a_singleton_task_is_logged_once(
+    app: Celery, redis_url: str, caplog: pytest.LogCaptureFixture, body_fails: bool
+) -> None:
+    @singleton_task(app=app, shared=False, key="sync:{n}", ttl=5, backend=redis_url)
+    def sync(n: int) -> None:
+        assert get_backend(redis_url).force_release(f"sync:{n}")
+        if body_fails:
+            raise RuntimeError("the body failed")
+
+    expected: Any = RuntimeError if body_fails else LockLost
+    with pytest.raises(expected):
+        sync(1)
+    assert events.flush(5.0)
+    losses = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("task_locks")
+        and "'sync:1'" in r.getMessage()
+        and "lost" in r.getMessage()
+    ]
+    assert len(losses) == 1, losses
+
+
+def test_a_beat_tick_claim_is_handed_over_and_a_second_claim_is_no_conflict(
+    redis_url: str, seen: list[LockEvent], metric: Value
+) -> None:
+    from types import SimpleNamespace
+
+    from task_locks import Election
+    from task_locks.celery.beat import LeaderMixin
+
+    scheduler = SimpleNamespace(election=Election("beat", ttl=5, backend=redis_url))
+    assert LeaderMixin._claim(scheduler, "nightly@1000", 5.0)  # type: ignore[arg-type]
+    assert LeaderMixin._claim(scheduler, "nightly@1000", 5.0) is None  # already sent
+    assert metric("task_locks_acquisitions_total", lock="beat-tick", outcome="acquired") == 1
+    assert metric("task_locks_acquisitions_total", lock="beat-tick", outcome="conflict") == 0
+    assert metric("task_locks_held", lock="beat-tick") == 0
+    kinds = [(e.kind, e.reason) for e in seen if e.kind != "renewed"]
+    assert kinds == [("acquired", ""), ("released", events.HANDED_OVER)]
