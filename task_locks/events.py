@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
-from .types import Owner
+from .types import Owner, parse_slot
 
 log = logging.getLogger("task_locks.events")
 
@@ -103,7 +103,6 @@ class LockEvent:
         """The lock name's family, a metrics label: the part before the first ``:``
         (``sync:42`` -> ``sync``); for a semaphore's slot, its semaphore's family
         (``semaphore:export:7#2`` -> ``export``), so each semaphore has its own label."""
-        from .semaphore import parse_slot  # the lock layer does not import semaphores
 
         slot = parse_slot(self.name)
         return (self.name if slot is None else slot[0]).split(":", 1)[0]

@@ -48,28 +48,18 @@ from .lock import (
     validate_name,
 )
 from .owner import current_owner
-from .types import AcquireResult, Holder
+from .types import (
+    SEMAPHORE_PREFIX,
+    SLOT_SEPARATOR,
+    AcquireResult,
+    Holder,
+    parse_slot,
+    slot_name,
+)
 
-#: Every slot's lock name starts with this; :func:`describe` recognises them by it.
-PREFIX: Final = "semaphore:"
-#: Separates the semaphore's name from the slot index in a slot's lock name.
-SLOT_SEPARATOR: Final = "#"
+# Slot names are vocabulary shared with the event stream, so they live in types.
+PREFIX: Final = SEMAPHORE_PREFIX
 MAX_LIMIT: Final = 1024
-
-
-def slot_name(name: str, index: int) -> str:
-    """The lock name of slot ``index`` of semaphore ``name``."""
-    return f"{PREFIX}{name}{SLOT_SEPARATOR}{index}"
-
-
-def parse_slot(lock_name: str) -> tuple[str, int] | None:
-    """``(semaphore name, slot index)`` for a slot's lock name, else ``None``."""
-    if not lock_name.startswith(PREFIX):
-        return None
-    name, sep, index = lock_name[len(PREFIX) :].rpartition(SLOT_SEPARATOR)
-    if not sep or not name or not index.isdigit():
-        return None
-    return name, int(index)
 
 
 def _validate_limit(limit: object, name: str) -> int:

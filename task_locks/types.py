@@ -6,7 +6,7 @@ import functools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +124,24 @@ class RenewItem:
     name: str
     token: str
     ttl_ms: int
+
+
+#: Every slot's lock name starts with this; :func:`describe` recognises them by it.
+SEMAPHORE_PREFIX: Final = "semaphore:"
+#: Separates the semaphore's name from the slot index in a slot's lock name.
+SLOT_SEPARATOR: Final = "#"
+
+
+def slot_name(name: str, index: int) -> str:
+    """The lock name of slot ``index`` of semaphore ``name``."""
+    return f"{SEMAPHORE_PREFIX}{name}{SLOT_SEPARATOR}{index}"
+
+
+def parse_slot(lock_name: str) -> tuple[str, int] | None:
+    """``(semaphore name, slot index)`` for a slot's lock name, else ``None``."""
+    if not lock_name.startswith(SEMAPHORE_PREFIX):
+        return None
+    name, sep, index = lock_name[len(SEMAPHORE_PREFIX) :].rpartition(SLOT_SEPARATOR)
+    if not sep or not name or not index.isdigit():
+        return None
+    return name, int(index)
