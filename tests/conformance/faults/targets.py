@@ -46,7 +46,9 @@ from servers import (
     wait_until,
 )
 
+import task_locks.backends.redlock  # noqa: F401  (registers its scripts)
 from task_locks.backends import Backend, get_backend
+from task_locks.backends.redis import SCRIPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "chaos"))
 
@@ -442,10 +444,21 @@ BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
 }
 
 
+def preload_scripts(target: Target) -> None:
+    """Load every script on every server first: a cell's first EVALSHA would otherwise
+    get NOSCRIPT, and the fault would hit that refusal (nothing applied) instead of the
+    call, whose resend by EVAL then passes untouched."""
+    for client in target.raw:
+        for source in SCRIPTS.source.values():
+            client.script_load(source)
+
+
 @contextlib.contextmanager
 def started(kind: str, hub: ProxyHub) -> Iterator[Target | None]:
     target = BUILDERS[kind](hub)
     try:
+        if target is not None:
+            preload_scripts(target)
         yield target
     finally:
         if target is not None:
