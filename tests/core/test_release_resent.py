@@ -1,0 +1,139 @@
+"""A release that redis-py resends after its reply was lost reports what the server did.
+
+The fault is real (matrix M2 of issue 12): the chaoskit TCP proxy lets the release reach
+a real redis-server, which frees the lock, then resets the connection instead of
+passing the reply on; redis-py's own retry sends the release again, on a new connection.
+That resend finds the lock gone. Without a trace of the first attempt it would answer
+"not ours" (``NotOwned``: "nothing was released"), the opposite of what happened; the
+release script leaves a short-lived tombstone, ``<prefix>{name}:released``, that the
+resend recognises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from servers import RedisServer
+
+from task_locks import AsyncLock, Lock, NotOwned, get_backend
+from task_locks.backends.redis import SCRIPTS
+from task_locks.types import Owner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+
+from chaoskit.proxy import Proxy, ProxyHub
+
+SOCKET_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def link(redis_server: RedisServer, redis_url: str) -> Iterator[Proxy]:
+    """A proxy in front of the shared (flushed) Redis, with our scripts already loaded: a
+    first EVALSHA refused with NOSCRIPT would take the fault instead of the release."""
+    client = redis.Redis(port=redis_server.port)
+    for source in SCRIPTS.source.values():
+        client.script_load(source)
+    client.close()
+    hub = ProxyHub()
+    yield hub.proxy(redis_server.port)
+    hub.close()
+
+
+@pytest.fixture
+def server(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=redis_server.port)
+    yield client
+    client.close()
+
+
+def proxy_url(proxy: Proxy) -> str:
+    return f"redis://127.0.0.1:{proxy.port}/0?socket_timeout={SOCKET_TIMEOUT}"
+
+
+def script_calls(server: redis.Redis) -> int:
+    """EVALSHA calls the server ran: the resend is counted, the lost reply is not."""
+    return int(server.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_release_resent_after_its_reply_was_lost_reports_success(
+    link: Proxy, redis_url: str, server: redis.Redis
+) -> None:
+    lease = Lock("resent", ttl=30, backend=proxy_url(link), renew=False).acquire(timeout=0)
+    before = script_calls(server)
+    link.fault("reset_once")  # the first reply resets the connection; the retry passes
+    try:
+        lease.release()  # raised NotOwned ("nothing was released") before the tombstone
+    finally:
+        link.heal()
+    assert script_calls(server) - before == 2, "the release was not sent twice"
+    assert not lease.held and not lease.lost.is_set()
+    direct = get_backend(redis_url)
+    assert direct.holder("resent") is None
+
+    # The tombstone names that token only, and expires: max(60 s, 4 x socket_timeout).
+    tombstone = "task_locks:{resent}:released"
+    assert 0 < server.pttl(tombstone) <= 60_000
+    assert direct.release("resent", "another-token") is False
+    other = Lock("resent", ttl=30, backend=redis_url, renew=False).acquire(timeout=0)
+    assert direct.force_release("resent")  # an operator frees the new holder ...
+    with pytest.raises(NotOwned, match="nothing was released"):
+        other.release()  # ... whose own release is no resend of the force release
+
+
+def test_an_async_release_resent_after_its_reply_was_lost_reports_success(
+    link: Proxy, redis_url: str, server: redis.Redis
+) -> None:
+    async def run() -> None:
+        lock = AsyncLock("resent-async", ttl=30, backend=proxy_url(link), renew=False)
+        lease = await lock.acquire(timeout=0)
+        before = script_calls(server)
+        link.fault("reset_once")
+        try:
+            await lease.release()
+        finally:
+            link.heal()
+        assert script_calls(server) - before == 2, "the release was not sent twice"
+        await lease.backend.aclose()
+
+    asyncio.run(run())
+    assert get_backend(redis_url).holder("resent-async") is None
+
+
+def test_a_force_release_resent_after_its_reply_was_lost_reports_success(
+    link: Proxy, redis_url: str, server: redis.Redis
+) -> None:
+    holder = Lock("forced", ttl=30, backend=redis_url, renew=False).acquire(timeout=0)
+    faulty = get_backend(proxy_url(link))
+    faulty.holders()  # connect first: the fault is for the force release
+    before = script_calls(server)
+    link.fault("reset_once")
+    try:
+        assert faulty.force_release("forced", fence=holder.fence) is True
+    finally:
+        link.heal()
+    assert script_calls(server) - before == 2, "the force release was not sent twice"
+    direct = get_backend(redis_url)
+    assert direct.holder("forced") is None
+    # Another holder's fence finds neither the lock nor a tombstone of its own ...
+    assert direct.force_release("forced", fence=holder.fence + 1) is False
+    # ... and the freed holder's own release learns it was freed by someone else.
+    with pytest.raises(NotOwned):
+        holder.release()
+
+
+def test_a_fresh_grant_to_a_token_drops_its_tombstone(redis_url: str, server: redis.Redis) -> None:
+    """One acquire's attempts share a token: a release that undid an earlier attempt
+    must not vouch for a later release of the lock the next attempt took."""
+    backend = get_backend(redis_url)
+    assert backend.acquire("again", "tok", 30_000, Owner()).acquired
+    assert backend.release("again", "tok") is True
+    assert server.exists("task_locks:{again}:released")
+    assert backend.acquire("again", "tok", 30_000, Owner()).acquired
+    assert not server.exists("task_locks:{again}:released")
+    server.delete("task_locks:{again}")  # as if its TTL ran out
+    assert backend.release("again", "tok") is False
