@@ -1,12 +1,13 @@
 """Redis: ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``, ``redis+cluster://``.
 
-One lock is three keys sharing a cluster hash slot (the name is the hash tag):
+One lock is four keys sharing a cluster hash slot (the name is the hash tag):
 
 - ``<prefix>{name}``        hash: token, fence, owner JSON, acquired (server ms), renewals, ttl
 - ``<prefix>{name}:fence``  the last fence handed out for this name
 - ``<prefix>{name}:signal`` a list a release pushes to; waiters BLPOP it
-- ``<prefix>{name}:released`` who the last release freed (a short-lived tombstone), so a
-  release that redis-py resends after its first reply was lost still says it released
+- ``<prefix>{name}:released`` the last release's id, fence and token (a tombstone that
+  lives max(60 s, 4 x socket_timeout)): a release that redis-py resends after its
+  first reply was lost finds its own id there and reports the release it made
 
 Acquire, renew and release are one script call (one round trip) each; the watchdog's
 batches renew hundreds of leases per script call, all calls in one pipeline. Waiters
@@ -34,6 +35,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import ssl
 import threading
 import time
@@ -88,7 +90,7 @@ log = logging.getLogger("task_locks.backends.redis")
 # that no failure of PEXPIRE can leave a lock (or a fence counter) without expiry.
 MAX_TTL_MS = int(MAX_TTL * 1000)
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] (optional) release tombstone
+# KEYS[1] lock hash, KEYS[2] fence counter
 # ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms
 # Returns the fence (integer) when the lock is now ours: taken now, or already held by
 # this token (a retried acquire), whose TTL then restarts at ARGV[2] and owner becomes
@@ -99,8 +101,6 @@ MAX_TTL_MS = int(MAX_TTL * 1000)
 # counter was lost in a restart without persistence.
 # Every write carries its expiry: SET ... PX for the counter (one command), and HSET then
 # PEXPIRE with the TTL checked first; should PEXPIRE still fail, the hash is deleted.
-# A fresh grant to a token drops a tombstone naming that token (a token is reused by the
-# attempts of one acquire, whose cleanup releases must not vouch for a later release).
 ACQUIRE = """
 local ttl, counter_ttl = tonumber(ARGV[2]), tonumber(ARGV[4])
 if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
@@ -122,9 +122,6 @@ if not held[1] then
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence,
     'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
     'renewals', 0)
-  if KEYS[3] and string.match(redis.call('get', KEYS[3]) or '', '^%a:%d*:(.*)$') == ARGV[1] then
-    redis.call('del', KEYS[3])
-  end
 end
 redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
 local expired = redis.pcall('pexpire', KEYS[1], ARGV[2])
@@ -168,27 +165,23 @@ RENEW_CHUNK = 500
 # ARGV[1] token, or '' to release whoever holds it (operator override)
 # ARGV[2] fence, or '': then the lock is deleted only if its holder has this fence, so an
 #   operator's force release cannot free a holder that came after the one they saw
-# ARGV[3] tombstone ttl ms, ARGV[4] 'f' for an operator's force release, else 'r'
-# Returns 1 if the lock was deleted (and one waiter signalled); 2 if this very release
-# was already done: not held by the token/fence, but the tombstone names the same kind of
-# release of that token/fence (redis-py resent it after the first attempt's reply was
-# lost); 0 if not held / not ours / held under another fence.
-# The delete writes the tombstone 'kind:fence:token' (SET ... PX: never without expiry).
-# An unconditional force release ('' and '') names no holder: nothing to match.
+# ARGV[3] this call's release id (random, one per call: a resend repeats it)
+# ARGV[4] tombstone ttl ms
+# Returns 1 if the lock was deleted (and one waiter signalled); 2 if this very call
+# already deleted it: redis-py resent it after the first attempt's reply was lost, and
+# the tombstone names its release id; 0 if not held / not ours / held under another
+# fence (a new call, even for the same token or fence, never matches a tombstone).
+# The delete writes the tombstone 'id:fence:token' (SET ... PX: never without expiry).
 RELEASE = """
 local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
 if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
   or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  if ARGV[1] == '' and ARGV[2] == '' then return 0 end
-  local kind, fence, token = string.match(redis.call('get', KEYS[3]) or '', '^(%a):(%d*):(.*)$')
-  if kind == ARGV[4] and (ARGV[1] == '' or token == ARGV[1])
-    and (ARGV[2] == '' or fence == ARGV[2]) then
-    return 2
-  end
+  local tombstone = redis.call('get', KEYS[3])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
   return 0
 end
 redis.call('del', KEYS[1])
-redis.call('set', KEYS[3], ARGV[4] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[3])
+redis.call('set', KEYS[3], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
 if redis.call('exists', KEYS[2]) == 0 then
   redis.call('rpush', KEYS[2], '1')
   redis.call('pexpire', KEYS[2], held[2] or 60000)
@@ -605,16 +598,7 @@ class RedisBackend(Backend):
     def _acquire_args(self, name: str, token: str, ttl_ms: int, owner: Owner) -> list[Any]:
         check_ttl_ms(ttl_ms, name)
         key = self._key(name)
-        return [
-            3,
-            key,
-            key + ":fence",
-            key + ":released",
-            token,
-            ttl_ms,
-            owner.to_json(),
-            self.fence_ttl_ms,
-        ]
+        return [2, key, key + ":fence", token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
 
     def _acquire_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
         """The acquire script and, with ``wait_replicas``, WAIT right after it.
@@ -643,9 +627,9 @@ class RedisBackend(Backend):
         client: WAIT has no key, so the cluster client would send it elsewhere."""
         return self.cluster and bool(self.wait_replicas)
 
-    def _release_args(
-        self, name: str, token: str, fence: int | None = None, forced: bool = False
-    ) -> list[Any]:
+    def _release_args(self, name: str, token: str, fence: int | None = None) -> list[Any]:
+        """A new release id per call: redis-py's resend of this call repeats it, so the
+        resend finds the tombstone the first attempt left and reports that release."""
         key = self._key(name)
         return [
             3,
@@ -654,8 +638,8 @@ class RedisBackend(Backend):
             key + ":released",
             token,
             "" if fence is None else str(int(fence)),
+            secrets.token_hex(8),
             self.tombstone_ms,
-            "f" if forced else "r",
         ]
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
@@ -904,25 +888,15 @@ class RedisBackend(Backend):
     def release(self, name: str, token: str) -> bool:
         return self._release(name, token, None)
 
-    def _release(self, name: str, token: str, fence: int | None, forced: bool = False) -> bool:
-        args = self._release_args(name, token, fence, forced)
+    def _release(self, name: str, token: str, fence: int | None) -> bool:
+        args = self._release_args(name, token, fence)
         try:
             return bool(self._eval(self.client, "release", args))
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def force_release(self, name: str, fence: int | None = None) -> bool:
-        return self._forced(name, self._release(name, "", fence, forced=True))
-
-    def force_release_token(self, name: str, token: str) -> bool:
-        """An operator's force release of the holder with ``token`` only.
-
-        Redlock's force release by fence: the masters need not agree on the fence, so
-        each is asked by the token a majority reported. Unlike :meth:`release`, a resend
-        matches only a force release's tombstone, so the holder's own later release
-        still learns it was freed by someone else.
-        """
-        return self._forced(name, self._release(name, token, None, forced=True))
+        return self._forced(name, self._release(name, "", fence))
 
     def _blpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)
@@ -1091,21 +1065,16 @@ class RedisBackend(Backend):
         replies = await self._ascripts(items[0].name, self._renew_commands(chunks))
         return self._renew_results(chunks, replies)
 
-    async def _arelease(
-        self, name: str, token: str, fence: int | None, forced: bool = False
-    ) -> bool:
+    async def _arelease(self, name: str, token: str, fence: int | None) -> bool:
         client = self._async_client()
-        args = self._release_args(name, token, fence, forced)
+        args = self._release_args(name, token, fence)
         return bool(await self._acall(name, lambda: self._aeval(client, "release", args)))
 
     async def arelease(self, name: str, token: str) -> bool:
         return await self._arelease(name, token, None)
 
     async def aforce_release(self, name: str, fence: int | None = None) -> bool:
-        return self._forced(name, await self._arelease(name, "", fence, forced=True))
-
-    async def aforce_release_token(self, name: str, token: str) -> bool:
-        return self._forced(name, await self._arelease(name, token, None, forced=True))
+        return self._forced(name, await self._arelease(name, "", fence))
 
     async def _ablpop(self, names: Sequence[str], timeout: float) -> None:
         block = self._block_for(timeout)

@@ -571,13 +571,12 @@ class RedlockBackend(Backend):
             # own), so "the holder with this fence" is decided here, from a majority's
             # copies, the way holder() reports it; then that holder's *token* is deleted,
             # atomically on each master. A lock that changed hands has another token:
-            # it stays, wherever it is. A force release (not a release) by token, so a
-            # master that redis-py resends it to finds its tombstone and says so.
+            # it stays, wherever it is.
             holders = yield from self._holders_plan(name, exact=True)
             seen = next(iter(holders), None)
             if seen is None or seen.fence != fence:
                 return False
-            answers = yield _Call("force_release_token", (name, seen.token), self._all_answered)
+            answers = yield _Call("release", (name, seen.token), self._all_answered)
         yes, no = self._tally(answers)
         if yes + no < self.quorum:
             raise self._unavailable(name, "cannot force-release", answers)

@@ -75,10 +75,11 @@ def test_a_release_resent_after_its_reply_was_lost_reports_success(
     direct = get_backend(redis_url)
     assert direct.holder("resent") is None
 
-    # The tombstone names that token only, and expires: max(60 s, 4 x socket_timeout).
+    # The tombstone expires: max(60 s, 4 x socket_timeout).
     tombstone = "task_locks:{resent}:released"
     assert 0 < server.pttl(tombstone) <= 60_000
     assert direct.release("resent", "another-token") is False
+    assert direct.release("resent", lease.token) is False  # a new call: no resend
     other = Lock("resent", ttl=30, backend=redis_url, renew=False).acquire(timeout=0)
     assert direct.force_release("resent")  # an operator frees the new holder ...
     with pytest.raises(NotOwned, match="nothing was released"):
@@ -119,21 +120,25 @@ def test_a_force_release_resent_after_its_reply_was_lost_reports_success(
     assert script_calls(server) - before == 2, "the force release was not sent twice"
     direct = get_backend(redis_url)
     assert direct.holder("forced") is None
-    # Another holder's fence finds neither the lock nor a tombstone of its own ...
+    # A new call, for this fence or another, is no resend: nothing released.
+    assert direct.force_release("forced", fence=holder.fence) is False
     assert direct.force_release("forced", fence=holder.fence + 1) is False
     # ... and the freed holder's own release learns it was freed by someone else.
     with pytest.raises(NotOwned):
         holder.release()
 
 
-def test_a_fresh_grant_to_a_token_drops_its_tombstone(redis_url: str, server: redis.Redis) -> None:
-    """One acquire's attempts share a token: a release that undid an earlier attempt
-    must not vouch for a later release of the lock the next attempt took."""
+def test_a_new_release_call_is_no_resend(redis_url: str, server: redis.Redis) -> None:
+    """The tombstone matches the call that made it (its release id), not the token or
+    fence: releasing again, or force-releasing the same fence again, still says that
+    nothing was released."""
     backend = get_backend(redis_url)
     assert backend.acquire("again", "tok", 30_000, Owner()).acquired
     assert backend.release("again", "tok") is True
-    assert server.exists("task_locks:{again}:released")
-    assert backend.acquire("again", "tok", 30_000, Owner()).acquired
-    assert not server.exists("task_locks:{again}:released")
-    server.delete("task_locks:{again}")  # as if its TTL ran out
+    release_id, fence, token = server.get("task_locks:{again}:released").decode().split(":")
+    assert release_id and fence.isdigit() and token == "tok"
     assert backend.release("again", "tok") is False
+    taken = backend.acquire("again", "tok2", 30_000, Owner())
+    assert backend.force_release("again", fence=taken.fence) is True
+    assert backend.force_release("again", fence=taken.fence) is False
+    assert backend.force_release("again") is False
