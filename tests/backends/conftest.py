@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from servers import EtcdCluster, RedisMasters
@@ -31,3 +32,55 @@ def etcd_cluster() -> Iterator[EtcdCluster]:
     cluster = EtcdCluster(3).start()
     yield cluster
     cluster.cleanup()
+
+
+# -- the etcd row of the fault matrix: its table, like tests/conformance/faults' ----------
+
+#: (operation, gateway path, fault) -> "holds" | "FAILS" | "skipped", filled as cells run.
+ETCD_CELLS: dict[tuple[str, str, str], str] = {}
+ETCD_ARTIFACT = Path(__file__).resolve().parents[1] / "artifacts" / "etcd-fault-matrix.md"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or getattr(item, "originalname", "") != "test_fault_matrix":
+        return
+    if not item.nodeid.split("::")[0].endswith("test_etcd_faults.py"):
+        return
+    params = callspec.params
+    key = (params["operation"], params["path"], params["fault"])
+    if report.skipped:
+        ETCD_CELLS[key] = "skipped"
+    elif report.failed:
+        ETCD_CELLS[key] = "**FAILS**"
+    elif report.when == "call":
+        ETCD_CELLS[key] = "holds"
+
+
+def etcd_table() -> str:
+    """The etcd cells that ran: one row per operation and gateway request it makes."""
+    from .test_etcd_faults import FAULTS, TARGETS
+
+    lines = [
+        "| etcd (3 endpoints) | request | " + " | ".join(FAULTS) + " |",
+        "|---|---|" + "---|" * len(FAULTS),
+    ]
+    for operation, path in TARGETS:
+        cells = [ETCD_CELLS.get((operation, path, fault), "·") for fault in FAULTS]
+        lines.append(f"| {operation} | `{path}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    if not ETCD_CELLS:
+        return
+    ETCD_ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+    ETCD_ARTIFACT.write_text(
+        f"# etcd under transport faults ({len(ETCD_CELLS)} cells)\n\n{etcd_table()}\n"
+    )
+    terminalreporter.section("etcd fault matrix")
+    terminalreporter.write_line(etcd_table())
+    terminalreporter.write_line(f"written to {ETCD_ARTIFACT}")

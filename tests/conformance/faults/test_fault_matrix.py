@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from .cells import FAULTS, OPERATIONS, Cell
-from .conftest import KINDS, REASONS, RESULTS
+from .conftest import FLAKY_REASONS, KINDS, REASONS, RESULTS
 from .targets import ProxyHub, Target, started
 
 
@@ -93,6 +93,7 @@ def test_fault_cell(fault_cell: tuple[str, str, str], targets) -> None:  # type:
         RESULTS[fault_cell] = f"skipped: no {kind} server on this machine"
         pytest.skip(f"no {kind} server on this machine")
     REASONS[fault_cell] = KNOWN.get(fault_cell, "")
+    FLAKY_REASONS[fault_cell] = FLAKY.get(fault_cell, "")
     started_at = time.monotonic()
     problems = Cell(target, operation, fault).run()
     RESULTS[fault_cell] = "; ".join(problems) if problems else "holds"
