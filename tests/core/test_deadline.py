@@ -195,6 +195,56 @@ def test_run_stops_its_program_before_the_deadline(
             first.communicate()
 
 
+#: A program that traps SIGTERM, notes it, and carries on: only SIGKILL stops it.
+STUBBORN = (
+    "import signal, sys, time\n"
+    "out = open(sys.argv[1], 'a')\n"
+    "def trapped(signum, frame):\n"
+    "    out.write(f'TERM {time.time()}\\n'); out.flush()\n"
+    "signal.signal(signal.SIGTERM, trapped)\n"
+    "while True:\n"
+    "    out.write(f'{time.time()}\\n'); out.flush(); time.sleep(0.02)\n"
+)
+
+
+def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
+    link: Proxy, redis_url: str, tmp_path: Path
+) -> None:
+    """Issue 12 item 3: SIGTERM a margin before the deadline; a program that ignores it
+    is SIGKILLed at the deadline, before a second ``run`` can take the lock."""
+    beats, second_ran = tmp_path / "beats", tmp_path / "second"
+    ttl = 2.0
+    first = task_locks_cli(
+        proxy_url(link), "run", "stubborn", "--ttl", str(ttl), "--",
+        sys.executable, "-c", STUBBORN, str(beats),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: beats.exists() and beats.stat().st_size, 15, "the first program")
+        link.blackhole()
+        blackholed = time.time()
+        second = task_locks_cli(
+            redis_url, "run", "stubborn", "--wait", "30", "--",
+            sys.executable, "-c", f"import time; open({str(second_ran)!r}, 'w').write(str(time.time()))",
+        )  # fmt: skip
+        status, _, err = finish(first, ttl + 5)
+        assert status == 79, err  # EX_LEASE_LOST
+        assert "SIGTERM now, SIGKILL in" in err, err
+        assert "did not stop by the deadline: sent SIGKILL" in err, err
+        lines = beats.read_text().split("\n")
+        terms = [float(line.split()[1]) for line in lines if line.startswith("TERM")]
+        times = [float(line) for line in lines if line and not line.startswith("TERM")]
+        assert terms, "the program never got SIGTERM"
+        assert times[-1] > terms[0], "the program did not carry on after SIGTERM"
+        assert times[-1] < blackholed + ttl, "the program ran past the lease's deadline"
+        status, _, err = finish(second, 30)
+        assert status == 0, err
+        assert float(second_ran.read_text()) > times[-1], "two programs ran at once"
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+
+
 # -- one backend, one primary, does not hold up another ----------------------------------
 
 

@@ -62,6 +62,50 @@ def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
+#: The core API with nothing but the environment: ``TASK_LOCKS_URL`` (and, for
+#: ``django://``, the project's settings module, as the CLI reads them).
+CORE_LOCK = """
+import os
+if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    import django
+    django.setup()
+from task_locks import Lock, LockHeld
+try:
+    Lock("nightly-report", ttl=5).acquire(timeout=0).release()
+    print("core: acquired")
+except LockHeld as exc:
+    print("core: held:", exc)
+"""
+
+#: A Celery ``@singleton_task`` keyed ``nightly-report``, applied in-process (eager):
+#: the run goes through the task's singleton path (its run lock), with no worker.
+CELERY_TASK = """
+import os
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_site.settings")
+import django
+django.setup()
+from celery import Celery
+from task_locks import LockHeld
+from task_locks.celery import current_lease, singleton_task
+
+app = Celery("one-namespace", set_as_current=False)
+app.conf.task_always_eager = True
+app.conf.task_eager_propagates = True
+
+
+@singleton_task(app=app, name="one_namespace_report", key="nightly-report", ttl=30,
+                on_conflict="raise")
+def report():
+    return current_lease().name
+
+
+try:
+    print(f"celery: ran under {report.delay().get()!r}")
+except LockHeld as exc:
+    print("celery: held:", exc)
+"""
+
+
 @pytest.fixture(params=["redis", "django"])
 def operator_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     url = request.getfixturevalue("redis_url") if request.param == "redis" else "django://default"
@@ -102,9 +146,23 @@ def test_readme_operations_cli_and_locked_command_take_one_lock(
         assert status == 0, err
         [row] = [line for line in out.splitlines() if line.startswith("nightly-report ")]
         assert f"pid {cli.pid}" in row and "sleep 60" in row
+
+        # Plain Lock() and a Celery singleton task, configured by the same environment,
+        # meet the CLI's lock too.
+        status, out, err = finish(start([sys.executable, "-c", CORE_LOCK], operator_env), 60)
+        assert status == 0, out + err
+        assert out.startswith("core: held") and f"pid {cli.pid}" in out, out
+        status, out, err = finish(start([sys.executable, "-c", CELERY_TASK], operator_env), 60)
+        assert status == 0, out + err
+        assert out.startswith("celery: held") and f"pid {cli.pid}" in out, out
     finally:
         cli.send_signal(signal.SIGTERM)
         finish(cli)
+
+    # Once the CLI is gone, the same task runs, under the lock of that same name.
+    status, out, err = finish(start([sys.executable, "-c", CELERY_TASK], operator_env), 60)
+    assert status == 0, out + err
+    assert out.strip() == "celery: ran under 'nightly-report'", out + err
 
 
 # -- refusing to lock in another namespace ----------------------------------------------

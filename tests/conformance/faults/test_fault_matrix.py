@@ -19,7 +19,6 @@ from .cells import FAULTS, OPERATIONS, Cell
 from .conftest import FLAKY_REASONS, KINDS, REASONS, RESULTS
 from .targets import ProxyHub, Target, started
 
-
 #: Cells that fail on main, each with the exact behaviour and the issue item that fixes
 #: it: ``xfail(strict=True)``, so a fix XPASSes and fails the run until its line here is
 #: removed. None now. Fixed since the matrix was written: force release by fence (item 2),
