@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from . import watchdog
 from .backends import get_backend
 from .backends.base import redact_url
 from .config import default_ttl
@@ -34,6 +35,9 @@ from .ops import (
     parse_args,
     run_verb,
 )
+
+#: At most this long (seconds), an exiting CLI lets a renewal call in flight end.
+EXIT_QUIET = 2.0
 
 
 def chosen_url(args: Sequence[str]) -> str | None:
@@ -100,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         sys.stdout.flush()
+        # A renewal still in flight (a stalled link: `run` stopped its program for it)
+        # ends first, or the exit can deadlock in the client library's cleanup.
+        watchdog.thread_renewer().quiet(EXIT_QUIET)
         backend.close()
 
 

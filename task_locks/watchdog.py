@@ -285,6 +285,9 @@ class ThreadLane:
         # When the sleeping thread wakes on its own; add() wakes it only for an earlier
         # lease, so a busy acquire/release loop never pays for a thread switch.
         self._wake_at = -math.inf
+        #: Clear while a renewal call is in flight (see :meth:`quiet`).
+        self._between_calls = threading.Event()
+        self._between_calls.set()
 
     def add(self, lease: Renewable) -> None:
         due = next_renewal(lease, time.monotonic())
@@ -305,6 +308,10 @@ class ThreadLane:
     def idle(self) -> bool:
         """No lease, no thread: nothing is lost by forgetting this lane."""
         return self._thread is None and not len(self.schedule)
+
+    def quiet(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until no renewal call of this lane is in flight."""
+        return self._between_calls.wait(timeout)
 
     def _run(self) -> None:
         try:
@@ -339,8 +346,12 @@ class ThreadLane:
                     self._cond.wait(due - now)
                     continue
                 self._wake_at = -math.inf  # busy: the loop looks again before sleeping
-            for backend, leases in self.schedule.take_due(now).items():
-                self._renew(backend, leases)
+                self._between_calls.clear()
+            try:
+                for backend, leases in self.schedule.take_due(now).items():
+                    self._renew(backend, leases)
+            finally:
+                self._between_calls.set()
 
     def _renew(self, backend: Backend, leases: list[Renewable]) -> None:
         sent_at = time.monotonic()
@@ -413,6 +424,16 @@ class ThreadRenewer:
         lane: ThreadLane = self.lanes.get(lease, asynchronous=False)
         lane.add(lease)
         return lane
+
+    def quiet(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` in all) until no lane has a renewal call in flight.
+
+        For a process about to exit: at interpreter shutdown a daemon thread is frozen
+        wherever it stands, and one frozen inside the client library (holding its
+        connection pool's lock) deadlocks the shutdown's own cleanup of that client.
+        """
+        deadline = time.monotonic() + timeout
+        return all(lane.quiet(max(0.0, deadline - time.monotonic())) for lane in self.lanes.all())
 
 
 class AsyncLane:

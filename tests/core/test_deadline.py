@@ -218,6 +218,7 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
         proxy_url(link), "run", "stubborn", "--ttl", str(ttl), "--",
         sys.executable, "-c", STUBBORN, str(beats),
     )  # fmt: skip
+    second: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: beats.exists() and beats.stat().st_size, 15, "the first program")
         link.blackhole()
@@ -240,9 +241,10 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
         assert status == 0, err
         assert float(second_ran.read_text()) > times[-1], "two programs ran at once"
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 # -- one backend, one primary, does not hold up another ----------------------------------
