@@ -2,7 +2,8 @@
 
 The README's Operations snippet exports ``TASK_LOCKS_URL`` and runs ``task-locks run
 nightly-report`` and the example project's ``manage.py nightly_report``: the two must
-meet on one lock. The namespace's one source of truth is the backend URL (its
+meet on one lock, and so must a plain ``Lock()`` and a Celery ``@singleton_task`` run
+with the same environment. The namespace's one source of truth is the backend URL (its
 ``prefix`` option): a Django app whose ``TASK_LOCKS`` would lock elsewhere than
 ``$TASK_LOCKS_URL`` refuses loudly (system check ``task_locks.E005``, and a backend
 that fails at first use) instead of locking in another namespace; ``list``, ``show``
