@@ -29,7 +29,9 @@ when it returns or raises.
 
 ``timeout`` is how long to wait for the lock before the conflict choice applies:
 ``0`` (the default for ``"skip"``/``"raise"``) tries once; for ``"wait"`` the default
-is ``None``, as long as it takes.
+is ``None``, as long as it takes. The decision, its log line and the ``conflict``
+event (carrying the choice as its policy, :mod:`task_locks.events`) are
+``@singleton_task``'s own, from :mod:`task_locks.policies`.
 
 A lease lost while the function ran (its TTL ran out: the process was paused, the
 backend unreachable) makes an otherwise successful call raise
