@@ -39,11 +39,16 @@ from celery import Celery  # noqa: E402
 from celery.app import trace as celery_trace  # noqa: E402
 from celery.app.trace import build_tracer  # noqa: E402
 
-from task_locks import events, get_backend, lock, plans  # noqa: E402
+from task_locks import events, get_backend, lock  # noqa: E402
 from task_locks.celery import registry  # noqa: E402
 from task_locks.celery import task as task_module  # noqa: E402
 from task_locks.celery.task import SingletonTask, singleton_task  # noqa: E402
 from task_locks.types import Owner  # noqa: E402
+
+try:  # the run's body step since issue 16; older trees have task.py's own _Body
+    from task_locks.plans import Call as body_step
+except ImportError:  # pragma: no cover - an older tree on PYTHONPATH
+    body_step = getattr(task_module, "_Body", None)
 
 #: Part name -> the (owner, attribute) pairs whose calls make it up. The order is the
 #: table's; what no wrapper covers is the last row (tracer, plan and driver).
@@ -67,8 +72,7 @@ PARTS: dict[str, list[tuple[Any, str]]] = {
         (lock.Lease, "_unwatch"),
         (events, "context"),
     ],
-    # The body step is task.py's own _Body in older trees, task_locks.plans.Call since.
-    "task body": [(getattr(task_module, "_Body", None) or plans.Call, "run")],
+    "task body": [(body_step, "run")],
     "release (Redis EVAL, token check; or the hand-over to the releaser)": [
         (getattr(task_module, "_Release", None), "run"),
     ],

@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="about a minute: fewer, shorter runs")
     mode.add_argument("--smoke", action="store_true", help="seconds: core parts only (tests)")
     parser.add_argument("--no-peers", action="store_true", help="do not install or run peers")
-    parser.add_argument("--no-celery", action="store_true", help="skip bench/celery_bench.py and celery_profile.py")
+    parser.add_argument(
+        "--no-celery", action="store_true", help="skip bench/celery_bench.py and celery_profile.py"
+    )
     parser.add_argument("--out", type=Path, default=BENCH, help="where results.* go")
     return parser.parse_args(argv)
 
