@@ -531,8 +531,15 @@ def contention_libraries(
 def hooks(
     plan: Plan, celery: bool, url: str, peers_python: str | None, peers: dict[str, str]
 ) -> dict[str, Any]:
-    """The measurements in modules of their own: Celery, other backends, coordination."""
-    out: dict[str, Any] = {"celery": {"status": "not measured: skipped"}}
+    """The measurements in modules of their own: Celery, other backends, coordination.
+
+    The singleton run profile (``bench/celery_profile.py``, its quick form: seconds, in
+    this process) runs in every mode, ``--smoke`` too, unless ``--no-celery``.
+    """
+    out: dict[str, Any] = {
+        "celery": {"status": "not measured: skipped"},
+        "celery_profile": {"status": "not measured: skipped (--no-celery)"},
+    }
     if plan.celery and celery:
         log("celery: bench/celery_bench.py")
         out["celery"] = run_hook(
@@ -543,6 +550,9 @@ def hooks(
             peers=peers,
             **({} if plan.mode == "full" else {"n": 300, "rounds": 2}),
         )
+    if celery:
+        log("celery profile: bench/celery_profile.py (quick)")
+        out["celery_profile"] = run_hook("celery_profile", redis_url=url, quick=True)
     if plan.mode == "full":
         log("backends: bench/backends_bench.py")
         out["backends"] = run_hook("backends_bench", quick=False)
@@ -608,6 +618,7 @@ def measure_all(
         "renewal": renewal,
         "renewal_ttl": plan.renew_ttl,
         "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
+        "celery_profile": {k: v for k, v in hooked["celery_profile"].items() if k != "traceback"},
         "backends": hooked["backends"],
         "coordination": hooked["coordination"],
     }

@@ -15,6 +15,10 @@ sys.path.insert(0, str(BENCH))
 
 from common import FLOOR, fmt, log, ratio  # noqa: E402
 
+#: The issue-15 record of the profile (before/after tables and the throughput pair),
+#: measured by hand once; included under the generated profile so a run keeps it.
+PROFILE_HISTORY = BENCH / "celery_profile_history.md"
+
 
 def write_results(results: dict[str, Any], out: Path) -> None:
     """Notes, then results.json, results.md and results.png; the targets' verdicts logged.
@@ -166,6 +170,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
 
     add("## Celery (`bench/celery_bench.py`)\n")
     out.extend(celery_markdown(results.get("celery", {})))
+    out.extend(profile_markdown(results.get("celery_profile", {})))
     for key, title in (("backends", "Every backend of ours"), ("coordination", "Coordination")):
         section = results.get(key, {})
         if section.get("markdown"):
@@ -209,6 +214,28 @@ def celery_markdown(celery: dict[str, Any]) -> list[str]:
         lines += ["", celery["markdown"]]
     lines.append("")
     lines.extend(burst_markdown(celery.get("burst")))
+    return lines
+
+
+def profile_markdown(profile: dict[str, Any]) -> list[str]:
+    """Where a singleton run's time goes: ``celery_profile.run()``'s table, then the record."""
+    lines = ["## Celery: where a singleton run's time goes (`bench/celery_profile.py`)\n"]
+    if profile.get("status") != "ok" or not profile.get("markdown"):
+        lines.append(f"{profile.get('status', 'not measured')}\n")
+    else:
+        lines += [
+            "One `@singleton_task` run (distinct keys, `ignore_result=True`, as in the "
+            "throughput bench) through Celery's own tracer (`build_tracer`: what a solo "
+            "worker calls per message, signals included) in the runner's process, against "
+            "this run's `redis-server`. Each part is timed by wrapping the functions that do "
+            "it (`time.perf_counter_ns`), exclusively, so the rows add up; the wrappers add a "
+            "little (see the uninstrumented line under the table). The quick form "
+            f"({profile.get('rounds', '?')} rounds of {profile.get('n', '?')} runs); "
+            "`python bench/celery_profile.py` runs the longer one.\n",
+            profile["markdown"] + "\n",
+        ]
+    if PROFILE_HISTORY.exists():
+        lines.append(PROFILE_HISTORY.read_text().strip() + "\n")
     return lines
 
 

@@ -7,8 +7,9 @@ process (``bench/workers.py``), in alternating rounds so that drift on the machi
 
 Measured: the floor (raw PING / SET from the same client), uncontended acquire+release,
 contention (2/4/8 processes, hold 0/1/10 ms, work outside 2x hold), renewal of
-100/1,000/10,000 live leases, and Celery throughput (``bench/celery_bench.py``). The
-targets of issues 2 and 8 are checked as ratios from this same run.
+100/1,000/10,000 live leases, Celery throughput (``bench/celery_bench.py``) and where
+a singleton run's time goes (``bench/celery_profile.py``, its quick form, in every mode).
+The targets of issues 2 and 8 are checked as ratios from this same run.
 
 Writes ``bench/results.md``, ``bench/results.png`` and ``bench/results.json``.
 
@@ -51,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="about a minute: fewer, shorter runs")
     mode.add_argument("--smoke", action="store_true", help="seconds: core parts only (tests)")
     parser.add_argument("--no-peers", action="store_true", help="do not install or run peers")
-    parser.add_argument("--no-celery", action="store_true", help="skip bench/celery_bench.py")
+    parser.add_argument(
+        "--no-celery", action="store_true", help="skip bench/celery_bench.py and celery_profile.py"
+    )
     parser.add_argument("--out", type=Path, default=BENCH, help="where results.* go")
     return parser.parse_args(argv)
 

@@ -29,7 +29,9 @@ when it returns or raises.
 
 ``timeout`` is how long to wait for the lock before the conflict choice applies:
 ``0`` (the default for ``"skip"``/``"raise"``) tries once; for ``"wait"`` the default
-is ``None``, as long as it takes.
+is ``None``, as long as it takes. The decision, its log line and the ``conflict``
+event (carrying the choice as its policy, :mod:`task_locks.events`) are
+``@singleton_task``'s own, from :mod:`task_locks.policies`.
 
 A lease lost while the function ran (its TTL ran out: the process was paused, the
 backend unreachable) makes an otherwise successful call raise
@@ -42,16 +44,17 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
-from . import events
 from .backends.base import Backend
 from .config import resolve_backend, validate_ttl
 from .context import AnyLease, _current
 from .errors import BackendUnavailable, InvalidArgument, LockHeld, LockLost
 from .keys import KeySpec, TaskKey
 from .lock import AsyncLease, AsyncLock, Lease, Lock, _Unset, validate_timeout
+from .plans import Call, Step, adrive, drive
+from .policies import Outcome, attempts, check_on_conflict, decide, take
 
 log = logging.getLogger("task_locks.decorators")
 
@@ -59,21 +62,6 @@ log = logging.getLogger("task_locks.decorators")
 LOCKED_ON_CONFLICT: Final = ("skip", "raise", "wait")
 F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT: Final = _Unset()
-
-
-def _conflict(on_conflict: str, label: str, name: str, held: LockHeld) -> None:
-    """``"skip"``: log and return (the call returns ``None``); otherwise raise ``held``."""
-    if on_conflict != "skip":
-        raise held
-    who = held.holder.describe() if held.holder is not None else "another holder"
-    log.info("%s skipped: lock %r is held by %s", label, name, who)
-
-
-def _release_failed(label: str, lease: AnyLease, exc: LockLost | BackendUnavailable) -> None:
-    """After a successful body: a lost lease is an error, an unreachable backend is not."""
-    if isinstance(exc, LockLost):
-        raise exc
-    # Unreachable: the lease was marked lost (outcome unknown), and that was logged.
 
 
 def locked(
@@ -96,11 +84,7 @@ def locked(
     :class:`~task_locks.InvalidArgument` here, when the function is decorated. The
     decorated function gets ``lock_name(*args, **kwargs)``: the lock a call would take.
     """
-    if on_conflict not in LOCKED_ON_CONFLICT:
-        raise InvalidArgument(
-            "locked: on_conflict must be one of "
-            f"{', '.join(map(repr, LOCKED_ON_CONFLICT))}, got {on_conflict!r}"
-        )
+    check_on_conflict(on_conflict, "locked", LOCKED_ON_CONFLICT)
     if ttl is not None:
         validate_ttl(ttl)
     if max_hold is not None:
@@ -119,54 +103,53 @@ def locked(
         render = TaskKey(key, function, qualified, bound=False, kind="function")
         label = f"function {qualified}"
 
+        def plan(args: Any, kwargs: Any) -> Generator[Step, Any, Any]:
+            """One call: take the lock as ``on_conflict`` says, run, release."""
+            name = render(args, kwargs)
+
+            def on_held(held: LockHeld, number: int) -> bool:
+                last = number >= len(timeouts)
+                return (
+                    decide(on_conflict, held, last=last, name=name, label=label, logger=log)
+                    is Outcome.SKIP
+                )
+
+            timeouts = attempts(on_conflict, wait)
+            acquire = functools.partial(_Acquire, name, options)
+            lease = yield from take(acquire, timeouts, on_conflict, label, on_held)
+            if lease is None:
+                return None
+            reset = _current.set(lease)
+            try:
+                result = yield Call(function, args, kwargs)
+            except BaseException:
+                try:
+                    yield _Release(lease)
+                except (LockLost, BackendUnavailable):
+                    pass  # the lease was marked lost, and that was logged (task_locks.events)
+                raise  # the body's exception is the one the caller must see
+            finally:
+                _current.reset(reset)
+            try:
+                yield _Release(lease)
+            except BackendUnavailable:
+                # Unreachable: the lease was marked lost (outcome unknown), and that was
+                # logged. A LockLost (lost while the body ran) fails the call.
+                pass
+            return result
+
         if inspect.iscoroutinefunction(function):
 
             @functools.wraps(function)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                name = render(args, kwargs)
-                try:
-                    with events.context(policy=on_conflict, detail=label):
-                        lease = await AsyncLock(name, **options).acquire(timeout=wait)
-                except LockHeld as held:
-                    return _conflict(on_conflict, label, name, held)
-                reset = _current.set(lease)
-                try:
-                    result = await function(*args, **kwargs)
-                except BaseException:
-                    await _arelease_quietly(label, lease)
-                    raise
-                finally:
-                    _current.reset(reset)
-                try:
-                    await lease.release()
-                except (LockLost, BackendUnavailable) as exc:
-                    _release_failed(label, lease, exc)
-                return result
+                return await adrive(plan(args, kwargs))
 
             wrapper: Any = run_async
         else:
 
             @functools.wraps(function)
             def run(*args: Any, **kwargs: Any) -> Any:
-                name = render(args, kwargs)
-                try:
-                    with events.context(policy=on_conflict, detail=label):
-                        lease = Lock(name, **options).acquire(timeout=wait)
-                except LockHeld as held:
-                    return _conflict(on_conflict, label, name, held)
-                reset = _current.set(lease)
-                try:
-                    result = function(*args, **kwargs)
-                except BaseException:
-                    _release_quietly(label, lease)
-                    raise
-                finally:
-                    _current.reset(reset)
-                try:
-                    lease.release()
-                except (LockLost, BackendUnavailable) as exc:
-                    _release_failed(label, lease, exc)
-                return result
+                return drive(plan(args, kwargs))
 
             wrapper = run
         wrapper.lock_name = lambda *args, **kwargs: render(args, kwargs)
@@ -175,19 +158,30 @@ def locked(
     return decorate
 
 
-def _release_quietly(label: str, lease: Lease) -> None:
-    """Release after the body raised: its exception is the one the caller must see."""
-    try:
-        lease.release()
-    except (LockLost, BackendUnavailable):
-        pass  # the lease was marked lost, and that was logged (task_locks.events)
+class _Acquire(NamedTuple):
+    """Take the call's lock once, waiting up to ``timeout``."""
+
+    name: str
+    options: dict[str, Any]
+    timeout: float | None
+
+    def run(self) -> Lease:
+        return Lock(self.name, **self.options).acquire(timeout=self.timeout)
+
+    async def arun(self) -> AsyncLease:
+        return await AsyncLock(self.name, **self.options).acquire(timeout=self.timeout)
 
 
-async def _arelease_quietly(label: str, lease: AsyncLease) -> None:
-    try:
-        await lease.release()
-    except (LockLost, BackendUnavailable):
-        pass  # the lease was marked lost, and that was logged (task_locks.events)
+class _Release(NamedTuple):
+    """Release the call's lease (token-checked)."""
+
+    lease: AnyLease
+
+    def run(self) -> None:
+        cast(Lease, self.lease).release()
+
+    async def arun(self) -> None:
+        await cast(AsyncLease, self.lease).release()
 
 
 __all__ = ["LOCKED_ON_CONFLICT", "locked"]

@@ -73,6 +73,14 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     for heading in ["## Targets", "## The floor", "## Uncontended", "## Contention", "## Renewal"]:
         assert heading in markdown
     assert "python-redis-lock | not installed: skipped (--no-peers)" in markdown
+    # The singleton run profile (bench/celery_profile.py, quick) is written by the report,
+    # and its issue-15 record kept under it.
+    profile = results["celery_profile"]
+    assert profile["status"] == "ok", profile
+    assert profile["singleton_us"] > 0 and profile["parts_us"]
+    assert "## Celery: where a singleton run's time goes" in markdown
+    assert "| part of one singleton run" in markdown
+    assert "### Recorded for issue 15" in markdown
     assert (tmp_path / "results.png").read_bytes().startswith(b"\x89PNG")
 
 

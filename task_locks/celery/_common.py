@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..context import AnyLease, current_lease
 from ..errors import LockHeld
+from ..policies import ON_CONFLICT
 
 if TYPE_CHECKING:
     from .task import SingletonTask
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 SKIPPED: Final = "SKIPPED"
 #: The state of a beat tick refused because it was sent under an old leader's term.
 STALE_TICK: Final = "STALE_TICK"
-ON_CONFLICT: Final = ("skip", "retry", "wait", "raise")
 LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
 TOKEN_HEADER: Final = "task_locks_token"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ..config import validate_ttl
 from ..errors import InvalidArgument
 from ..lock import validate_timeout
-from ._common import ON_CONFLICT
+from ..policies import ON_CONFLICT, check_on_conflict
 
 if TYPE_CHECKING:
     from .task import SingletonTask
@@ -65,11 +65,8 @@ def check_lock_options(task_name: str, options: object) -> dict[str, Any]:
         )
     checked = dict(options)
     what = f"task {task_name}: lock_options"
-    if "on_conflict" in checked and checked["on_conflict"] not in ON_CONFLICT:
-        raise InvalidArgument(
-            f"{what}: on_conflict must be one of {', '.join(map(repr, ON_CONFLICT))}, "
-            f"got {checked['on_conflict']!r}"
-        )
+    if "on_conflict" in checked:
+        check_on_conflict(checked["on_conflict"], what, ON_CONFLICT)
     for key in ("ttl", "max_hold", "enqueue_ttl"):
         if checked.get(key) is not None:
             checked[key] = validate_ttl(checked[key], f"{what}: {key}")

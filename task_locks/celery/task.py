@@ -29,13 +29,14 @@ from celery import Task, shared_task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore
 
-from .. import events
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
 from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
+from ..plans import Call, adrive, drive
+from ..policies import Outcome, attempts, check_on_conflict, decide, holder_of, take
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
 from ..types import Holder
 from ._common import (
@@ -105,11 +106,7 @@ def check_options(
     limit: object = 1,
 ) -> TaskKey:
     """Validate a singleton task's lock options; the compiled key, or InvalidArgument."""
-    if on_conflict not in ON_CONFLICT:
-        raise InvalidArgument(
-            f"task {task_name}: on_conflict must be one of {', '.join(map(repr, ON_CONFLICT))},"
-            f" got {on_conflict!r}"
-        )
+    check_on_conflict(on_conflict, f"task {task_name}", ON_CONFLICT)
     if lock_on not in LOCK_ON:
         raise InvalidArgument(
             f"task {task_name}: lock_on must be one of {', '.join(map(repr, LOCK_ON))}, "
@@ -305,7 +302,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _attempts(self) -> list[float | None]:
         """Acquire timeouts to try in turn: once, then (``wait``) for up to wait_timeout."""
-        return [0.0, self.wait_timeout] if self.on_conflict == "wait" else [0.0]
+        return attempts(self.on_conflict, self.wait_timeout if self.on_conflict == "wait" else 0.0)
 
     def _run_token(self, handed: str | None) -> str | None:
         """The token the run acquires under: ``"both"`` takes over its publish-time lock.
@@ -327,9 +324,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     # -- the run -----------------------------------------------------------------------
     #
     # One plan (:meth:`_plan`, a generator) makes every decision of a run and yields the
-    # I/O it needs as typed steps; :func:`_drive` performs them with blocking calls and
-    # :func:`_adrive` with awaited ones (async tasks). Errors of a step are thrown back
-    # into the plan, which handles them where the decision is made.
+    # I/O it needs as typed steps; :mod:`task_locks.plans` drives it with blocking or
+    # awaited calls (async tasks). Errors of a step are thrown back into the plan, which
+    # handles them where the decision is made.
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         per_call = call_options(self)  # apply_async(lock_options=...): run on a copy
@@ -345,7 +342,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         with owner_context(**self._owner(request)):
             if self._is_async:
                 return asyncio.run(self._arun_in_own_loop(body, name, handed, args, kwargs))
-            return _drive(self._plan(body, name, handed, args, kwargs))
+            return drive(self._plan(body, name, handed, args, kwargs))
 
     async def _arun_in_own_loop(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
@@ -356,7 +353,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         its sockets are closed now instead of being left to the garbage collector.
         """
         try:
-            return await _adrive(self._plan(body, name, handed, args, kwargs))
+            return await adrive(self._plan(body, name, handed, args, kwargs))
         finally:
             used = [self._lock_backend()]
             if _beat_tick(self.request) is not None:
@@ -370,7 +367,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     def _plan(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
     ) -> Generator[_Step, Any, Any]:
-        """Every decision of one run; yields its I/O (see :func:`_drive`)."""
+        """Every decision of one run; yields its I/O (see :mod:`task_locks.plans`)."""
         request = self.request
         if handed and self.lock_on == "enqueue":
             yield from self._drop_queued_lock(name, handed)
@@ -383,7 +380,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 if self._refuse_stale(tick, current):
                     return None
         if self.lock_on == "enqueue":
-            return (yield _Body(body, args, kwargs))
+            return (yield Call(body, args, kwargs))
         if releaser.pending(name):  # this process's last run of the key is letting go
             releaser.flush_key(name)
         task_id = request.id
@@ -408,7 +405,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         if guard is not None:
             live_leases.add(task_id, guard)
         try:
-            result = yield _Body(body, args, kwargs)
+            result = yield Call(body, args, kwargs)
         except BaseException:
             yield from self._release(lease, task_id, failing=True)
             yield from self._release_guard(guard, task_id)
@@ -425,18 +422,16 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     ) -> Generator[_Step, Any, AnyLease | None]:
         """Acquire as ``on_conflict`` says (the run guard if ``guard``); ``None``: return
         without running."""
-        attempts = self._attempts()
-        number = 0
-        while True:
-            timeout = attempts[number]
-            number += 1
-            try:
-                with events.context(policy=self.on_conflict, detail=f"task {self.name}"):
-                    lease: AnyLease = yield _Acquire(self, name, token, guard, timeout)
-                    return lease
-            except LockHeld as held:
-                if self._conflict(name, held, attempts, number):
-                    return None
+        timeouts = self._attempts()
+        return (
+            yield from take(
+                functools.partial(_Acquire, self, name, token, guard),
+                timeouts,
+                self.on_conflict,
+                f"task {self.name}",
+                lambda held, number: self._conflict(name, held, timeouts, number),
+            )
+        )
 
     def _release_guard(
         self, guard: AnyLease | None, task_id: str | None, later: str | None = None
@@ -580,12 +575,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         """
         request = self.request
         holder_id = held.holder.owner.task_id if held.holder is not None else None
-        if held.holder is not None:
-            who = held.holder.describe()
-        elif self.lock_limit > 1:
-            who = f"others (all {self.lock_limit} permits are taken)"
-        else:
-            who = "another holder"
+        who = holder_of(held, self.lock_limit)
         if request.id is not None and holder_id == request.id:
             # The same task id holds the key: a second delivery of a message that is still
             # running (acks_late redelivery, visibility timeout, duplicate delivery), refused
@@ -603,11 +593,19 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 who,
             )
             raise Ignore()
-        if number < len(attempts):
+        outcome = decide(
+            self.on_conflict,
+            held,
+            last=number >= len(attempts),
+            name=name,
+            label=f"task {self.name}[{request.id}]",
+            logger=log,
+            who=who,
+            note=f" (holder task id {holder_id})",
+        )
+        if outcome is Outcome.AGAIN:
             return False
-        if self.on_conflict == "raise":
-            raise held
-        if self.on_conflict == "retry":
+        if outcome is Outcome.RETRY:
             countdown = self.retry_countdown * random.uniform(0.5, 1.5)
             log.info(
                 "task %s[%s]: lock %r is held by %s; retrying in %.2fs",
@@ -618,16 +616,6 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 countdown,
             )
             raise self.retry(exc=held, countdown=countdown)
-        if self.on_conflict == "wait":
-            raise held  # waited wait_timeout in vain
-        log.info(
-            "task %s[%s] skipped: lock %r is held by %s (holder task id %s)",
-            self.name,
-            request.id,
-            name,
-            who,
-            holder_id,
-        )
         if request.called_directly or request.id is None:
             return True
         meta: dict[str, Any] = {"lock": name, "holder_task_id": holder_id, "holder": who}
@@ -665,20 +653,6 @@ class _Acquire(NamedTuple):
         lock = run_lock(self.name)
         lock._token = self.token
         return lock
-
-
-class _Body(NamedTuple):
-    """Run the task's body."""
-
-    body: Callable[..., Any]
-    args: Any
-    kwargs: Any
-
-    def run(self) -> Any:
-        return self.body(*self.args, **self.kwargs)
-
-    async def arun(self) -> Any:
-        return await self.body(*self.args, **self.kwargs)
 
 
 class _Late(NamedTuple):
@@ -757,47 +731,7 @@ class _ClaimHolds(NamedTuple):
         return await aclaim_holds(self.app, self.tick)
 
 
-_Step = _Acquire | _Body | _Release | _Renew | _DropQueued | _ElectionHolder | _ClaimHolds
-
-
-class _Finished(NamedTuple):
-    value: Any
-
-
-def _advance(
-    plan: Generator[_Step, Any, Any], answer: Any, error: BaseException | None
-) -> _Step | _Finished:
-    """Hand a step's answer (or its error) to the plan; its next step, or its result."""
-    try:
-        return plan.send(answer) if error is None else plan.throw(error)
-    except StopIteration as done:
-        return _Finished(done.value)
-
-
-def _drive(plan: Generator[_Step, Any, Any]) -> Any:
-    """Run a run's plan with blocking I/O."""
-    step = _advance(plan, None, None)
-    while not isinstance(step, _Finished):
-        try:
-            answer = step.run()
-        except BaseException as exc:
-            step = _advance(plan, None, exc)
-        else:
-            step = _advance(plan, answer, None)
-    return step.value
-
-
-async def _adrive(plan: Generator[_Step, Any, Any]) -> Any:
-    """Run a run's plan with awaited I/O (``async def`` tasks)."""
-    step = _advance(plan, None, None)
-    while not isinstance(step, _Finished):
-        try:
-            answer = await step.arun()
-        except BaseException as exc:
-            step = _advance(plan, None, exc)
-        else:
-            step = _advance(plan, answer, None)
-    return step.value
+_Step = _Acquire | Call | _Release | _Renew | _DropQueued | _ElectionHolder | _ClaimHolds
 
 
 def _late_release_failed(task_name: str, task_id: str | None, lease: Lease, exc: LockError) -> None:

@@ -21,6 +21,7 @@ from task_locks import (
     LockHeld,
     LockLost,
     current_lease,
+    events,
     get_backend,
     locked,
 )
@@ -194,6 +195,56 @@ def test_async_functions_share_the_policies(url: str) -> None:
         await get_backend(url).aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_conflict_is_reported_as_an_event_with_the_policy(url: str) -> None:
+    """A skip is a ``conflict`` event with policy "skip" (as ``@singleton_task``'s), sync
+    and async; "raise" and "wait" report theirs, naming the function."""
+    seen: list[events.LockEvent] = []
+    subscription = events.subscribe(seen.append, {"conflict"})
+
+    @locked("ev:{n}", backend=url)
+    def skipping(n: int) -> int:
+        return n
+
+    @locked("ev:{n}", backend=url)
+    async def askipping(n: int) -> int:
+        return n
+
+    async def askip_once() -> int | None:
+        try:
+            return await askipping(1)
+        finally:
+            await get_backend(url).aclose()  # this loop's client ends with it
+
+    @locked("ev:{n}", on_conflict="raise", backend=url)
+    def raising(n: int) -> int:
+        return n
+
+    @locked("ev:{n}", on_conflict="wait", timeout=0.1, backend=url)
+    def waiting(n: int) -> int:
+        return n
+
+    try:
+        with Lock("ev:1", ttl=10, backend=url):
+            assert skipping(1) is None
+            assert asyncio.run(askip_once()) is None
+            with pytest.raises(LockHeld):
+                raising(1)
+            with pytest.raises(LockHeld):
+                waiting(1)
+        assert events.flush(5.0)
+    finally:
+        subscription.close()
+    got = [(e.name, e.policy, e.detail.rpartition(".")[2]) for e in seen]
+    assert got == [
+        ("ev:1", "skip", "skipping"),
+        ("ev:1", "skip", "askipping"),
+        ("ev:1", "raise", "raising"),
+        ("ev:1", "wait", "waiting"),  # met: it waits
+        ("ev:1", "wait", "waiting"),  # the wait ran out
+    ]
+    assert all(e.detail.startswith(f"function {__name__}.") for e in seen)
 
 
 def test_one_current_lease_for_celery_and_locked() -> None:
