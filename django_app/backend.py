@@ -385,6 +385,15 @@ def _setup_django() -> None:
         django.setup()
 
 
+class _NotConnected(BackendUnavailable):
+    """No connection could be opened: nothing was sent, so no outcome is unknown.
+
+    Why its own class: an acquire retries a failed call once (its COMMIT may have
+    landed), but retrying a connect that timed out would only double the time an
+    unreachable database takes to be reported.
+    """
+
+
 class DjangoBackend(Backend):
     """Locks in the ``task_locks_lock`` table of the database ``ALIAS`` names."""
 
@@ -485,9 +494,11 @@ class DjangoBackend(Backend):
         seconds = self.timeout if budget is None else budget
         wrapper = None
         armed: _Deadline | None = None
+        connected = False
         try:
             wrapper = self._pool.checkout()
             armed = self._arm(wrapper, seconds)
+            connected = True
             with wrapper.cursor() as cursor:
                 if transaction:
                     cursor.execute(self.dialect.begin)
@@ -510,7 +521,7 @@ class DjangoBackend(Backend):
                 hint = f" (no answer within {seconds:g}s: the outcome is unknown)"
             elif "no such table" in text or "does not exist" in text or "doesn't exist" in text:
                 hint = " (has `manage.py migrate` been run for the task_locks app?)"
-            raise BackendUnavailable(
+            raise (BackendUnavailable if connected else _NotConnected)(
                 f"lock database {self.server} failed: {exc}{hint}", name=name, server=self.server
             ) from exc
         except BaseException:
@@ -580,6 +591,8 @@ class DjangoBackend(Backend):
         self._check_ttl(name, ttl_ms)
         try:
             return self._take(name, token, ttl_ms, owner)
+        except _NotConnected:
+            raise  # nothing was sent: no unknown outcome, and a retry doubles the wait
         except BackendUnavailable as exc:
             if not isinstance(exc.__cause__, (OperationalError, InterfaceError)):
                 raise

@@ -508,8 +508,14 @@ class RedisBackend(Backend):
             return master
         if self.cluster:
             nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self._hosts()]
+            # The same single retry (after the client refreshed its slot map): redis-py's
+            # default (three, with backoff) made a frozen primary take 11 s to report.
             return flavour.cluster.RedisCluster(
-                startup_nodes=nodes, username=self._user(), password=self._password(), **common
+                startup_nodes=nodes,
+                username=self._user(),
+                password=self._password(),
+                retry=retry,
+                **common,
             )
         database = self._parts.path.strip("/")
         if self.scheme != "unix" and database and not database.isdigit():
