@@ -1,11 +1,12 @@
 """Property-based tests: generated names, TTLs and timeouts, the same on every backend.
 
 Each property runs against every backend on real servers (the conformance deployments,
-plus a real Redis Cluster and MariaDB where the machine has them). A name that
-``validate_name`` accepts must be one distinct lock everywhere: Redis Cluster hash tags
-(``{``/``}`` in a name), SCAN glob characters, SQL ``LIKE`` wildcards, case, trailing
-blanks and accents (case- and accent-insensitive collations), and unicode. A value that is
-refused must be refused the same way everywhere, before any server is asked.
+plus a Redis behind a Sentinel, a real Redis Cluster, and MariaDB where the machine has
+them). A name that ``validate_name`` accepts must be one distinct lock everywhere: Redis
+Cluster hash tags (``{``/``}`` in a name), SCAN glob characters, SQL ``LIKE`` wildcards,
+case, trailing blanks and accents (case- and accent-insensitive collations), and unicode.
+A value that is refused must be refused the same way by every scheme (django://,
+Sentinel and Cluster URLs included), before any server is asked.
 
 Examples are few per backend (each costs real round trips); Hypothesis keeps the
 failing ones in its database only when the run is not under CI.
@@ -19,13 +20,12 @@ import time
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
-from servers import RedisClusterNodes
 
 from task_locks import InvalidArgument, Lock, LockHeld, get_backend
 from task_locks.config import validate_ttl
 from task_locks.lock import MAX_NAME_LENGTH, validate_name, validate_timeout
 
-from .conftest import KINDS, _django_params, build_deployment
+from .conftest import KINDS, REDIS_TOPOLOGIES, _django_params, build_deployment
 
 #: Characters that mean something to one backend or another.
 TRICKY = "{}*?[]\\%_:/ .-'\"AaÉéeß\u017fK\u212a\u00a0\u3000😀"
@@ -42,12 +42,10 @@ EXAMPLES = settings(
 )
 
 
-@pytest.fixture(params=[*KINDS, *_django_params(), "redis-cluster"])
+@pytest.fixture(params=[*KINDS, *_django_params(), *REDIS_TOPOLOGIES])
 def url(request: pytest.FixtureRequest) -> str:
-    """Every conformance deployment, and a real 3-primary Redis Cluster."""
-    if request.param == "redis-cluster":
-        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
-        return cluster.url(prefix=f"prop-{time.monotonic_ns()}:")
+    """Every conformance deployment, a Redis behind a Sentinel and a real 3-primary Redis
+    Cluster."""
     return build_deployment(request, request.param).url
 
 
@@ -198,10 +196,16 @@ def test_a_held_lock_is_refused_within_the_timeout(url: str, timeout: float) -> 
 
 @pytest.fixture(scope="module")
 def all_urls() -> list[str]:
-    """Backends that need no server: refusals must not depend on reaching one."""
+    """One URL of every scheme, none of them reachable: refusals must not depend on
+    reaching a server (a django:// backend opens no connection before its first call)."""
+    from django.conf import settings
+
     return [
         "memory://properties",
         "redis://127.0.0.1:1/0",
+        "redis+sentinel://127.0.0.1:1/mymaster",
+        "redis+cluster://127.0.0.1:1,127.0.0.1:2",
         "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
         "etcd://127.0.0.1:1",
+        *(f"django://{alias}" for alias in sorted(settings.DATABASES)),
     ]
