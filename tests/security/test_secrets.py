@@ -3,7 +3,9 @@ failure path we can produce, and everything task-locks printed is searched for i
 
 Searched: each exception's message, repr and whole chain (``raise ... from``, as a
 traceback prints it), every log record at DEBUG (with its traceback), ``repr(backend)``,
-and the output of ``task-locks list --json``, ``show`` and ``--help``.
+and the output of ``task-locks list --json``, ``show`` and ``--help``; events (through a
+subscriber); and besides the password, etcd's auth token and the TLS private keys'
+contents.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from secure_fixtures import ETCD_RBAC_PREFIX, SECRET
-from servers import AuthEtcdServer, Certs, SecureRedisServer, free_port
+from servers import AuthEtcdServer, Certs, SecureRedisServer, TLSEtcdServer, free_port
 
-from task_locks import Lock, get_backend
+from task_locks import Lock, events, get_backend
 from task_locks.cli import main as cli
 from task_locks.errors import LockError
 
@@ -148,3 +150,58 @@ def test_working_secured_backends(
             outputs.append(repr(get_backend(url)))
             for argv in (["list", "--json"], ["show", "held", "--json"], ["list"], ["--help"]):
                 _failure(outputs, lambda argv=argv, url=url: cli(["--url", url, *argv]))
+
+
+def _key_body(path: object) -> list[str]:
+    """The base64 lines of a PEM private key file (any one of them would be a leak)."""
+    lines = open(str(path)).read().splitlines()
+    return [line for line in lines if line and not line.startswith("-----")]
+
+
+def test_no_auth_token_key_contents_or_password_in_any_output(
+    outputs: list[str],
+    rbac_etcd: AuthEtcdServer,
+    tls_etcd: TLSEtcdServer,
+    tls_redis: SecureRedisServer,
+    certs: Certs,
+) -> None:
+    """etcd's auth token and the TLS private keys' contents are secrets as well: through a
+    working lock, a renewed token, events, bad key files and the CLI, none of them shows.
+
+    Events are searched too (every kind, through a subscriber), not only logs."""
+    seen_events: list[str] = []
+    subscription = events.subscribe(lambda event: seen_events.append(repr(event)))
+    try:
+        etcd_url = rbac_etcd.url(prefix=ETCD_RBAC_PREFIX + "token/")
+        backend = get_backend(etcd_url)
+        with Lock("token-probe", ttl=5, backend=etcd_url) as lease:
+            token = backend._token  # type: ignore[attr-defined]
+            assert token, "the RBAC user never authenticated"
+            rbac_etcd.invalidate_tokens()  # the next call renews it, and may log why
+            lease.renew()  # raises if it failed
+            tokens = {token, backend._token}  # type: ignore[attr-defined]
+            outputs.append(repr(backend))
+            for argv in (["list", "--json"], ["show", "token-probe", "--json"], ["list"]):
+                _failure(outputs, lambda argv=argv: cli(["--url", etcd_url, *argv]))
+        # Key files in the wrong places: TLS libraries read them and complain.
+        swapped = (
+            f"etcds://127.0.0.1:{tls_etcd.port}?ca={certs.ca}&cert={certs.client_key}"
+            f"&key={certs.client_cert}&timeout=1",
+            f"etcds://127.0.0.1:{tls_etcd.port}?ca={certs.client_key}&cert={certs.client_cert}"
+            f"&key={certs.client_key}&timeout=1",
+            tls_redis.url(ssl_keyfile=certs.ca, socket_timeout=1),
+            tls_redis.url(ssl_ca_certs=certs.client_key, socket_timeout=1),
+        )
+        for url in swapped:
+            assert _exercise(outputs, url) is not None, url.split("?")[0]
+        for url in (tls_etcd.url(prefix="keys/"), tls_redis.url(prefix="keys:")):
+            with Lock("key-probe", ttl=5, backend=url):
+                _failure(outputs, lambda url=url: cli(["--url", url, "list", "--json"]))
+        events.flush()
+    finally:
+        events.unsubscribe(subscription)
+    assert seen_events, "no event was emitted: the event search is vacuous"
+    outputs += seen_events
+    secrets = [*tokens, *_key_body(certs.client_key), *_key_body(certs.server_key)]
+    leaks = [(s[:8], text[:300]) for text in outputs for s in secrets if s in text]
+    assert not leaks, leaks[0]
