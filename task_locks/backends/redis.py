@@ -328,6 +328,30 @@ def script_command(which: str, by_sha: bool, args: Sequence[Any]) -> tuple[Any, 
     return ("EVAL", SCRIPTS.source[which], *args)
 
 
+def _share_tls_context(pool: Any) -> None:
+    """Give every TLS connection of an asyncio ``pool`` one shared context.
+
+    redis.asyncio builds a fresh ``ssl.create_default_context()`` for each new
+    connection: loading the system CA store costs about 70 ms of CPU, in the event
+    loop's thread. A dozen waiters opening connections at once blocked the loop for
+    about a second, long enough for the holder's renewal to miss a short TTL.
+    """
+    base = pool.connection_class
+    if not issubclass(base, redis.asyncio.connection.SSLConnection):
+        return
+    shared: list[Any] = []
+
+    class SharedContextSSLConnection(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            if shared:
+                self.ssl_context = shared[0]
+            else:
+                shared.append(self.ssl_context)
+
+    pool.connection_class = SharedContextSSLConnection
+
+
 class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
     """A sentinel-managed connection that is dropped after any read error.
 
@@ -529,6 +553,8 @@ class RedisBackend(Backend):
         except ValueError as exc:
             raise InvalidArgument(f"malformed Redis URL {self.server}: {exc}") from exc
         pool = client.connection_pool
+        if flavour is _ASYNC:
+            _share_tls_context(pool)
         try:  # an unknown query option would otherwise fail at the first command
             pool.connection_class(**pool.connection_kwargs)
         except TypeError as exc:

@@ -49,23 +49,6 @@ from .test_renew_ttl import (  # noqa: F401
 
 SECURED = ["etcds", "etcd-rbac", "rediss", "redis-acl"]
 
-#: Known, and load-dependent (not strict): redis-py builds an ``ssl.create_default_context()``
-#: (the system CA store, about 70 ms of CPU here) for every new TLS connection, in the
-#: event loop's thread: the 12 waiters' connections can block the loop for about a second,
-#: longer than the holder's 0.6 s TTL, so its renewal comes too late.
-KNOWN = {
-    "test_async_waiters_do_not_hold_up_the_holder[rediss]": "redis-py loads the system CA "
-    "store per new TLS connection, blocking the event loop past the 0.6 s TTL",
-}
-
-
-@pytest.fixture(autouse=True)
-def _known_failures(request: pytest.FixtureRequest) -> None:
-    reason = KNOWN.get(request.node.name)
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
-
-
 def _bad_urls(kind: str) -> list[str]:
     """URLs of this deployment's scheme, with its credentials, refused at definition
     (the body checks no password is in the refusal)."""
