@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from servers import RedisMasters
+from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
 from task_locks.backends.redlock import RedlockBackend
@@ -213,8 +213,13 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
         return asyncio.run(run())
 
     assert backend.acquire("audit", "token-a", 30_000, Owner()).acquired
-    stored = {redis.Redis(port=s.port).hget("task_locks:{audit}", "fence") for s in masters}
-    assert len(stored) == (1 if fence_sync else 3)
+
+    def stored() -> set[bytes | None]:
+        return {redis.Redis(port=s.port).hget("task_locks:{audit}", "fence") for s in masters}
+
+    # The acquire returns once a majority took the synced fence; the last master's copy
+    # of it may still be on its way.
+    wait_until(lambda: len(stored()) == (1 if fence_sync else 3), 5, "the masters' fences")
     seen = backend.holder("audit")
     assert seen is not None
     assert backend.release("audit", "token-a")

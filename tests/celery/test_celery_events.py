@@ -6,6 +6,7 @@ a real Redis broker with no worker: what matters is what this process reports.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -118,6 +119,7 @@ def test_a_lost_lease_in_a_singleton_task_is_logged_once(
         if body_fails:
             raise RuntimeError("the body failed")
 
+    caplog.set_level(logging.WARNING, logger="task_locks")
     expected: Any = RuntimeError if body_fails else LockLost
     with pytest.raises(expected):
         sync(1)

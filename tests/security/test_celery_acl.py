@@ -11,6 +11,8 @@ taken over or dropped, the tick checked). After each test ``ACL LOG`` must be em
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -78,8 +80,18 @@ def app(locker_url: str) -> Iterator[Any]:
     yield app
 
 
-def _worker(app: Any) -> Any:
-    return start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10)
+@contextlib.contextmanager
+def _worker(app: Any) -> Iterator[Any]:
+    """Celery's in-process worker; it sets the root logger's level and handlers for the
+    whole process, which are put back after it, so later tests still see warnings."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10) as w:
+            yield w
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
 
 @pytest.mark.parametrize("lock_on", ["enqueue", "both"])
