@@ -74,13 +74,19 @@ def etcd_table() -> str:
     return "\n".join(lines)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the table where the cells ran (under xdist: in that worker)."""
     if not ETCD_CELLS:
         return
     ETCD_ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
     ETCD_ARTIFACT.write_text(
         f"# etcd under transport faults ({len(ETCD_CELLS)} cells)\n\n{etcd_table()}\n"
     )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    if not ETCD_CELLS:
+        return
     terminalreporter.section("etcd fault matrix")
     terminalreporter.write_line(etcd_table())
     terminalreporter.write_line(f"written to {ETCD_ARTIFACT}")

@@ -88,12 +88,20 @@ def chaos_database() -> Iterator[str | None]:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the report where the runs happened (under xdist: in the worker that ran
+    them; the controller has none)."""
+    if not report.OUTCOMES:
+        return
+    form = "long" if session.config.getoption("--chaos-long", default=False) else "short"
+    seconds = sum(o.seconds for o in report.OUTCOMES)
+    report.write(report.OUTCOMES, ARTIFACTS, form, seconds)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not report.OUTCOMES:
         return
     form = "long" if config.getoption("--chaos-long", default=False) else "short"
-    seconds = sum(o.seconds for o in report.OUTCOMES)
-    path = report.write(report.OUTCOMES, ARTIFACTS, form, seconds)
     terminalreporter.section(f"chaos report ({form} form)")
     terminalreporter.write_line(report.text_table(report.OUTCOMES))
-    terminalreporter.write_line(f"written to {path.relative_to(REPO)}")
+    terminalreporter.write_line(f"written to {(ARTIFACTS / 'chaos-report.md').relative_to(REPO)}")

@@ -164,16 +164,23 @@ def table(details: bool = True) -> str:
     return "\n".join(out)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the table where the cells ran (under xdist: in that worker)."""
+    if not RESULTS:
+        return
+    form = "long" if long_form(session.config) else "short"
+    seconds = time.monotonic() - _started
+    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+    ARTIFACT.write_text(
+        f"# Transport fault matrix ({form} form, {len(RESULTS)} cells, {seconds:.0f} s)\n\n"
+        f"{table()}\n"
+    )
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
     if not RESULTS:
         return
     form = "long" if long_form(config) else "short"
-    seconds = time.monotonic() - _started
-    text = table()
-    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
-    ARTIFACT.write_text(
-        f"# Transport fault matrix ({form} form, {len(RESULTS)} cells, {seconds:.0f} s)\n\n{text}\n"
-    )
     terminalreporter.section(f"fault matrix ({form} form)")
     terminalreporter.write_line(table(details=False))
     terminalreporter.write_line(f"written to {ARTIFACT}")
