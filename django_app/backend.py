@@ -177,6 +177,28 @@ class _Dialect:
             f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1"
         )
 
+    def take_fenced_sql(self) -> str:
+        """PostgreSQL: the whole acquire as ONE simple query (one round trip, one commit).
+
+        Two statements in one query string run in one implicit transaction: the upsert
+        of :meth:`take_sql`, then one statement that bumps the fence counter only if the
+        upsert gave the row to this token afresh (``fence = 0``), writes the new fence
+        into the row and returns the row. The second statement sees the first's row (a
+        new snapshot, our own write, its row lock held), and the counter's upsert locks
+        the latest counter row, so fences stay unique and increasing as with separate
+        statements. Parameters: ``take_sql``'s four, then name, token, name.
+        """
+        bump = (
+            f"WITH b AS (INSERT INTO {FENCES} (name, fence) SELECT name, 1 FROM {LOCKS} "
+            "WHERE name = %s AND token = %s AND fence = 0 "
+            f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1 RETURNING name, fence), "
+            f"u AS (UPDATE {LOCKS} SET fence = b.fence FROM b WHERE {LOCKS}.name = b.name) "
+            f"SELECT name, token, COALESCE((SELECT fence FROM b), fence), owner, "
+            f"{self.seconds_until('acquired_at')}, {self.seconds_until('expires_at')}, renewals "
+            f"FROM {LOCKS} WHERE name = %s"
+        )
+        return f"{self.take_sql()}; {bump}"
+
     @property
     def for_update(self) -> str:
         return "" if self.vendor == "sqlite" else " FOR UPDATE"
@@ -187,6 +209,13 @@ def _like_prefix(prefix: str) -> str:
     in MySQL and PostgreSQL string literals)."""
     escaped = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_")
     return escaped + "%"
+
+
+def _psycopg3() -> bool:
+    """Whether PostgreSQL is reached through psycopg 3 (else psycopg2)."""
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    return bool(is_psycopg3)
 
 
 class _Deadline:
@@ -230,13 +259,17 @@ class _Watchdog:
                     target=self._run, name="task-locks-db-watchdog", daemon=True
                 ).start()
             heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
-            self._cond.notify()
+            if self._heap[0][2] is deadline:  # else the thread wakes earlier anyway
+                self._cond.notify()
         return deadline
 
     def disarm(self, deadline: _Deadline) -> bool:
         """``True`` if the deadline fired: the connection is cut, throw it away."""
         with self._cond:
             deadline.done = True
+            heap = self._heap
+            while heap and heap[0][2].done:  # deadlines are mostly FIFO: keep it small
+                heapq.heappop(heap)
             return deadline.fired
 
     def _run(self) -> None:
@@ -303,6 +336,8 @@ class _Pool:
         vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
         if vendor == "postgresql":
             options.setdefault("connect_timeout", max(2, seconds))
+            # Client-side binding: an acquire is one multi-statement simple query.
+            options.pop("server_side_binding", None)
             idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
             options["options"] = f"{options.get('options', '')} {idle}".strip()
         elif vendor == "mysql":
@@ -601,33 +636,47 @@ class DjangoBackend(Backend):
     def _take(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
+        params = [key, token, owner.to_json(), d.ttl_param(ttl_ms)]
+        if d.vendor == "postgresql":
+            with self._cursor(name) as cursor:
+                cursor.execute(d.take_fenced_sql(), [*params, key, token, key])
+                if _psycopg3():
+                    while cursor.nextset():  # psycopg 3 keeps every result; psycopg2 the last
+                        pass
+                row = cursor.fetchone()
+            return self._taken(name, token, row)
         with self._cursor(name, transaction=True) as cursor:
-            cursor.execute(d.take_sql(), [key, token, owner.to_json(), d.ttl_param(ttl_ms)])
+            cursor.execute(d.take_sql(), params)
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
             row = cursor.fetchone()
-            if row is None:  # pragma: no cover - the upsert always leaves a row
-                raise BackendUnavailable(
-                    f"lock database {self.server}: the row of lock {name!r} vanished inside "
-                    "its acquire transaction",
-                    name=name,
-                    server=self.server,
-                )
-            holder = self._holder(row)
-            if holder.token != token:
-                return AcquireResult(
-                    None,
-                    max(0.0, holder.expires_at - time.time()) if holder.expires_at else None,
-                    holder.owner,
-                    holder.fence,
-                    holder.acquired_at,
-                )
-            if holder.fence:  # already ours: the upsert refreshed its expiry and owner
-                return AcquireResult(holder.fence)
-            cursor.execute(d.bump_fence_sql(), [key])
-            cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
-            fence = int(cursor.fetchone()[0])
-            cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
-        return AcquireResult(fence)
+            if row is not None and row[1] == token and not row[2]:
+                cursor.execute(d.bump_fence_sql(), [key])
+                cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
+                fence = int(cursor.fetchone()[0])
+                cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
+                return AcquireResult(fence)
+        return self._taken(name, token, row)
+
+    def _taken(self, name: str, token: str, row: Sequence[Any] | None) -> AcquireResult:
+        """The acquire's answer from the lock's row as the acquire left it."""
+        if row is None:  # pragma: no cover - the upsert always leaves a row
+            raise BackendUnavailable(
+                f"lock database {self.server}: the row of lock {name!r} vanished inside "
+                "its acquire transaction",
+                name=name,
+                server=self.server,
+            )
+        holder = self._holder(row)
+        if holder.token != token:
+            return AcquireResult(
+                None,
+                max(0.0, holder.expires_at - time.time()) if holder.expires_at else None,
+                holder.owner,
+                holder.fence,
+                holder.acquired_at,
+            )
+        # Ours: a fresh fence, or (same token again) the fence it kept with a new expiry.
+        return AcquireResult(holder.fence)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
@@ -672,14 +721,17 @@ class DjangoBackend(Backend):
         if fence is not None:
             where += " AND fence = %s"
             params.append(fence)
+        delete = f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}"
         with self._cursor(name) as cursor:
-            cursor.execute(
-                f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}", params
-            )
-            released = bool(cursor.rowcount > 0)
-            if released:
-                self._notify(cursor, name)
-            return released
+            if self.dialect.vendor == "postgresql":
+                # One round trip: the NOTIFY rides in the DELETE's statement (sent at commit).
+                cursor.execute(
+                    f"WITH d AS ({delete} RETURNING name) SELECT pg_notify(%s, name) FROM d",
+                    [*params, CHANNEL],
+                )
+                return cursor.fetchone() is not None
+            cursor.execute(delete, params)
+            return bool(cursor.rowcount > 0)
 
     def holders(self, prefix: str = "") -> list[Holder]:
         d = self.dialect
@@ -703,10 +755,6 @@ class DjangoBackend(Backend):
             )
             row = cursor.fetchone()
         return None if row is None else self._holder(row)
-
-    def _notify(self, cursor: Any, name: str) -> None:
-        if self.dialect.vendor == "postgresql":
-            cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, self.prefix + name])
 
     def _wait_for_notify(self, name: str, deadline: float) -> bool:
         """PostgreSQL: LISTEN, re-check the row, then sleep until a NOTIFY names it.
