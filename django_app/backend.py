@@ -48,6 +48,7 @@ has.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import math
@@ -211,6 +212,7 @@ def _like_prefix(prefix: str) -> str:
     return escaped + "%"
 
 
+@functools.cache
 def _psycopg3() -> bool:
     """Whether PostgreSQL is reached through psycopg 3 (else psycopg2)."""
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
@@ -243,12 +245,15 @@ class _Watchdog:
         self._heap: list[tuple[float, int, _Deadline]] = []
         self._order = itertools.count()
         self._pid = -1
+        #: When the thread wakes next by itself (inf: only when notified).
+        self._wake_at = math.inf
 
     def after_fork(self) -> None:
         """A forked child has no watchdog thread, and the lock may have been held by it."""
         self._cond = threading.Condition()
         self._heap = []
         self._pid = -1
+        self._wake_at = math.inf
 
     def arm(self, fileno: int, seconds: float) -> _Deadline:
         deadline = _Deadline(time.monotonic() + seconds, fileno)
@@ -259,7 +264,7 @@ class _Watchdog:
                     target=self._run, name="task-locks-db-watchdog", daemon=True
                 ).start()
             heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
-            if self._heap[0][2] is deadline:  # else the thread wakes earlier anyway
+            if deadline.at < self._wake_at:  # else the thread wakes in time anyway
                 self._cond.notify()
         return deadline
 
@@ -278,10 +283,12 @@ class _Watchdog:
                 while self._heap and self._heap[0][2].done:
                     heapq.heappop(self._heap)
                 if not self._heap:
+                    self._wake_at = math.inf
                     self._cond.wait()
                     continue
                 left = self._heap[0][0] - time.monotonic()
                 if left > 0:
+                    self._wake_at = self._heap[0][0]
                     self._cond.wait(left)
                     continue
                 deadline = heapq.heappop(self._heap)[2]
@@ -724,9 +731,15 @@ class DjangoBackend(Backend):
         delete = f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}"
         with self._cursor(name) as cursor:
             if self.dialect.vendor == "postgresql":
-                # One round trip: the NOTIFY rides in the DELETE's statement (sent at commit).
+                # One round trip: the NOTIFY rides in the DELETE's statement (sent at
+                # commit). A token-checked release commits without waiting for its WAL
+                # flush: a crash can only bring the row back until its TTL (as if this
+                # holder had died before releasing), and any acquire that saw the row gone
+                # flushes this commit with its own, the WAL being one sequence.
+                relaxed = ", set_config('synchronous_commit', 'off', true)" if token else ""
                 cursor.execute(
-                    f"WITH d AS ({delete} RETURNING name) SELECT pg_notify(%s, name) FROM d",
+                    f"WITH d AS ({delete} RETURNING name) SELECT pg_notify(%s, name){relaxed} "
+                    "FROM d",
                     [*params, CHANNEL],
                 )
                 return cursor.fetchone() is not None
