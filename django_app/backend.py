@@ -48,7 +48,6 @@ has.
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import itertools
 import math
@@ -81,6 +80,8 @@ POLL_FIRST = 0.01
 POLL_MAX = 0.2
 #: PostgreSQL: releases NOTIFY this channel (payload: the lock's name); waiters LISTEN.
 CHANNEL = "task_locks"
+#: PostgreSQL: an acquire that lost a race since its snapshot is re-run at most this often.
+RACE_RETRIES = 5
 #: PostgreSQL: a waiter re-reads the row at least this often, in case a NOTIFY was missed.
 NOTIFY_RECHECK = 1.0
 
@@ -178,27 +179,46 @@ class _Dialect:
             f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1"
         )
 
-    def take_fenced_sql(self) -> str:
-        """PostgreSQL: the whole acquire as ONE simple query (one round trip, one commit).
+    def take_pg_sql(self) -> str:
+        """PostgreSQL: the whole acquire as ONE statement (one round trip, one commit).
 
-        Two statements in one query string run in one implicit transaction: the upsert
-        of :meth:`take_sql`, then one statement that bumps the fence counter only if the
-        upsert gave the row to this token afresh (``fence = 0``), writes the new fence
-        into the row and returns the row. The second statement sees the first's row (a
-        new snapshot, our own write, its row lock held), and the counter's upsert locks
-        the latest counter row, so fences stay unique and increasing as with separate
-        statements. Parameters: ``take_sql``'s four, then name, token, name.
+        Parameters by name: ``name``, ``token``, ``owner``, ``ttl``. The sub-statements:
+
+        - ``live``: the live row, if any, in the statement's snapshot;
+        - ``mine``: that row is this token's: refresh its expiry and owner, keep its
+          fence (re-checked on the latest row version, as any UPDATE);
+        - ``bump``: no live row: the fence counter's next value, taken on the counter
+          row's latest version under its row lock, so no two bumps return the same
+          value and a later commit never gets a smaller one;
+        - ``took``: insert the row with that fence, or take over the row if it has
+          expired on its latest version; a row someone took since the snapshot stays
+          theirs (that fence is then never used: fences may skip, never repeat).
+
+        A lock held by someone else writes nothing (no commit to flush). The final
+        SELECT answers with the fence we got, else the snapshot's live holder; neither
+        (a race lost since the snapshot) means "try again at once".
         """
-        bump = (
-            f"WITH b AS (INSERT INTO {FENCES} (name, fence) SELECT name, 1 FROM {LOCKS} "
-            "WHERE name = %s AND token = %s AND fence = 0 "
-            f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1 RETURNING name, fence), "
-            f"u AS (UPDATE {LOCKS} SET fence = b.fence FROM b WHERE {LOCKS}.name = b.name) "
-            f"SELECT name, token, COALESCE((SELECT fence FROM b), fence), owner, "
-            f"{self.seconds_until('acquired_at')}, {self.seconds_until('expires_at')}, renewals "
-            f"FROM {LOCKS} WHERE name = %s"
+        later = "now() + %(ttl)s * interval '1 millisecond'"
+        return (
+            f"WITH live AS (SELECT * FROM {LOCKS} WHERE name = %(name)s AND expires_at > now()), "
+            f"mine AS (UPDATE {LOCKS} SET owner = %(owner)s, expires_at = {later} "
+            "WHERE name = %(name)s AND token = %(token)s AND expires_at > now() "
+            "RETURNING fence), "
+            f"bump AS (INSERT INTO {FENCES} (name, fence) SELECT %(name)s, 1 "
+            "WHERE NOT EXISTS (SELECT 1 FROM live) "
+            f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1 RETURNING fence), "
+            f"took AS (INSERT INTO {LOCKS} "
+            "(name, token, fence, owner, acquired_at, expires_at, renewals) "
+            f"SELECT %(name)s, %(token)s, bump.fence, %(owner)s, now(), {later}, 0 FROM bump "
+            "ON CONFLICT (name) DO UPDATE SET token = excluded.token, "
+            "fence = excluded.fence, owner = excluded.owner, "
+            "acquired_at = excluded.acquired_at, expires_at = excluded.expires_at, "
+            f"renewals = 0 WHERE {LOCKS}.expires_at <= now() RETURNING fence) "
+            "SELECT COALESCE((SELECT fence FROM took), (SELECT fence FROM mine)), "
+            f"live.token, live.fence, live.owner, {self.seconds_until('live.acquired_at')}, "
+            f"{self.seconds_until('live.expires_at')} FROM (SELECT 1) AS one "
+            "LEFT JOIN live ON true"
         )
-        return f"{self.take_sql()}; {bump}"
 
     @property
     def for_update(self) -> str:
@@ -210,14 +230,6 @@ def _like_prefix(prefix: str) -> str:
     in MySQL and PostgreSQL string literals)."""
     escaped = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_")
     return escaped + "%"
-
-
-@functools.cache
-def _psycopg3() -> bool:
-    """Whether PostgreSQL is reached through psycopg 3 (else psycopg2)."""
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    return bool(is_psycopg3)
 
 
 class _Deadline:
@@ -333,6 +345,8 @@ class _Pool:
           timeouts; PostgreSQL ends a session idle inside a transaction (a client that
           vanished mid-acquire) after the same time, so its row locks do not outlive it.
         - No Django connection pool: these connections are pooled here already.
+        - PostgreSQL: server-side binding (prepared statements), unless the alias says a
+          transaction-mode pooler is in the way (``DISABLE_SERVER_SIDE_CURSORS``).
         """
         settings_dict = self._settings()
         options = dict(settings_dict.get("OPTIONS") or {})
@@ -343,8 +357,14 @@ class _Pool:
         vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
         if vendor == "postgresql":
             options.setdefault("connect_timeout", max(2, seconds))
-            # Client-side binding: an acquire is one multi-statement simple query.
-            options.pop("server_side_binding", None)
+            if not settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+                # Prepared statements (psycopg 3, after a statement's 5th run on a
+                # connection): the server stops parsing and planning the acquire's CTE
+                # on every call, most of its cost besides the commit. Django turns them
+                # off for poolers; an alias behind a transaction-mode pooler says so
+                # with DISABLE_SERVER_SIDE_CURSORS (or an explicit prepare_threshold).
+                options.setdefault("server_side_binding", True)
+                options.setdefault("prepare_threshold", 5)
             idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
             options["options"] = f"{options.get('options', '')} {idle}".strip()
         elif vendor == "mysql":
@@ -645,13 +665,7 @@ class DjangoBackend(Backend):
         key = self.prefix + name
         params = [key, token, owner.to_json(), d.ttl_param(ttl_ms)]
         if d.vendor == "postgresql":
-            with self._cursor(name) as cursor:
-                cursor.execute(d.take_fenced_sql(), [*params, key, token, key])
-                if _psycopg3():
-                    while cursor.nextset():  # psycopg 3 keeps every result; psycopg2 the last
-                        pass
-                row = cursor.fetchone()
-            return self._taken(name, token, row)
+            return self._take_pg(name, key, token, params[2], ttl_ms)
         with self._cursor(name, transaction=True) as cursor:
             cursor.execute(d.take_sql(), params)
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
@@ -663,6 +677,22 @@ class DjangoBackend(Backend):
                 cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
                 return AcquireResult(fence)
         return self._taken(name, token, row)
+
+    def _take_pg(self, name: str, key: str, token: str, owner: str, ttl_ms: int) -> AcquireResult:
+        """:meth:`_Dialect.take_pg_sql`, again at once when it lost a race since its
+        snapshot (the next statement sees the winner's row)."""
+        params = {"name": key, "token": token, "owner": owner, "ttl": ttl_ms}
+        for _ in range(RACE_RETRIES):
+            with self._cursor(name) as cursor:
+                cursor.execute(self.dialect.take_pg_sql(), params)
+                fence, holder_token, *holder = cursor.fetchone()
+            if fence is not None:
+                return AcquireResult(int(fence))
+            if holder_token is not None and holder_token != token:
+                return self._taken(name, token, [key, holder_token, *holder, 0])
+            # No live row in the snapshot, or ours there but not on the latest version
+            # (force-released, taken over): the row changed since; look again.
+        return AcquireResult(None, 0.0)  # pragma: no cover - a race lost every time
 
     def _taken(self, name: str, token: str, row: Sequence[Any] | None) -> AcquireResult:
         """The acquire's answer from the lock's row as the acquire left it."""

@@ -5,8 +5,8 @@ The backend's own connections go through the chaoskit TCP proxy to the database
 for django://; SQLite has no network to fault). A client-side hook on the REAL connection (Django's execute wrapper)
 switches the proxy's fault on just before the operation's decisive statement is sent
 (the acquire's COMMIT or its INSERT, the renew's UPDATE, the release's DELETE; on
-PostgreSQL an acquire is one query that commits by itself, and a release's DELETE sits
-in a ``WITH``), so the fault hits exactly that statement:
+PostgreSQL an acquire is one statement that commits by itself, its INSERT in a ``WITH``
+as is a release's DELETE), so the fault hits exactly that statement:
 
 - ``request dropped``: the statement never reaches the server (held at the proxy, then
   discarded by a reset once the call has given up);
@@ -76,7 +76,9 @@ class Injector:
         head = sql.lstrip().upper()
         if (
             self.trigger
-            and (head.startswith(self.trigger) or head.startswith(f"WITH D AS ({self.trigger} "))
+            and (
+                head.startswith(self.trigger) or (head.startswith("WITH ") and self.trigger in head)
+            )
             and not self.fired.is_set()
         ):
             self.fired.set()
@@ -206,7 +208,7 @@ def test_acquire(
 ) -> None:
     backend, injector = faulty
     if trigger == "COMMIT" and backend.dialect.vendor == "postgresql":
-        pytest.skip("one query on PostgreSQL: its commit is the INSERT cell's")
+        pytest.skip("one statement on PostgreSQL: its commit is the INSERT cell's")
     name = f"acquire:{fault}:{trigger}"
     earlier = truth.acquire(name, "an-earlier-holder", 30_000, Owner()).fence
     assert earlier is not None and truth.release(name, "an-earlier-holder")
