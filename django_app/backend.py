@@ -17,7 +17,10 @@ How it stays correct:
   with a fence a single fence-checked one. Nothing is held open between operations,
   and the server ends a transaction whose client vanished within the timeout
   (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
-  ``idle_transaction_timeout``).
+  ``idle_transaction_timeout``). On PostgreSQL an acquire is ONE prepared statement
+  (:meth:`_Dialect.take_pg_sql`) and a release one ``DELETE`` with its ``NOTIFY``: a
+  cycle is two round trips and one durable commit (the acquire's: its fence must
+  survive a crash; a release does not wait for its WAL flush, see :meth:`_delete`).
 - **Wake-ups.** On PostgreSQL a release sends ``NOTIFY task_locks`` and waiters
   ``LISTEN``, so a hand-off costs about one round trip; elsewhere waiters poll the row
   with a short, growing pause (at most ``POLL_MAX``). Either way a waiter never waits
@@ -200,7 +203,8 @@ class _Dialect:
         """
         later = "now() + %(ttl)s * interval '1 millisecond'"
         return (
-            f"WITH live AS (SELECT * FROM {LOCKS} WHERE name = %(name)s AND expires_at > now()), "
+            "WITH live AS (SELECT token, fence, owner, acquired_at, expires_at "
+            f"FROM {LOCKS} WHERE name = %(name)s AND expires_at > now()), "
             f"mine AS (UPDATE {LOCKS} SET owner = %(owner)s, expires_at = {later} "
             "WHERE name = %(name)s AND token = %(token)s AND expires_at > now() "
             "RETURNING fence), "
@@ -357,8 +361,10 @@ class _Pool:
         vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
         if vendor == "postgresql":
             options.setdefault("connect_timeout", max(2, seconds))
-            if not settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
-                # Prepared statements (psycopg 3, after a statement's 5th run on a
+            from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+            if is_psycopg3 and not settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+                # Prepared statements (psycopg 3 only, after a statement's 5th run on a
                 # connection): the server stops parsing and planning the acquire's CTE
                 # on every call, most of its cost besides the commit. Django turns them
                 # off for poolers; an alias behind a transaction-mode pooler says so
