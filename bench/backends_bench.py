@@ -231,17 +231,100 @@ DJANGO_ALIASES = {"django (SQLite)": "default", "django (PostgreSQL)": "pg"}
 
 
 def django_worker(alias: str, cycles: int, seconds: float) -> None:
-    """In a child process: set Django up on the test settings, migrate, measure, print."""
+    """In a child process: set Django up on the test settings, migrate, measure, print.
+
+    ``seconds`` 0: only the PostgreSQL cycle beside its floor (:func:`pg_floor`).
+    """
     import django
     from django.core.management import call_command
 
     django.setup()
     call_command("migrate", database=alias, verbosity=0, interactive=False)
-    print(json.dumps(measure_ours(f"django://{alias}", cycles, seconds)))
+    raw: list[Any] = (
+        list(measure_ours(f"django://{alias}", cycles, seconds)) if seconds else [[], 0, 0.0, []]
+    )
+    if alias == "pg":
+        raw.append(pg_floor(alias, cycles))
+    print(json.dumps(raw))
 
 
-def measure_django(alias: str, cycles: int, seconds: float) -> Raw:
-    """django:// in a child process with its own database (SQLite file / PostgreSQL db)."""
+def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
+    """The uncontended cycle beside two raw ``SELECT 1`` round trips (issue 15's target)
+    and one durable one-row write, on a connection opened with the backend's own
+    settings, in alternating blocks so that load lands on all alike; and the statements
+    one cycle sends (counted on the backend's pooled connections)."""
+    from task_locks import Lock
+
+    lock = Lock(
+        f"bench-floor-{uuid.uuid4().hex}", ttl=TTL, backend=f"django://{alias}", renew=False
+    )
+    backend: Any = lock.backend
+    for _ in range(20):
+        lock.acquire(timeout=5).release()
+    sent: list[str] = []
+
+    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append("; ".join(" ".join(part.split())[:48] for part in sql.split("; ")))
+        return execute(sql, params, many, context)
+
+    idle = [wrapper for wrapper, _ in backend._pool._idle]
+    for wrapper in idle:
+        wrapper.execute_wrappers.append(count)
+    lock.acquire(timeout=5).release()
+    for wrapper in idle:
+        wrapper.execute_wrappers.remove(count)
+
+    wrapper = backend._pool._open()  # the pool's settings: same options, own connection
+    wrapper.ensure_connection()
+    conn = wrapper.connection
+    conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id int PRIMARY KEY, n bigint)")
+    conn.execute("INSERT INTO bench_floor VALUES (1, 0) ON CONFLICT DO NOTHING")
+
+    def select1_twice() -> None:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+
+    def cycle() -> None:
+        lock.acquire(timeout=5).release()
+
+    def durable_write() -> None:
+        conn.execute("UPDATE bench_floor SET n = n + 1 WHERE id = 1")
+
+    subjects = {"cycle": cycle, "select1x2": select1_twice, "durable_write": durable_write}
+    samples: dict[str, list[float]] = {key: [] for key in subjects}
+    block = 25
+    for _ in range(max(1, cycles // block)):
+        for key, call in subjects.items():
+            for _ in range(block):
+                started = time.perf_counter()
+                call()
+                samples[key].append(time.perf_counter() - started)
+    wrapper.close()
+    return {"samples": samples, "statements": sent}
+
+
+def summarise_floor(floors: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`pg_floor` results of every round merged: medians in µs, their ratio."""
+    merged: dict[str, list[float]] = {}
+    for floor in floors:
+        for key, values in floor["samples"].items():
+            merged.setdefault(key, []).extend(values)
+    medians = {f"{key}_us": statistics.median(v) * 1e6 for key, v in merged.items() if v}
+    return {
+        **medians,
+        "ratio": medians["cycle_us"] / medians["select1x2_us"],
+        "statements": floors[-1]["statements"],
+    }
+
+
+def measure_django(
+    alias: str, cycles: int, seconds: float, floors: list[dict[str, Any]] | None = None
+) -> Raw:
+    """django:// in a child process with its own database (SQLite file / PostgreSQL db);
+    on PostgreSQL, :func:`pg_floor`'s result is appended to ``floors``."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.django.settings")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     database = f"bench_task_locks_{os.getpid()}"
@@ -265,7 +348,9 @@ def measure_django(alias: str, cycles: int, seconds: float) -> Raw:
                 _postgres(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
     if done.returncode != 0:
         raise RuntimeError((done.stderr.strip().splitlines() or ["failed"])[-1])
-    samples, handoffs, elapsed, errors = json.loads(done.stdout.strip().splitlines()[-1])
+    samples, handoffs, elapsed, errors, *floor = json.loads(done.stdout.strip().splitlines()[-1])
+    if floors is not None:
+        floors.extend(floor)
     return samples, handoffs, elapsed, errors
 
 
@@ -345,8 +430,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                 continue
             log(f"{label}: django://{alias} (child process)")
             try:
-                raw = [measure_django(alias, *per_round) for _ in range(ROUNDS)]
-                rows.append({"backend": label, "library": "task-locks", **summarise(raw)})
+                floors: list[dict[str, Any]] = []
+                raw = [measure_django(alias, *per_round, floors) for _ in range(ROUNDS)]
+                row = {"backend": label, "library": "task-locks", **summarise(raw)}
+                if floors:
+                    row["floor"] = summarise_floor(floors)
+                rows.append(row)
             except Exception as exc:
                 rows.append({"backend": label, "library": "task-locks", "status": f"failed: {exc}"})
     from task_locks import close_all
@@ -380,6 +469,9 @@ def markdown(result: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"| {row['backend']} | {row['library']} | {row.get('status', '?')} | | |")
+    for row in result["rows"]:
+        if "floor" in row:
+            lines += ["", *floor_markdown(row["backend"], row["floor"])]
     ours = next(
         (
             r
@@ -404,6 +496,33 @@ def markdown(result: dict[str, Any]) -> str:
             "pottery's rate.",
         ]
     return "\n".join(lines)
+
+
+def floor_markdown(label: str, floor: dict[str, Any]) -> list[str]:
+    """The cycle beside two raw SELECT 1 round trips, in prose (issue 15's target)."""
+    statements = floor.get("statements", [])
+    count = sum(len(s.split("; ")) for s in statements)
+    return [
+        f"{label}: cycle {floor['cycle_us']:.0f} µs = {floor['ratio']:.1f}x two raw "
+        f"`SELECT 1` round trips ({floor['select1x2_us']:.0f} µs) in the same child, "
+        f"alternating blocks; one durable one-row write (its commit's WAL flush) "
+        f"{floor['durable_write_us']:.0f} µs. {count} statements in {len(statements)} "
+        "round trips per cycle: " + " / ".join(f"`{s}`" for s in statements),
+    ]
+
+
+def run_pg_floor(quick: bool = True) -> dict[str, Any]:
+    """Only issue 15's django (PostgreSQL) target, for runs that skip this module's
+    :func:`run` (``--smoke``, ``--quick``): one child, no contention."""
+    label, alias = "django (PostgreSQL)", "pg"
+    reason = django_reason(alias)
+    if reason:
+        return {"rows": [{"backend": label, "library": "task-locks", "status": reason}]}
+    floors: list[dict[str, Any]] = []
+    measure_django(alias, 100 if quick else 600, 0.0, floors)
+    row = {"backend": label, "library": "task-locks", "floor": summarise_floor(floors)}
+    lines = [*floor_markdown(label, row["floor"]), "", "(Every backend side by side: full run.)"]
+    return {"rows": [row], "markdown": "\n".join(lines)}
 
 
 def main() -> int:

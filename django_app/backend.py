@@ -17,7 +17,10 @@ How it stays correct:
   with a fence a single fence-checked one. Nothing is held open between operations,
   and the server ends a transaction whose client vanished within the timeout
   (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
-  ``idle_transaction_timeout``).
+  ``idle_transaction_timeout``). On PostgreSQL an acquire is ONE prepared statement
+  (:meth:`_Dialect.take_pg_sql`) and a release one ``DELETE`` with its ``NOTIFY``: a
+  cycle is two round trips and one durable commit (the acquire's: its fence must
+  survive a crash; a release does not wait for its WAL flush, see :meth:`_delete`).
 - **Wake-ups.** On PostgreSQL a release sends ``NOTIFY task_locks`` and waiters
   ``LISTEN``, so a hand-off costs about one round trip; elsewhere waiters poll the row
   with a short, growing pause (at most ``POLL_MAX``). Either way a waiter never waits
@@ -80,6 +83,8 @@ POLL_FIRST = 0.01
 POLL_MAX = 0.2
 #: PostgreSQL: releases NOTIFY this channel (payload: the lock's name); waiters LISTEN.
 CHANNEL = "task_locks"
+#: PostgreSQL: an acquire that lost a race since its snapshot is re-run at most this often.
+RACE_RETRIES = 5
 #: PostgreSQL: a waiter re-reads the row at least this often, in case a NOTIFY was missed.
 NOTIFY_RECHECK = 1.0
 
@@ -177,6 +182,48 @@ class _Dialect:
             f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1"
         )
 
+    def take_pg_sql(self) -> str:
+        """PostgreSQL: the whole acquire as ONE statement (one round trip, one commit).
+
+        Parameters by name: ``name``, ``token``, ``owner``, ``ttl``. The sub-statements:
+
+        - ``live``: the live row, if any, in the statement's snapshot;
+        - ``mine``: that row is this token's: refresh its expiry and owner, keep its
+          fence (re-checked on the latest row version, as any UPDATE);
+        - ``bump``: no live row: the fence counter's next value, taken on the counter
+          row's latest version under its row lock, so no two bumps return the same
+          value and a later commit never gets a smaller one;
+        - ``took``: insert the row with that fence, or take over the row if it has
+          expired on its latest version; a row someone took since the snapshot stays
+          theirs (that fence is then never used: fences may skip, never repeat).
+
+        A lock held by someone else writes nothing (no commit to flush). The final
+        SELECT answers with the fence we got, else the snapshot's live holder; neither
+        (a race lost since the snapshot) means "try again at once".
+        """
+        later = "now() + %(ttl)s * interval '1 millisecond'"
+        return (
+            "WITH live AS (SELECT token, fence, owner, acquired_at, expires_at "
+            f"FROM {LOCKS} WHERE name = %(name)s AND expires_at > now()), "
+            f"mine AS (UPDATE {LOCKS} SET owner = %(owner)s, expires_at = {later} "
+            "WHERE name = %(name)s AND token = %(token)s AND expires_at > now() "
+            "RETURNING fence), "
+            f"bump AS (INSERT INTO {FENCES} (name, fence) SELECT %(name)s, 1 "
+            "WHERE NOT EXISTS (SELECT 1 FROM live) "
+            f"ON CONFLICT (name) DO UPDATE SET fence = {FENCES}.fence + 1 RETURNING fence), "
+            f"took AS (INSERT INTO {LOCKS} "
+            "(name, token, fence, owner, acquired_at, expires_at, renewals) "
+            f"SELECT %(name)s, %(token)s, bump.fence, %(owner)s, now(), {later}, 0 FROM bump "
+            "ON CONFLICT (name) DO UPDATE SET token = excluded.token, "
+            "fence = excluded.fence, owner = excluded.owner, "
+            "acquired_at = excluded.acquired_at, expires_at = excluded.expires_at, "
+            f"renewals = 0 WHERE {LOCKS}.expires_at <= now() RETURNING fence) "
+            "SELECT COALESCE((SELECT fence FROM took), (SELECT fence FROM mine)), "
+            f"live.token, live.fence, live.owner, {self.seconds_until('live.acquired_at')}, "
+            f"{self.seconds_until('live.expires_at')} FROM (SELECT 1) AS one "
+            "LEFT JOIN live ON true"
+        )
+
     @property
     def for_update(self) -> str:
         return "" if self.vendor == "sqlite" else " FOR UPDATE"
@@ -214,12 +261,15 @@ class _Watchdog:
         self._heap: list[tuple[float, int, _Deadline]] = []
         self._order = itertools.count()
         self._pid = -1
+        #: When the thread wakes next by itself (inf: only when notified).
+        self._wake_at = math.inf
 
     def after_fork(self) -> None:
         """A forked child has no watchdog thread, and the lock may have been held by it."""
         self._cond = threading.Condition()
         self._heap = []
         self._pid = -1
+        self._wake_at = math.inf
 
     def arm(self, fileno: int, seconds: float) -> _Deadline:
         deadline = _Deadline(time.monotonic() + seconds, fileno)
@@ -230,13 +280,17 @@ class _Watchdog:
                     target=self._run, name="task-locks-db-watchdog", daemon=True
                 ).start()
             heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
-            self._cond.notify()
+            if deadline.at < self._wake_at:  # else the thread wakes in time anyway
+                self._cond.notify()
         return deadline
 
     def disarm(self, deadline: _Deadline) -> bool:
         """``True`` if the deadline fired: the connection is cut, throw it away."""
         with self._cond:
             deadline.done = True
+            heap = self._heap
+            while heap and heap[0][2].done:  # deadlines are mostly FIFO: keep it small
+                heapq.heappop(heap)
             return deadline.fired
 
     def _run(self) -> None:
@@ -245,10 +299,12 @@ class _Watchdog:
                 while self._heap and self._heap[0][2].done:
                     heapq.heappop(self._heap)
                 if not self._heap:
+                    self._wake_at = math.inf
                     self._cond.wait()
                     continue
                 left = self._heap[0][0] - time.monotonic()
                 if left > 0:
+                    self._wake_at = self._heap[0][0]
                     self._cond.wait(left)
                     continue
                 deadline = heapq.heappop(self._heap)[2]
@@ -293,6 +349,8 @@ class _Pool:
           timeouts; PostgreSQL ends a session idle inside a transaction (a client that
           vanished mid-acquire) after the same time, so its row locks do not outlive it.
         - No Django connection pool: these connections are pooled here already.
+        - PostgreSQL: server-side binding (prepared statements), unless the alias says a
+          transaction-mode pooler is in the way (``DISABLE_SERVER_SIDE_CURSORS``).
         """
         settings_dict = self._settings()
         options = dict(settings_dict.get("OPTIONS") or {})
@@ -303,6 +361,16 @@ class _Pool:
         vendor = connections[self.alias].vendor  # no I/O; "postgresql" for PostGIS too
         if vendor == "postgresql":
             options.setdefault("connect_timeout", max(2, seconds))
+            from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+            if is_psycopg3 and not settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+                # Prepared statements (psycopg 3 only, after a statement's 5th run on a
+                # connection): the server stops parsing and planning the acquire's CTE
+                # on every call, most of its cost besides the commit. Django turns them
+                # off for poolers; an alias behind a transaction-mode pooler says so
+                # with DISABLE_SERVER_SIDE_CURSORS (or an explicit prepare_threshold).
+                options.setdefault("server_side_binding", True)
+                options.setdefault("prepare_threshold", 5)
             idle = f"-c idle_in_transaction_session_timeout={seconds * 1000}"
             options["options"] = f"{options.get('options', '')} {idle}".strip()
         elif vendor == "mysql":
@@ -601,33 +669,57 @@ class DjangoBackend(Backend):
     def _take(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
+        params = [key, token, owner.to_json(), d.ttl_param(ttl_ms)]
+        if d.vendor == "postgresql":
+            return self._take_pg(name, key, token, params[2], ttl_ms)
         with self._cursor(name, transaction=True) as cursor:
-            cursor.execute(d.take_sql(), [key, token, owner.to_json(), d.ttl_param(ttl_ms)])
+            cursor.execute(d.take_sql(), params)
             cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
             row = cursor.fetchone()
-            if row is None:  # pragma: no cover - the upsert always leaves a row
-                raise BackendUnavailable(
-                    f"lock database {self.server}: the row of lock {name!r} vanished inside "
-                    "its acquire transaction",
-                    name=name,
-                    server=self.server,
-                )
-            holder = self._holder(row)
-            if holder.token != token:
-                return AcquireResult(
-                    None,
-                    max(0.0, holder.expires_at - time.time()) if holder.expires_at else None,
-                    holder.owner,
-                    holder.fence,
-                    holder.acquired_at,
-                )
-            if holder.fence:  # already ours: the upsert refreshed its expiry and owner
-                return AcquireResult(holder.fence)
-            cursor.execute(d.bump_fence_sql(), [key])
-            cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
-            fence = int(cursor.fetchone()[0])
-            cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
-        return AcquireResult(fence)
+            if row is not None and row[1] == token and not row[2]:
+                cursor.execute(d.bump_fence_sql(), [key])
+                cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
+                fence = int(cursor.fetchone()[0])
+                cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
+                return AcquireResult(fence)
+        return self._taken(name, token, row)
+
+    def _take_pg(self, name: str, key: str, token: str, owner: str, ttl_ms: int) -> AcquireResult:
+        """:meth:`_Dialect.take_pg_sql`, again at once when it lost a race since its
+        snapshot (the next statement sees the winner's row)."""
+        params = {"name": key, "token": token, "owner": owner, "ttl": ttl_ms}
+        for _ in range(RACE_RETRIES):
+            with self._cursor(name) as cursor:
+                cursor.execute(self.dialect.take_pg_sql(), params)
+                fence, holder_token, *holder = cursor.fetchone()
+            if fence is not None:
+                return AcquireResult(int(fence))
+            if holder_token is not None and holder_token != token:
+                return self._taken(name, token, [key, holder_token, *holder, 0])
+            # No live row in the snapshot, or ours there but not on the latest version
+            # (force-released, taken over): the row changed since; look again.
+        return AcquireResult(None, 0.0)  # pragma: no cover - a race lost every time
+
+    def _taken(self, name: str, token: str, row: Sequence[Any] | None) -> AcquireResult:
+        """The acquire's answer from the lock's row as the acquire left it."""
+        if row is None:  # pragma: no cover - the upsert always leaves a row
+            raise BackendUnavailable(
+                f"lock database {self.server}: the row of lock {name!r} vanished inside "
+                "its acquire transaction",
+                name=name,
+                server=self.server,
+            )
+        holder = self._holder(row)
+        if holder.token != token:
+            return AcquireResult(
+                None,
+                max(0.0, holder.expires_at - time.time()) if holder.expires_at else None,
+                holder.owner,
+                holder.fence,
+                holder.acquired_at,
+            )
+        # Ours: a fresh fence, or (same token again) the fence it kept with a new expiry.
+        return AcquireResult(holder.fence)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
@@ -672,14 +764,23 @@ class DjangoBackend(Backend):
         if fence is not None:
             where += " AND fence = %s"
             params.append(fence)
+        delete = f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}"
         with self._cursor(name) as cursor:
-            cursor.execute(
-                f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}", params
-            )
-            released = bool(cursor.rowcount > 0)
-            if released:
-                self._notify(cursor, name)
-            return released
+            if self.dialect.vendor == "postgresql":
+                # One round trip: the NOTIFY rides in the DELETE's statement (sent at
+                # commit). A token-checked release commits without waiting for its WAL
+                # flush: a crash can only bring the row back until its TTL (as if this
+                # holder had died before releasing), and any acquire that saw the row gone
+                # flushes this commit with its own, the WAL being one sequence.
+                relaxed = ", set_config('synchronous_commit', 'off', true)" if token else ""
+                cursor.execute(
+                    f"WITH d AS ({delete} RETURNING name) SELECT pg_notify(%s, name){relaxed} "
+                    "FROM d",
+                    [*params, CHANNEL],
+                )
+                return cursor.fetchone() is not None
+            cursor.execute(delete, params)
+            return bool(cursor.rowcount > 0)
 
     def holders(self, prefix: str = "") -> list[Holder]:
         d = self.dialect
@@ -703,10 +804,6 @@ class DjangoBackend(Backend):
             )
             row = cursor.fetchone()
         return None if row is None else self._holder(row)
-
-    def _notify(self, cursor: Any, name: str) -> None:
-        if self.dialect.vendor == "postgresql":
-            cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, self.prefix + name])
 
     def _wait_for_notify(self, name: str, deadline: float) -> bool:
         """PostgreSQL: LISTEN, re-check the row, then sleep until a NOTIFY names it.
