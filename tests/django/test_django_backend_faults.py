@@ -208,7 +208,7 @@ def test_acquire(
 ) -> None:
     backend, injector = faulty
     if trigger == "COMMIT" and backend.dialect.vendor == "postgresql":
-        pytest.skip("one statement on PostgreSQL: its commit is the INSERT cell's")
+        pytest.skip("not applicable: one statement on PostgreSQL: its commit is the INSERT cell's")
     name = f"acquire:{fault}:{trigger}"
     earlier = truth.acquire(name, "an-earlier-holder", 30_000, Owner()).fence
     assert earlier is not None and truth.release(name, "an-earlier-holder")
