@@ -238,6 +238,17 @@ def _tls_handshake_timed_out(exc: Exception) -> bool:
     return any("handshake" in str(cause) for cause in _causes(exc))
 
 
+def _hung_up(exc: Exception) -> bool:
+    """The server closed the connection on our request: what a TLS-only port does with
+    plaintext (also what a server restarting does, so it stays "unavailable")."""
+    return any(
+        isinstance(cause, ConnectionResetError)
+        or "Connection reset by peer" in str(cause)
+        or "Connection closed by server" in str(cause)
+        for cause in _causes(exc)
+    )
+
+
 _UNAVAILABLE = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -614,6 +625,14 @@ class RedisBackend(Backend):
                 f"{what}: the TLS handshake with {self.server} got no answer: the port may "
                 "be a plain (non-TLS) Redis, where the URL must say redis://, or the server "
                 f"is frozen: {exc}",
+                name=name,
+                server=self.server,
+            ) from exc
+        if self.server.startswith("redis://") and _hung_up(exc):
+            raise BackendUnavailable(
+                f"{what}: Redis at {self.server} hung up on the request: the port may speak "
+                "TLS only (then the URL must say rediss://), or the server is restarting: "
+                f"{exc}",
                 name=name,
                 server=self.server,
             ) from exc
