@@ -77,6 +77,7 @@ from redis.sentinel import MasterNotFoundError
 from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
+from ._redis_compat import get_connection, set_socket_timeout
 from .base import Backend, Capability
 
 T = TypeVar("T")
@@ -384,9 +385,9 @@ def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) ->
     connection goes back to the pool; after a timeout it is dropped (its reply may still
     come, and must not be read as someone else's).
     """
-    connection = pool.get_connection()
+    connection = get_connection(pool, str(commands[0][0]))
     try:
-        connection.update_current_socket_timeout(timeout)
+        set_socket_timeout(connection, timeout)
         connection.send_packed_command(connection.pack_commands(commands))
         replies: list[Any] = []
         for _ in commands:
@@ -394,7 +395,7 @@ def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) ->
                 replies.append(connection.read_response())
             except ResponseError as exc:
                 replies.append(exc)
-        connection.update_current_socket_timeout(-1)  # -1: back to the pool's own timeout
+        set_socket_timeout(connection, None)  # back to the pool's own timeout
     except BaseException:
         connection.disconnect()
         raise
