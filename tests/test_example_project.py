@@ -272,3 +272,27 @@ def test_the_demo_extra_is_all_the_demo_needs(tmp_path: Path) -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "pip install -q -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
     assert "demo: $(DEMO_STAMP)" in makefile
+
+
+def test_follow_ups_of_the_redis_demo_see_its_locks(redis_url: str, tmp_path: Path) -> None:
+    """The README's Redis demo follow-ups: with the demo's TASK_LOCKS_URL exported, the
+    site's `locks list` and `task-locks list` show the locks on Redis; without it, not."""
+    from task_locks import Lock
+
+    url = f"{redis_url}?prefix=task-locks-demo:"
+    with Lock("sync:7", ttl=30, backend=url):
+        listed = manage(tmp_path, "locks", "list", TASK_LOCKS_URL=url)
+        assert listed.returncode == 0 and "sync:7" in listed.stdout, listed.stderr
+        cli = subprocess.run(
+            [sys.executable, "-m", "task_locks.cli", "list"],
+            env=example_env(tmp_path, TASK_LOCKS_URL=url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0 and "sync:7" in cli.stdout, cli.stderr
+        assert manage(tmp_path, "migrate", "--verbosity", "0").returncode == 0  # as the demo
+        without = manage(tmp_path, "locks", "list")
+        assert without.returncode == 0, without.stderr
+        assert "sync:7" not in without.stdout
+    assert "TASK_LOCKS_URL=" in (EXAMPLE / "demo.py").read_text()  # the demo prints it
