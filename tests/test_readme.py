@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Guides whose blocks are run like the README's.
-DOCS = [ROOT / "docs" / "migrating.md"]
+DOCS = [ROOT / "docs" / "migrating.md", ROOT / "docs" / "metrics.md"]
 EXAMPLE = ROOT / "example_project"
 #: The Redis URL the README uses; the tests substitute their own server's.
 README_REDIS = "redis://127.0.0.1:6379/0"
