@@ -37,7 +37,7 @@ def _noxfile() -> tuple[dict[str, str], list[str], str]:
     ids = re.findall(r'id="([\w.-]+)"', text) + [
         f"{kind}-{version}"
         for kind, versions in re.findall(
-            r'id=f"(\w+)-\{version\}"\)\s*for version in \(([^)]*)\)', text
+            r'id=f"(\w+)-\{version\}",?\s*\)\s*for version in \(([^)]*)\)', text
         )
         for version in re.findall(r'"([\d.]+)"', versions)
     ]
