@@ -123,11 +123,10 @@ def test_not_owned_after_a_force_release_says_so(redis_url: str) -> None:
 
 
 def test_not_owned_after_the_ttl_ran_out_says_expired(redis_url: str) -> None:
+    import redis
     from servers import wait_until
 
     from task_locks import NotOwned
-
-    import redis
 
     lease = Lock("ran-out", ttl=0.3, backend=redis_url, renew=False).acquire()
     key = get_backend(redis_url)._key("ran-out")  # type: ignore[attr-defined]
