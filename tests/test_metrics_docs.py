@@ -75,7 +75,7 @@ def test_the_documented_label_values_are_the_ones_counted() -> None:
     reasons = re.search(r"lost_total` .*?\| ([^|]*) \|$", table, re.M)
     assert reasons is not None
     documented = set(re.findall(r"`(\w+)`", reasons.group(1)))
-    assert documented == {label for _, label in metrics._REASONS} | {"other"}
+    assert documented == set(metrics.LOST_REASONS)
 
 
 def test_the_dashboard_is_the_documented_queries() -> None:
