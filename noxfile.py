@@ -29,6 +29,7 @@ SMOKE = [
     "tests/core/test_redis_backend.py",
     "tests/core/test_operator_messages.py",
     "tests/django/test_front_ends.py",
+    "tests/celery/test_celery_compat.py",
     "tests/celery/test_celery_acceptance.py::test_skip_never_overlaps_and_skips_are_visible",
     "tests/celery/test_celery_acceptance.py::test_revoke_terminate_frees_the_lock_within_3s",
     "tests/celery/test_celery_acceptance.py::test_enqueue_lock_queues_one_message_per_key",
