@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: help install servers lint package test chaos demo bench clean
+.PHONY: help install servers lint package matrix-short matrix test chaos demo bench clean
 
 help:
 	@echo "make demo   - run the example project's main job on the embedded default (no server needed)"
 	@echo "make test   - install what the tests need, start their servers, run lint + the suite"
+	@echo "make matrix - the support matrix (noxfile.py): every pinned Django/Celery/redis-py set"
 	@echo "make chaos  - the long fault-injection suite and the full fault matrix, with their reports"
 	@echo "make bench  - benchmarks against the peers (bench/results.md, bench/results.png)"
 
@@ -43,11 +44,20 @@ package: install
 	@! grep -i "deprecat" build/package.log || { echo "package: setuptools deprecation warnings (above)"; exit 1; }
 	$(VENV)/bin/twine check --strict build/dist/*
 
+# The support matrix (noxfile.py): each session its own virtualenv under .nox/ with pinned
+# Django, Celery and redis-py, running a smoke subset. `make test` runs the short form
+# (the lowest pins; the suite itself runs on the newest), reusing its virtualenv.
+matrix-short: install servers
+	$(VENV)/bin/nox --reuse-venv=yes -t short
+
+matrix: install servers
+	$(VENV)/bin/nox --reuse-venv=yes
+
 # Two pytest workers, one test file each at a time: the suite waits on servers and
 # worker processes far more than it computes (about 12 min in one process, 6-7 in two).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-test: install servers lint package
+test: install servers lint package matrix-short
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 chaos: install servers
@@ -60,4 +70,4 @@ bench: install servers
 	$(PY) bench/run.py
 
 clean:
-	rm -rf $(VENV) tests/artifacts bench/.peers
+	rm -rf $(VENV) .nox tests/artifacts bench/.peers

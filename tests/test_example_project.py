@@ -174,3 +174,125 @@ def test_https_mode_passes_the_deploy_check_clean(tmp_path: Path) -> None:
     assert deploy.returncode == 0, deploy.stderr
     assert warning_ids(deploy.stderr + deploy.stdout) == set(), deploy.stderr
     assert "System check identified no issues" in deploy.stdout
+
+
+#: Runs in a subprocess: the demo's start-up with only the `demo` extra's distributions
+#: importable (what `make demo` installs), everything else refused as if absent.
+DEMO_EXTRA_ONLY = r"""
+import ast, importlib, importlib.metadata as md, sys, tomllib
+from packaging.requirements import Requirement
+
+project = tomllib.load(open(sys.argv[2], "rb"))["project"]
+
+def ours_requires(extras):
+    # The checkout's pyproject.toml, not an installed (maybe stale) copy of its metadata.
+    texts, todo, done = list(project["dependencies"]), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in done:
+            continue
+        done.add(extra)
+        for text in project["optional-dependencies"][extra]:
+            req = Requirement(text)
+            if req.name == project["name"]:
+                todo.extend(req.extras)
+            else:
+                texts.append(text)
+    return texts
+
+def closure(extras):
+    seen, todo = set(), [(Requirement(t).name, frozenset(Requirement(t).extras)) for t in ours_requires(extras)]
+    while todo:
+        dist, extras = todo.pop()
+        if (dist, extras) in seen:
+            continue
+        seen.add((dist, extras))
+        for text in md.requires(dist) or []:
+            req = Requirement(text)
+            if req.marker is None or any(
+                req.marker.evaluate({"extra": e}) for e in (extras or {""})
+            ):
+                todo.append((req.name, frozenset(req.extras)))
+    return {md.distribution(d).metadata["Name"].lower().replace("_", "-") for d, _ in seen}
+
+allowed_dists = closure({"demo"})
+by_module = md.packages_distributions()
+ours = {"task_locks", "django_app", "demo_site", "shop", "manage", "demo"}
+
+class OnlyTheDemoExtra:
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in sys.stdlib_module_names or top in ours or top.startswith("_"):
+            return None
+        dists = {d.lower().replace("_", "-") for d in by_module.get(top, [])}
+        if dists and not dists & allowed_dists:
+            raise ModuleNotFoundError(f"{name} (from {sorted(dists)}) is not in the demo extra", name=name)
+        return None
+
+sys.meta_path.insert(0, OnlyTheDemoExtra())
+import django
+django.setup()
+from demo_site.celery import app
+app.backend  # the result backend's own imports (SQLAlchemy for db+sqlite)
+for name in ("shop.tasks", "shop.management.commands.nightly_report", "django_app.admin"):
+    importlib.import_module(name)
+tree = ast.parse(open(sys.argv[1]).read())
+for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            importlib.import_module(alias.name)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        importlib.import_module(node.module)
+print("demo extra:", " ".join(sorted(allowed_dists)))
+"""
+
+
+def test_the_demo_extra_is_all_the_demo_needs(tmp_path: Path) -> None:
+    """`make demo` installs only the `demo` extra (no test or bench tools): the demo's
+    settings, Celery app, result backend, tasks and script import with nothing else."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DEMO_EXTRA_ONLY,
+            str(EXAMPLE / "demo.py"),
+            str(ROOT / "pyproject.toml"),
+        ],
+        cwd=EXAMPLE,
+        env=example_env(tmp_path, DJANGO_SETTINGS_MODULE="demo_site.settings"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    installed = done.stdout.split("demo extra:", 1)[1].split()
+    assert "sqlalchemy" in installed and "celery" in installed and "django" in installed
+    for tool in ("pytest", "playwright", "mypy", "ruff", "matplotlib", "nox"):
+        assert tool not in installed, tool
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install -q -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
+    assert "demo: $(DEMO_STAMP)" in makefile
+
+
+def test_follow_ups_of_the_redis_demo_see_its_locks(redis_url: str, tmp_path: Path) -> None:
+    """The README's Redis demo follow-ups: with the demo's TASK_LOCKS_URL exported, the
+    site's `locks list` and `task-locks list` show the locks on Redis; without it, not."""
+    from task_locks import Lock
+
+    url = f"{redis_url}?prefix=task-locks-demo:"
+    with Lock("sync:7", ttl=30, backend=url):
+        listed = manage(tmp_path, "locks", "list", TASK_LOCKS_URL=url)
+        assert listed.returncode == 0 and "sync:7" in listed.stdout, listed.stderr
+        cli = subprocess.run(
+            [sys.executable, "-m", "task_locks.cli", "list"],
+            env=example_env(tmp_path, TASK_LOCKS_URL=url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0 and "sync:7" in cli.stdout, cli.stderr
+        assert manage(tmp_path, "migrate", "--verbosity", "0").returncode == 0  # as the demo
+        without = manage(tmp_path, "locks", "list")
+        assert without.returncode == 0, without.stderr
+        assert "sync:7" not in without.stdout
+    assert "TASK_LOCKS_URL=" in (EXAMPLE / "demo.py").read_text()  # the demo prints it

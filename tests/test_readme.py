@@ -28,6 +28,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Guides whose blocks are run like the README's.
-DOCS = [ROOT / "docs" / "migrating.md"]
+DOCS = [ROOT / "docs" / "migrating.md", ROOT / "docs" / "metrics.md"]
 EXAMPLE = ROOT / "example_project"
 #: The Redis URL the README uses; the tests substitute their own server's.
 README_REDIS = "redis://127.0.0.1:6379/0"
@@ -88,8 +89,17 @@ def readme_blocks(text: str | None = None, path: Path = README) -> list[Block]:
     return found
 
 
+#: The marker of blocks run together by :func:`test_plain_celery_app_with_a_worker`.
+WITH_A_WORKER = "with a real Celery worker"
+
+
 def to_run(lang: str) -> list[Block]:
-    return [b for b in readme_blocks() if b.marker == "run" and b.lang == lang]
+    """The ``run`` blocks of ``lang`` that run on their own (not the worker example's)."""
+    return [
+        b
+        for b in readme_blocks()
+        if b.marker == "run" and b.lang == lang and not b.reason.startswith(WITH_A_WORKER)
+    ]
 
 
 def localised(code: str, redis_url: str) -> str:
@@ -381,6 +391,56 @@ def test_shell_blocks_run(redis_url: str, tmp_path: Path) -> None:
         assert done.returncode == 0, f"{block.where}\n{done.stdout}\n{done.stderr}"
         if "task-locks run" in block.code:
             assert "only one of me runs at a time" in done.stdout, done.stdout
+
+
+def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
+    """The plain (non-Django) Celery app as written: ``tasks.py`` in a folder, the README's
+    worker command started there, then ``send.py``: one call runs, its duplicate ends
+    ``SKIPPED``."""
+    blocks = [b for b in readme_blocks() if b.reason.startswith(WITH_A_WORKER)]
+    assert [b.lang for b in blocks] == ["python", "sh", "python"], [b.where for b in blocks]
+    app, worker_command, sender = blocks
+    assert app.code.startswith("# tasks.py") and sender.code.startswith("# send.py")
+    (tmp_path / "tasks.py").write_text(localised(app.code, redis_url))
+    (tmp_path / "send.py").write_text(localised(sender.code, redis_url))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "DJANGO_SETTINGS_MODULE" and not k.startswith(("CELERY_", "TASK_LOCKS"))
+    }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])  # as if pip-installed
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            ["bash", "-c", "exec " + worker_command.code.strip()],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # send.py waits up to 30 s for both states: enough for the worker to start.
+        sent = subprocess.run(
+            [sys.executable, "send.py"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=5)
+    worker_log = log.read_text(errors="replace")
+    assert sent.returncode == 0, f"{sent.stdout}\n{sent.stderr}\n{worker_log}"
+    assert sent.stdout.strip().splitlines()[-1] == "['SKIPPED', 'SUCCESS']", worker_log
+    assert "skipped: lock 'sync:42' is held by" in worker_log, worker_log
 
 
 # -- the subprocess: runs the Python blocks like a user's project would ------------------

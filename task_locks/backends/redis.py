@@ -77,6 +77,7 @@ from redis.sentinel import MasterNotFoundError
 from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
+from ._redis_compat import get_connection, set_socket_timeout
 from .base import Backend, Capability
 
 T = TypeVar("T")
@@ -238,6 +239,17 @@ def _tls_handshake_timed_out(exc: Exception) -> bool:
     return any("handshake" in str(cause) for cause in _causes(exc))
 
 
+def _hung_up(exc: Exception) -> bool:
+    """The server closed the connection on our request: what a TLS-only port does with
+    plaintext (also what a server restarting does, so it stays "unavailable")."""
+    return any(
+        isinstance(cause, ConnectionResetError)
+        or "Connection reset by peer" in str(cause)
+        or "Connection closed by server" in str(cause)
+        for cause in _causes(exc)
+    )
+
+
 _UNAVAILABLE = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -373,9 +385,9 @@ def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) ->
     connection goes back to the pool; after a timeout it is dropped (its reply may still
     come, and must not be read as someone else's).
     """
-    connection = pool.get_connection()
+    connection = get_connection(pool, str(commands[0][0]))
     try:
-        connection.update_current_socket_timeout(timeout)
+        set_socket_timeout(connection, timeout)
         connection.send_packed_command(connection.pack_commands(commands))
         replies: list[Any] = []
         for _ in commands:
@@ -383,7 +395,7 @@ def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) ->
                 replies.append(connection.read_response())
             except ResponseError as exc:
                 replies.append(exc)
-        connection.update_current_socket_timeout(-1)  # -1: back to the pool's own timeout
+        set_socket_timeout(connection, None)  # back to the pool's own timeout
     except BaseException:
         connection.disconnect()
         raise
@@ -614,6 +626,14 @@ class RedisBackend(Backend):
                 f"{what}: the TLS handshake with {self.server} got no answer: the port may "
                 "be a plain (non-TLS) Redis, where the URL must say redis://, or the server "
                 f"is frozen: {exc}",
+                name=name,
+                server=self.server,
+            ) from exc
+        if self.server.startswith("redis://") and _hung_up(exc):
+            raise BackendUnavailable(
+                f"{what}: Redis at {self.server} hung up on the request: the port may speak "
+                "TLS only (then the URL must say rediss://), or the server is restarting: "
+                f"{exc}",
                 name=name,
                 server=self.server,
             ) from exc

@@ -92,6 +92,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..config import check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
 from ..types import AcquireResult, Holder, Owner, RenewItem
+from ._redis_compat import aget_connection, get_connection
 from .base import Backend, Capability
 from .redis import SCRIPTS, Commands, RedisBackend, script_command
 
@@ -205,7 +206,7 @@ class _MasterBackend(RedisBackend):
         """BLPOP with a client-side deadline: a paused master cannot stretch the wait."""
         pool = self.client.connection_pool
         try:
-            conn = pool.get_connection()
+            conn = get_connection(pool, "BLPOP")
         except RedisError as exc:
             self._fail(name, exc)
         try:
@@ -232,7 +233,7 @@ class _MasterBackend(RedisBackend):
     async def ablock_on_signal(self, name: str, timeout: float) -> None:
         pool = self._async_client().connection_pool
         try:
-            conn = await pool.get_connection()
+            conn = await aget_connection(pool, "BLPOP")
         except RedisError as exc:
             self._fail(name, exc)
         try:

@@ -26,7 +26,6 @@ from collections.abc import Callable, Generator
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from celery import Task, shared_task
-from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore
 
 from ..backends.base import Backend
@@ -39,6 +38,7 @@ from ..plans import Call, adrive, drive
 from ..policies import Outcome, attempts, check_on_conflict, decide, holder_of, take
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
 from ..types import Holder
+from ._celery_compat import get_actual_ignore_result
 from ._common import (
     FENCE_HEADER,
     LOCK_ON,

@@ -8,7 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from task_locks import BackendMisconfigured, BackendUnavailable, Lock, LockHeld, get_backend
+from task_locks import (
+    BackendMisconfigured,
+    BackendUnavailable,
+    Lock,
+    LockHeld,
+    get_backend,
+)
 from task_locks.ops import _positive_seconds, conflict_message
 from task_locks.types import Holder, Owner
 
@@ -117,12 +123,26 @@ def test_not_owned_after_a_force_release_says_so(redis_url: str) -> None:
 
 
 def test_not_owned_after_the_ttl_ran_out_says_expired(redis_url: str) -> None:
+    import redis
     from servers import wait_until
 
     from task_locks import NotOwned
 
     lease = Lock("ran-out", ttl=0.3, backend=redis_url, renew=False).acquire()
-    backend = get_backend(redis_url)
-    wait_until(lambda: backend.holder("ran-out") is None, 5, "the TTL to run out")
+    key = get_backend(redis_url)._key("ran-out")  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(redis_url)
+    # The server's own expiry, not holder(): under load a late reply makes holder() call
+    # the lock gone a few ms before Redis deletes it, and the release would then succeed.
+    wait_until(lambda: not client.exists(key), 5, "the server to expire the lock")
+    client.close()
     with pytest.raises(NotOwned, match="expired"):
         lease.release()
+
+
+def test_plain_redis_against_a_tls_port_is_named_a_tls_mismatch(tls_redis) -> None:  # type: ignore[no-untyped-def]
+    """``redis://`` to a TLS-only port: the server hangs up on the plaintext. A restarting
+    server does the same, so it stays unavailable (a retry may help), with the likely cause."""
+    host_port = tls_redis.url().split("@", 1)[1].split("/", 1)[0]
+    backend = get_backend(f"redis://{host_port}/0?socket_timeout=2&connect_timeout=2")
+    with pytest.raises(BackendUnavailable, match=r"TLS only \(then the URL must say rediss://\)"):
+        backend.holder("x")
