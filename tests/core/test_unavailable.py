@@ -60,7 +60,7 @@ def test_blocked_waiter_raises_when_redis_pauses(driver: SyncDriver, redis_facto
     url = server.url(socket_timeout=SOCKET_TIMEOUT)
     holder = driver.acquire("outage:wait", backend=url, ttl=30)
     waiter = driver.start_acquire("outage:wait", timeout=None, backend=url, ttl=5)
-    wait_until(lambda: blocked_clients(url) >= 1, 5, "the waiter to block")
+    wait_until(lambda: blocked_clients(url) >= 1, 15, "the waiter to block")
     server.pause()
     paused_at = time.monotonic()
     with pytest.raises(BackendUnavailable) as caught:
