@@ -29,6 +29,9 @@ from deployments import (  # noqa: F401
 from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # noqa: F401
 from servers import RedisServer
 
+#: Fixtures of the event stream and metrics (seen, metric, only_logging_stays).
+pytest_plugins = ["event_fixtures"]
+
 # CI runs in a fresh clone: keep no example database there, and print the seed to replay.
 hypothesis_settings.register_profile("ci", database=None, print_blob=True)
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):

@@ -7,28 +7,19 @@ a real Redis broker with no worker: what matters is what this process reports.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
+from event_fixtures import Value
 
 from task_locks import Lock, LockLost, Semaphore, events, get_backend
 from task_locks.celery import DuplicateTask, current_lease, singleton_task
 from task_locks.events import LockEvent
 
 prometheus_client = pytest.importorskip("prometheus_client")
-
-Value = Callable[..., float]
-
-
-@pytest.fixture(autouse=True)
-def _only_logging_stays() -> Iterator[None]:
-    yield
-    for subscription in list(events._hub.subscriptions):
-        if subscription is not events.logging_subscription:
-            subscription.close()
-    assert events.flush(5.0)
+pytestmark = pytest.mark.usefixtures("only_logging_stays")
 
 
 @pytest.fixture
@@ -36,28 +27,6 @@ def app(redis_url: str) -> Iterator[Celery]:
     app = Celery("events", broker=redis_url, backend="cache+memory://", set_as_current=False)
     yield app
     app.close()
-
-
-@pytest.fixture
-def seen() -> list[LockEvent]:
-    got: list[LockEvent] = []
-    events.subscribe(got.append)
-    return got
-
-
-@pytest.fixture
-def metric() -> Iterator[Value]:
-    from task_locks import metrics
-
-    registry = prometheus_client.CollectorRegistry()
-    metrics.install(registry)
-
-    def value(name: str, **labels: str) -> float:
-        assert events.flush(5.0)
-        return registry.get_sample_value(name, labels) or 0.0
-
-    yield value
-    metrics.uninstall(registry)
 
 
 def test_a_duplicate_publish_is_one_event_and_the_queued_lock_is_handed_over(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from event_fixtures import Value
 from servers import RedisServer, wait_until
 
 from task_locks import (
@@ -36,41 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
 from chaoskit.proxy import Proxy, ProxyHub
 
 prometheus_client = pytest.importorskip("prometheus_client")
-
-Value = Callable[..., float]
-
-
-@pytest.fixture(autouse=True)
-def _only_logging_stays() -> Iterator[None]:
-    yield
-    for subscription in list(events._hub.subscriptions):
-        if subscription is not events.logging_subscription:
-            subscription.close()
-    assert events.flush(5.0)
-
-
-@pytest.fixture
-def seen() -> list[LockEvent]:
-    got: list[LockEvent] = []
-    events.subscribe(got.append)
-    return got
-
-
-@pytest.fixture
-def metric() -> Iterator[Value]:
-    """``metric(name, **labels)``: a sample of a fresh registry (0 if never set)."""
-    from task_locks import metrics
-
-    registry = prometheus_client.CollectorRegistry()
-    metrics.install(registry)
-
-    def value(name: str, **labels: str) -> float:
-        assert events.flush(5.0)
-        return registry.get_sample_value(name, labels) or 0.0
-
-    value.registry = registry  # type: ignore[attr-defined]
-    yield value
-    metrics.uninstall(registry)
+pytestmark = pytest.mark.usefixtures("only_logging_stays")
 
 
 def lock_labels(metric: Value) -> set[str]:
