@@ -1,0 +1,188 @@
+"""The acquire engine: the ops a plan yields, and the two drivers that answer them.
+
+Internal interface (not part of the public API), shared by :mod:`task_locks.lock`,
+:mod:`task_locks.semaphore` and :mod:`task_locks.election`. An acquire loop is written
+once, as a generator (a *plan*) that yields the I/O it needs as one of the frozen op
+dataclasses below and receives the answer. :func:`drive` answers with a backend's
+blocking calls, :func:`adrive` with its asyncio ones, so sync and async share every
+decision and differ only in how they talk to the server.
+
+The ops are a closed union (:data:`Op`): both drivers ``match`` on it, mypy checks that
+every kind is handled, and an object that is not an op raises :class:`TypeError` instead
+of being taken for some other kind.
+
+Also here, because every front end needs them: the pause rule (how long a waiter waits
+before it tries again), the ``acquired`` / ``conflict`` events a plan reports, and the
+*unset* sentinel (an argument left out, told apart from an explicit ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, Final, Never, NoReturn, TypeVar
+
+from . import events
+from .backends.base import Backend
+from .errors import LockHeld
+from .types import Owner
+
+T = TypeVar("T")
+
+#: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
+UNKNOWN_TTL_POLL: Final = 0.5
+#: Shortest wait between attempts: a TTL reported as "0 ms left" must not spin.
+MIN_PAUSE: Final = 0.001
+
+
+class Unset:
+    """The type of :data:`UNSET`: "not given", where ``None`` means something."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = Unset()
+
+
+def pause(retry_after: float | None, now: float, deadline: float | None) -> float:
+    """How long a waiter waits before it tries again: until the holder's TTL ends (a poll
+    interval when that is unknown), at least :data:`MIN_PAUSE`, never past ``deadline``."""
+    wait = max(MIN_PAUSE, UNKNOWN_TTL_POLL if retry_after is None else retry_after)
+    return wait if deadline is None else min(wait, deadline - now)
+
+
+def report_acquired(name: str, backend: Backend, fence: int, owner: Owner, waited: float) -> None:
+    """The ``acquired`` event of a lock or a semaphore's permit."""
+    if events.wanted("acquired"):  # no context look-up when nobody listens
+        events.emit(
+            "acquired",
+            name,
+            backend=backend.server,
+            fence=fence,
+            owner=owner,
+            waited=waited,
+            detail=events.current_context().detail,
+        )
+
+
+def report_conflict(
+    name: str,
+    backend: Backend,
+    held: LockHeld,
+    waited: float,
+    timeout: float | None,
+    fence: int | None = None,
+) -> None:
+    """The ``conflict`` event of an acquire given up: at once (``timeout`` 0, a conflict)
+    or after waiting ``timeout`` in vain (a timeout), with the front end's policy."""
+    context = events.current_context()
+    if context.policy and events.wanted("conflict"):  # "": not worth reporting
+        events.emit(
+            "conflict",
+            name,
+            backend=backend.server,
+            fence=fence,
+            owner=held.holder.owner if held.holder else None,
+            waited=waited,
+            timeout=timeout,
+            policy=context.policy,
+            detail=context.detail,
+        )
+
+
+# -- the ops: what a plan asks for, and (in each docstring) what it is answered ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """Try once to take ``name`` for ``token``; answered with an ``AcquireResult``."""
+
+    name: str
+    token: str
+    ttl_ms: int
+    owner: Owner
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release ``name`` if ``token`` holds it; answered with ``bool`` (it did)."""
+
+    name: str
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Block until ``name`` is released or ``seconds`` pass; answered with ``None``."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitAny:
+    """Block until any of ``names`` is released or ``seconds`` pass; answered with ``None``."""
+
+    names: tuple[str, ...]
+    seconds: float
+
+
+Op = Acquire | Release | Wait | WaitAny
+#: A plan: yields ops, is sent their answers, returns its result.
+Plan = Generator[Op, Any, T]
+
+
+def _unknown(op: Never) -> NoReturn:
+    """``typing.assert_never`` with a :class:`TypeError`: mypy proves it unreachable (once
+    every kind of :data:`Op` is matched, ``op`` is ``Never``), and at run time a plan that
+    yields something else fails loudly instead of being answered as some other op."""
+    raise TypeError(f"a plan yielded {op!r}, which is not an op of task_locks._plan")
+
+
+def drive(plan: Plan[T], backend: Backend) -> T:
+    """Run ``plan`` with the backend's blocking calls; return what the plan returns."""
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        match op:
+            case Acquire(name, token, ttl_ms, owner):
+                answer = backend.acquire(name, token, ttl_ms, owner)
+            case Release(name, token):
+                answer = backend.release(name, token)
+            case Wait(name, seconds):
+                backend.wait(name, seconds)
+                answer = None
+            case WaitAny(names, seconds):
+                backend.wait_any(names, seconds)
+                answer = None
+            case _:
+                _unknown(op)
+
+
+async def adrive(plan: Plan[T], backend: Backend) -> T:
+    """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        match op:
+            case Acquire(name, token, ttl_ms, owner):
+                answer = await backend.aacquire(name, token, ttl_ms, owner)
+            case Release(name, token):
+                answer = await backend.arelease(name, token)
+            case Wait(name, seconds):
+                await backend.await_release(name, seconds)
+                answer = None
+            case WaitAny(names, seconds):
+                await backend.await_any(names, seconds)
+                answer = None
+            case _:
+                _unknown(op)
