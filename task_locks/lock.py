@@ -63,6 +63,8 @@ log = logging.getLogger("task_locks.lock")
 MAX_NAME_LENGTH: Final = 512
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 L = TypeVar("L", bound="LeaseBase")
+#: (backend id, lock name, thread or task): see ``_held_by``.
+_HolderKey = tuple[int, str, "weakref.ref[Any]"]
 
 
 def validate_name(name: object) -> str:
@@ -219,7 +221,7 @@ class LeaseBase:
     #: A release was sent and got no answer (see ``_release_unknown``).
     _release_failed: bool = False
     #: Its entry in the holders map (see ``LockBase._held_here``).
-    _holder_key: tuple[int, str, int] | None = None
+    _holder_key: _HolderKey | None = None
 
     def __init__(
         self,
@@ -646,14 +648,15 @@ class AsyncLease(LeaseBase):
             # The block's own exception goes on; the loss was logged when it happened.
 
 
-#: Leases held now, by (backend, name, holder), the holder being the thread (sync) or the
-#: task (asyncio) that acquired them. A second acquire of the same name by the same holder
+#: Leases held now, by (backend, name, holder), the holder being (a weak reference to) the
+#: thread (sync) or the task (asyncio) that acquired them: not its id, which a new thread or
+#: task reuses once the old one is gone, and would then be taken for the holder. A second acquire of the same name by the same holder
 #: would wait for itself (forever with ``timeout=None``: the first lease keeps being
 #: renewed), so it fails at once instead. Weak: a dropped lease is not kept alive here.
-_held_by: dict[tuple[int, str, int], weakref.ref[Any]] = {}
+_held_by: dict[_HolderKey, weakref.ref[Any]] = {}
 
 
-def _forget_holder(key: tuple[int, str, int], ref: weakref.ref[Any]) -> None:
+def _forget_holder(key: _HolderKey, ref: weakref.ref[Any]) -> None:
     if _held_by.get(key) is ref:
         del _held_by[key]
 
@@ -787,7 +790,7 @@ class LockBase:
             max_hold=self.max_hold,
         )
 
-    def _keep(self, lease: L, holder: int | None = None) -> L:
+    def _keep(self, lease: L, holder: weakref.ref[Any] | None = None) -> L:
         """Hand ``lease`` to the deadline watch (always: it marks the lease lost at its local
         deadline) and to its renewer, unless this lock was made with ``renew=False``; and
         remember which thread or task holds it."""
@@ -801,10 +804,10 @@ class LockBase:
         return lease
 
     def _held_here(
-        self, backend: Backend, holder: int, described: str
+        self, backend: Backend, holder: weakref.ref[Any] | None, described: str
     ) -> tuple[LeaseBase, str] | None:
         """The lease of this lock that this same thread or task holds, if any (for _plan)."""
-        ref = _held_by.get((id(backend), self.name, holder))
+        ref = None if holder is None else _held_by.get((id(backend), self.name, holder))
         lease = None if ref is None else ref()
         if lease is None or not lease.held or lease.token == self._token:
             return None  # none (or a hand-over to our own token: Celery's lock_on="both")
@@ -843,8 +846,9 @@ class Lock(LockBase):
         lock is not re-entrant, and waiting would wait for itself.
         """
         backend = self.backend
-        holder = threading.get_ident()
-        mine = self._held_here(backend, holder, f"thread ({threading.current_thread().name})")
+        thread = threading.current_thread()
+        holder = weakref.ref(thread)
+        mine = self._held_here(backend, holder, f"thread ({thread.name})")
         try:
             granted = drive(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
@@ -881,7 +885,7 @@ class AsyncLock(LockBase):
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncLease:
         backend = self.backend
         task = asyncio.current_task()
-        holder = id(task)
+        holder = None if task is None else weakref.ref(task)
         name = task.get_name() if task is not None else "?"
         mine = self._held_here(backend, holder, f"task ({name})")
         try:
