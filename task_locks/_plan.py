@@ -93,6 +93,18 @@ def report_conflict(
         )
 
 
+def handoff_slice(ttl: float) -> float:
+    """How long one blocking pop for a server grant lasts: a slice of the TTL, since a
+    grant may land at its start while the lease counts from the try before it."""
+    return min(max(ttl / 10, 0.05), 2.0)
+
+
+def entry_ms(ttl: float) -> int:
+    """How long a wait entry lives unless refreshed: past one pop and the try after it,
+    so a live waiter keeps its place and a dead one is skipped soon after."""
+    return int((2 * handoff_slice(ttl) + 0.5) * 1000)
+
+
 # -- the ops: what a plan asks for, and (in each docstring) what it is answered ----------
 
 
@@ -130,7 +142,39 @@ class WaitAny:
     seconds: float
 
 
-Op = Acquire | Release | Wait | WaitAny
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    """Server hand-off: acquire, or else queue ``token`` for a grant (a wait entry living
+    ``wait_ms``; sent again, it refreshes the entry, keeping its place in line; ``0``: do
+    not queue); answered with an ``AcquireResult``."""
+
+    name: str
+    token: str
+    ttl_ms: int
+    owner: Owner
+    wait_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitGrant:
+    """Server hand-off: block up to ``seconds`` for a release to hand ``name`` to ``token``;
+    answered with the grant's fence, or ``None``."""
+
+    name: str
+    token: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dequeue:
+    """Server hand-off: leave the queue and give back a grant that raced in (token-checked);
+    answered with ``bool`` (a grant was given back)."""
+
+    name: str
+    token: str
+
+
+Op = Acquire | Release | Wait | WaitAny | Enqueue | AwaitGrant | Dequeue
 #: A plan: yields ops, is sent their answers, returns its result.
 Plan = Generator[Op, Any, T]
 
@@ -161,6 +205,12 @@ def drive(plan: Plan[T], backend: Backend) -> T:
             case WaitAny(names, seconds):
                 backend.wait_any(names, seconds)
                 answer = None
+            case Enqueue(name, token, ttl_ms, owner, wait_ms):
+                answer = backend.enqueue(name, token, ttl_ms, owner, wait_ms)
+            case AwaitGrant(name, token, seconds):
+                answer = backend.await_grant(name, token, seconds)
+            case Dequeue(name, token):
+                answer = backend.dequeue(name, token)
             case _:
                 _unknown(op)
 
@@ -184,5 +234,11 @@ async def adrive(plan: Plan[T], backend: Backend) -> T:
             case WaitAny(names, seconds):
                 await backend.await_any(names, seconds)
                 answer = None
+            case Enqueue(name, token, ttl_ms, owner, wait_ms):
+                answer = await backend.aenqueue(name, token, ttl_ms, owner, wait_ms)
+            case AwaitGrant(name, token, seconds):
+                answer = await backend.aawait_grant(name, token, seconds)
+            case Dequeue(name, token):
+                answer = await backend.adequeue(name, token)
             case _:
                 _unknown(op)

@@ -34,12 +34,17 @@ from ._plan import UNKNOWN_TTL_POLL as UNKNOWN_TTL_POLL
 from ._plan import (
     UNSET,
     Acquire,
+    AwaitGrant,
+    Dequeue,
+    Enqueue,
     Plan,
     Release,
     Unset,
     Wait,
     adrive,
     drive,
+    entry_ms,
+    handoff_slice,
     pause,
     report_acquired,
     report_conflict,
@@ -727,6 +732,12 @@ class LockBase:
         is no timeout, the wait would never end (the holder is waiting for itself), so
         :class:`LockHeld` is raised at once. A bounded wait, or one for an unrenewed lease
         (its TTL frees it), waits as usual.
+
+        With the server hand-off (``backend.server_handoff``) each try also queues this
+        waiter, and the wait is a short blocking pop of the grant a release makes inside
+        the server. A grant can land any time after the last try's request was sent, so
+        the lease counts from that send (``sent_at``), never from the pop that brought it;
+        a waiter that gives up leaves the queue and gives back a grant that raced in.
         """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
@@ -734,9 +745,24 @@ class LockBase:
         owner = current_owner()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        handoff = backend.server_handoff
+        grant_slice = handoff_slice(ttl)
+        queued = False
+        granted: int | None = None  # a fence the server handed over (hand-off only)
         while True:
-            sent_at = time.monotonic()
-            result: AcquireResult = yield Acquire(name, token, ttl_ms, owner)
+            result: AcquireResult
+            if granted is not None:
+                # Handed over after the last try was sent: the lease counts from that send.
+                result, granted = AcquireResult(granted), None
+            elif handoff:
+                sent_at = time.monotonic()
+                # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
+                wait_ms = 0 if deadline is not None and sent_at >= deadline else entry_ms(ttl)
+                queued = queued or wait_ms > 0
+                result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
+            else:
+                sent_at = time.monotonic()
+                result = yield Acquire(name, token, ttl_ms, owner)
             if result.fence is not None:
                 now = time.monotonic()
                 if now < sent_at + ttl - backend.clock_margin(ttl):
@@ -757,6 +783,8 @@ class LockBase:
                 continue
             now = time.monotonic()
             if deadline is not None and now >= deadline:
+                if queued:
+                    yield Dequeue(name, token)
                 held = _held_message(name, result, now - start)
                 report_conflict(name, backend, held, now - start, timeout, result.holder_fence)
                 raise held
@@ -767,13 +795,21 @@ class LockBase:
                 and mine[0].held
                 and mine[0]._renewer is not None
             ):
+                if queued:
+                    yield Dequeue(name, token)
                 raise LockHeld(
                     f"lock {name!r} is already held by this same {mine[1]} (fence "
                     f"{mine[0].fence}): a second acquire would wait for itself; release "
                     "the first lease, or pass it along instead of acquiring again",
                     name=name,
                 )
-            yield Wait(name, pause(result.retry_after, now, deadline))
+            if not handoff:
+                yield Wait(name, pause(result.retry_after, now, deadline))
+                continue
+            # A slice, and no longer than the holder's TTL: a dead holder makes no release.
+            block = min(grant_slice, pause(result.retry_after, now, deadline))
+            # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
+            granted = yield AwaitGrant(name, token, block)
 
     def _lease(
         self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float
