@@ -221,35 +221,39 @@ local function take(key, counter, token, ttl, owner, counter_ttl)
   redis.call('pexpire', key, ttl)
   return fence
 end
--- The first waiter of the queue whose entry is alive; dead ones are dropped on the way.
+-- The first waiter of the queue whose entry is alive, and its entry; dead ones are
+-- dropped on the way.
 local function first_live(key, queue)
   while true do
     local head = redis.call('zrange', queue, 0, 0)[1]
-    if not head then return false end
-    if redis.call('exists', key .. ':wait:' .. head) == 1 then return head end
+    if not head then return false, false end
+    local entry = redis.call('get', key .. ':wait:' .. head)
+    if entry then return head, entry end
     redis.call('zrem', queue, head)
   end
 end
--- The lock (free now) goes to waiter ``head``: new fence, its TTL and owner, and the
--- fence pushed to its grant list (which lives as long as the grant's TTL).
-local function grant_to(key, counter, queue, head, counter_ttl)
-  local entry = redis.call('get', key .. ':wait:' .. head)
+-- The lock goes to waiter ``head`` (every field of the hash is written anew): new
+-- fence, its TTL and owner, and the fence pushed to its grant list, which lives as long
+-- as the grant's TTL. Its entry is left to expire: it is out of the queue.
+local function grant_to(key, counter, queue, head, entry, counter_ttl)
   redis.call('zrem', queue, head)
-  redis.call('del', key .. ':wait:' .. head)
   local sep = string.find(entry, '|', 1, true)
   local ttl = string.sub(entry, 1, sep - 1)
   local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl)
   local grant = key .. ':grant:' .. head
-  redis.call('del', grant)
   redis.call('rpush', grant, fence)
   redis.call('pexpire', grant, ttl)
 end
--- A freed lock: to the first live waiter, else wake the BLPOP waiters as RELEASE does.
+-- A lock its holder gives up: to the first live waiter, else deleted, waking the BLPOP
+-- waiters as RELEASE does.
 local function hand_on(key, counter, queue, signal, ttl, counter_ttl)
-  local head = first_live(key, queue)
+  local head, entry = first_live(key, queue)
   if head then
-    grant_to(key, counter, queue, head, counter_ttl)
-  elseif redis.call('exists', signal) == 0 then
+    grant_to(key, counter, queue, head, entry, counter_ttl)
+    return
+  end
+  redis.call('del', key)
+  if redis.call('exists', signal) == 0 then
     redis.call('rpush', signal, '1')
     redis.call('pexpire', signal, ttl or 60000)
   end
@@ -284,22 +288,20 @@ if held[1] == ARGV[1] then
   return tonumber(held[2])
 end
 if not held[1] then
-  local head = first_live(KEYS[1], KEYS[3])
+  local head, waiting = first_live(KEYS[1], KEYS[3])
   if not head or head == ARGV[1] then
-    redis.call('zrem', KEYS[3], ARGV[1])
-    redis.call('del', entry)
+    if head then redis.call('zrem', KEYS[3], ARGV[1]) end
     return tonumber(take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]))
   end
-  grant_to(KEYS[1], KEYS[2], KEYS[3], head, ARGV[4])
+  grant_to(KEYS[1], KEYS[2], KEYS[3], head, waiting, ARGV[4])
   held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
 end
 if wait > 0 then
   redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
-  if not redis.call('zscore', KEYS[3], ARGV[1]) then
-    local now = redis.call('time')
-    redis.call('zadd', KEYS[3], tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
-  end
-  if redis.call('pttl', KEYS[3]) < wait then redis.call('pexpire', KEYS[3], wait) end
+  local now = redis.call('time')
+  -- NX: a refresh keeps its place in line. The queue outlives the entry just written.
+  redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
+  redis.call('pexpire', KEYS[3], wait)
 end
 return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 """.replace("MAX_TTL_MS", str(MAX_TTL_MS))
@@ -316,7 +318,6 @@ RELEASE_HANDOFF = (
 local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
 if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then return 0 end
 if ARGV[2] ~= '' and held[3] ~= ARGV[2] then return 0 end
-redis.call('del', KEYS[1])
 hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[3])
 return 1
 """
@@ -334,7 +335,6 @@ redis.call('zrem', KEYS[3], ARGV[1])
 redis.call('del', KEYS[1] .. ':wait:' .. ARGV[1], KEYS[1] .. ':grant:' .. ARGV[1])
 local held = redis.call('hmget', KEYS[1], 'token', 'ttl')
 if held[1] ~= ARGV[1] then return 0 end
-redis.call('del', KEYS[1])
 hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2])
 return 1
 """
