@@ -9,7 +9,9 @@ decision and differ only in how they talk to the server.
 
 The ops are a closed union (:data:`Op`): both drivers ``match`` on it, mypy checks that
 every kind is handled, and an object that is not an op raises :class:`TypeError` instead
-of being taken for some other kind.
+of being taken for some other kind. An op that fails is thrown into the plan at its
+``yield``: a plan that does not catch it fails with it, one that does can clean up (the
+server hand-off gives back a grant whose reply was lost).
 
 Also here, because every front end needs them: the pause rule (how long a waiter waits
 before it tries again), the ``acquired`` / ``conflict`` events a plan reports, and the
@@ -189,56 +191,70 @@ def _unknown(op: Never) -> NoReturn:
 def drive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns."""
     answer: Any = None
+    failure: Exception | None = None
     while True:
         try:
-            op = plan.send(answer)
+            op = plan.send(answer) if failure is None else plan.throw(failure)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
-        match op:
-            case Acquire(name, token, ttl_ms, owner):
-                answer = backend.acquire(name, token, ttl_ms, owner)
-            case Release(name, token):
-                answer = backend.release(name, token)
-            case Wait(name, seconds):
-                backend.wait(name, seconds)
-                answer = None
-            case WaitAny(names, seconds):
-                backend.wait_any(names, seconds)
-                answer = None
-            case Enqueue(name, token, ttl_ms, owner, wait_ms):
-                answer = backend.enqueue(name, token, ttl_ms, owner, wait_ms)
-            case AwaitGrant(name, token, seconds):
-                answer = backend.await_grant(name, token, seconds)
-            case Dequeue(name, token):
-                answer = backend.dequeue(name, token)
-            case _:
-                _unknown(op)
+        failure = None
+        try:
+            answer = _answer(op, backend)
+        except Exception as exc:
+            failure = exc
+
+
+def _answer(op: Op, backend: Backend) -> Any:
+    match op:
+        case Acquire(name, token, ttl_ms, owner):
+            return backend.acquire(name, token, ttl_ms, owner)
+        case Release(name, token):
+            return backend.release(name, token)
+        case Wait(name, seconds):
+            return backend.wait(name, seconds)
+        case WaitAny(names, seconds):
+            return backend.wait_any(names, seconds)
+        case Enqueue(name, token, ttl_ms, owner, wait_ms):
+            return backend.enqueue(name, token, ttl_ms, owner, wait_ms)
+        case AwaitGrant(name, token, seconds):
+            return backend.await_grant(name, token, seconds)
+        case Dequeue(name, token):
+            return backend.dequeue(name, token)
+        case _:
+            _unknown(op)
 
 
 async def adrive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
     answer: Any = None
+    failure: Exception | None = None
     while True:
         try:
-            op = plan.send(answer)
+            op = plan.send(answer) if failure is None else plan.throw(failure)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
-        match op:
-            case Acquire(name, token, ttl_ms, owner):
-                answer = await backend.aacquire(name, token, ttl_ms, owner)
-            case Release(name, token):
-                answer = await backend.arelease(name, token)
-            case Wait(name, seconds):
-                await backend.await_release(name, seconds)
-                answer = None
-            case WaitAny(names, seconds):
-                await backend.await_any(names, seconds)
-                answer = None
-            case Enqueue(name, token, ttl_ms, owner, wait_ms):
-                answer = await backend.aenqueue(name, token, ttl_ms, owner, wait_ms)
-            case AwaitGrant(name, token, seconds):
-                answer = await backend.aawait_grant(name, token, seconds)
-            case Dequeue(name, token):
-                answer = await backend.adequeue(name, token)
-            case _:
-                _unknown(op)
+        failure = None
+        try:
+            answer = await _aanswer(op, backend)
+        except Exception as exc:
+            failure = exc
+
+
+async def _aanswer(op: Op, backend: Backend) -> Any:
+    match op:
+        case Acquire(name, token, ttl_ms, owner):
+            return await backend.aacquire(name, token, ttl_ms, owner)
+        case Release(name, token):
+            return await backend.arelease(name, token)
+        case Wait(name, seconds):
+            return await backend.await_release(name, seconds)
+        case WaitAny(names, seconds):
+            return await backend.await_any(names, seconds)
+        case Enqueue(name, token, ttl_ms, owner, wait_ms):
+            return await backend.aenqueue(name, token, ttl_ms, owner, wait_ms)
+        case AwaitGrant(name, token, seconds):
+            return await backend.aawait_grant(name, token, seconds)
+        case Dequeue(name, token):
+            return await backend.adequeue(name, token)
+        case _:
+            _unknown(op)

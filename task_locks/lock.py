@@ -54,6 +54,7 @@ from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
     InvalidArgument,
+    LockError,
     LockHeld,
     LockLost,
     MissingCapability,
@@ -666,6 +667,15 @@ def _forget_holder(key: _HolderKey, ref: weakref.ref[Any]) -> None:
         del _held_by[key]
 
 
+def _give_back(name: str, token: str) -> Plan[None]:
+    """Leave the queue, giving back a grant that may have raced in (best effort: the call
+    that failed just before may mean this one fails too; the TTL then frees it)."""
+    try:
+        yield Dequeue(name, token)
+    except LockError as exc:
+        log.warning("lock %r: could not leave the wait queue (%s); its TTL frees it", name, exc)
+
+
 class LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
@@ -759,7 +769,12 @@ class LockBase:
                 # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
                 wait_ms = 0 if deadline is not None and sent_at >= deadline else entry_ms(ttl)
                 queued = queued or wait_ms > 0
-                result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
+                try:
+                    result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
+                except LockError:
+                    if self._token is None:  # (never give back a lock handed over to us)
+                        yield from _give_back(name, token)
+                    raise
             else:
                 sent_at = time.monotonic()
                 result = yield Acquire(name, token, ttl_ms, owner)
@@ -809,7 +824,13 @@ class LockBase:
             # A slice, and no longer than the holder's TTL: a dead holder makes no release.
             block = min(grant_slice, pause(result.retry_after, now, deadline))
             # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
-            granted = yield AwaitGrant(name, token, block)
+            try:
+                granted = yield AwaitGrant(name, token, block)
+            except LockError:
+                # The pop may have taken a grant whose reply was lost: give it back
+                # rather than leave it held, by no one, until its TTL runs out.
+                yield from _give_back(name, token)
+                raise
 
     def _lease(
         self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float

@@ -199,7 +199,11 @@ def hub() -> Iterator[ProxyHub]:
     proxies.close()
 
 
-def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub) -> None:
+@pytest.mark.parametrize("fault", ["drop_reply", "reset_once"])
+def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub, fault: str) -> None:
+    """``drop_reply``: the pop's reply (and every reply after it) is lost, the waiter fails;
+    ``reset_once``: the reply is lost with the connection, and redis-py's retry pops an
+    empty list, so the next try finds the lock already the waiter's."""
     server = RedisServer().start()
     try:
         proxy = hub.proxy(server.port)
@@ -219,17 +223,18 @@ def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub) -> None:
         waiter = threading.Thread(target=wait)
         waiter.start()
         wait_until(lambda: queued(direct, name) == 1, 5, "the waiter queued")
-        proxy.fault("drop_reply")
+        proxy.fault(fault)
         holder.release()  # granted inside the server; the waiter's pop loses the reply
         waiter.join(20)
         proxy.heal()
         assert outcome, "the waiter never came back"
         second = Lock(name, ttl=ttl, backend=direct).try_acquire()
         if isinstance(outcome[0], LockError):
-            # The waiter does not believe it holds the lock: at most the orphaned grant
-            # holds it (until its TTL), and nobody else got it meanwhile.
-            assert second is None
-            assert get_backend(direct).holder(name).fence > holder.fence  # type: ignore[union-attr]
+            # The waiter holds nothing. Its give-back (DEQUEUE) may not have got through
+            # the same broken link: then the orphaned grant holds the lock until its TTL.
+            if second is not None:
+                assert second.fence > holder.fence
+                second.release()
         else:
             assert second is None and outcome[0].held
             outcome[0].release()
