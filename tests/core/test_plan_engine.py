@@ -12,6 +12,7 @@ from task_locks._plan import (
     MIN_PAUSE,
     UNKNOWN_TTL_POLL,
     Acquire,
+    Enqueue,
     Plan,
     Release,
     Wait,
@@ -92,3 +93,19 @@ def test_pause_rule() -> None:
     assert pause(None, 0.0, None) == UNKNOWN_TTL_POLL
     assert pause(0.0, 0.0, None) == MIN_PAUSE
     assert pause(3.0, 10.0, 11.0) == 1.0  # never past the deadline
+
+
+def test_a_failed_op_is_thrown_into_the_plan() -> None:
+    """The plan sees the failure at its ``yield`` and may clean up (or let it through)."""
+    backend = get_backend("memory://plan-engine")  # no server hand-off: Enqueue is refused
+
+    def plan() -> Plan[str]:
+        try:
+            yield Enqueue("thrown", "t", 1000, current_owner(), 1000)
+        except NotImplementedError:
+            released = yield Release("thrown", "t")
+            return f"caught, then released={released}"
+        return "not thrown"
+
+    assert drive(plan(), backend) == "caught, then released=False"
+    assert asyncio.run(arun(plan(), backend)) == "caught, then released=False"

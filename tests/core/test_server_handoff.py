@@ -240,3 +240,32 @@ def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub, fault: str) -
             outcome[0].release()
     finally:
         server.cleanup()
+
+
+def test_an_election_is_handed_over_and_a_semaphore_still_works(url: str) -> None:
+    """The election campaigns through Lock (so through the hand-off); the semaphore's
+    slots keep their own waits, and its releases still wake them."""
+    from task_locks import Election, Semaphore
+
+    first = Election("leader", ttl=5, backend=url, identity="a").campaign(timeout=0)
+    terms: list[int] = []
+    rival = threading.Thread(
+        target=lambda: terms.append(
+            Election("leader", ttl=5, backend=url, identity="b").campaign(timeout=10).term
+        )
+    )
+    rival.start()
+    wait_until(lambda: queued(url, "election:leader") == 1, 5, "the rival queued")
+    first.resign()
+    rival.join(10)
+    assert terms and terms[0] > first.term
+
+    semaphore = Semaphore("pool", limit=1, ttl=5, backend=url)
+    permit = semaphore.acquire(timeout=0)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(semaphore.acquire(timeout=10)))
+    waiter.start()
+    permit.release()
+    waiter.join(10)
+    assert got and got[0].fence > permit.fence
+    got[0].release()
