@@ -9,6 +9,9 @@ One lock is four keys sharing a cluster hash slot (the name is the hash tag):
   lives max(60 s, 4 x socket_timeout)): a release that redis-py resends after its
   first reply was lost finds its own id there and reports the release it made
 
+With ``handoff=server`` (below) a lock also has a wait queue, and each waiter an entry
+and a grant list: ``:queue``, ``:wait:<token>``, ``:grant:<token>`` (see ``ENQUEUE``).
+
 Acquire, renew and release are one script call (one round trip) each; the watchdog's
 batches renew hundreds of leases per script call, all calls in one pipeline. Waiters
 block on the signal list, so a release hands the lock to the longest waiter in about one
@@ -307,34 +310,52 @@ return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 """.replace("MAX_TTL_MS", str(MAX_TTL_MS))
 )
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
+# KEYS[5] release tombstone
 # ARGV[1] token, or '' to release whoever holds it (operator override)
-# ARGV[2] fence, or '' (as in RELEASE), ARGV[3] fence counter ttl ms
+# ARGV[2] fence, or '' (as in RELEASE), ARGV[3] this call's release id, ARGV[4] tombstone
+# ttl ms, ARGV[5] fence counter ttl ms
 # Returns 1 if the lock was released (and handed to the first live waiter, who now holds
-# it, or else a BLPOP waiter signalled), 0 if not held / not ours / another fence.
+# it, or else deleted and a BLPOP waiter signalled); 2 if this very call already released
+# it (a resend: the tombstone names its release id, as in RELEASE); 0 if not held / not
+# ours / another fence. The release writes the tombstone as RELEASE does.
 RELEASE_HANDOFF = (
     _HANDOFF_LIB
     + """
 local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then return 0 end
-if ARGV[2] ~= '' and held[3] ~= ARGV[2] then return 0 end
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[3])
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
+  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[5])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5])
 return 1
 """
 )
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list
-# ARGV[1] token, ARGV[2] fence counter ttl ms
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
+# KEYS[5] release tombstone
+# ARGV[1] token, ARGV[2] fence counter ttl ms, ARGV[3] this call's release id, ARGV[4]
+# tombstone ttl ms
 # A waiter that gives up: leaves the queue, drops its entry and grant list, and gives
-# back (token-checked) a grant that raced in, which goes on to the next live waiter.
-# Returns 1 if a grant was given back, 0 if the token held nothing.
+# back (token-checked) a grant that raced in, which goes on to the next live waiter; the
+# give-back writes the tombstone as RELEASE does.
+# Returns 1 if a grant was given back, 2 if this very call already gave it back (a
+# resend), 0 if the token held nothing.
 DEQUEUE = (
     _HANDOFF_LIB
     + """
 redis.call('zrem', KEYS[3], ARGV[1])
 redis.call('del', KEYS[1] .. ':wait:' .. ARGV[1], KEYS[1] .. ':grant:' .. ARGV[1])
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl')
-if held[1] ~= ARGV[1] then return 0 end
+local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if held[1] ~= ARGV[1] then
+  local tombstone = redis.call('get', KEYS[5])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
 hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2])
 return 1
 """
@@ -829,9 +850,11 @@ class RedisBackend(Backend):
         """A new release id per call: redis-py's resend of this call repeats it, so the
         resend finds the tombstone the first attempt left and reports that release."""
         key = self._key(name)
+        fence_arg = "" if fence is None else str(int(fence))
         if self.server_handoff:  # the release_handoff script
-            keys = [key, key + ":fence", key + ":queue", key + ":signal"]
-            return [4, *keys, token, "" if fence is None else str(int(fence)), self.fence_ttl_ms]
+            keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
+            release_id = secrets.token_hex(8)
+            return [5, *keys, token, fence_arg, release_id, self.tombstone_ms, self.fence_ttl_ms]
         return [
             3,
             key,
@@ -857,8 +880,8 @@ class RedisBackend(Backend):
 
     def _dequeue_args(self, name: str, token: str) -> list[Any]:
         key = self._key(name)
-        keys = [key, key + ":fence", key + ":queue", key + ":signal"]
-        return [4, *keys, token, self.fence_ttl_ms]
+        keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
+        return [5, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms]
 
     def _grant_key(self, name: str, token: str) -> str:
         return f"{self._key(name)}:grant:{token}"
