@@ -47,12 +47,13 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
+from ._plan import UNSET, Unset
 from .backends.base import Backend
 from .config import resolve_backend, validate_ttl
 from .context import AnyLease, _current
 from .errors import BackendUnavailable, InvalidArgument, LockHeld, LockLost
 from .keys import KeySpec, TaskKey
-from .lock import AsyncLease, AsyncLock, Lease, Lock, _Unset, validate_timeout
+from .lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from .plans import Call, Step, adrive, drive
 from .policies import Outcome, attempts, check_on_conflict, decide, take
 
@@ -61,14 +62,13 @@ log = logging.getLogger("task_locks.decorators")
 #: ``on_conflict`` choices of :func:`locked`.
 LOCKED_ON_CONFLICT: Final = ("skip", "raise", "wait")
 F = TypeVar("F", bound=Callable[..., Any])
-_DEFAULT: Final = _Unset()
 
 
 def locked(
     key: KeySpec = None,
     *,
     ttl: float | None = None,
-    timeout: float | _Unset | None = _DEFAULT,
+    timeout: float | Unset | None = UNSET,
     on_conflict: str = "skip",
     backend: str | Backend | None = None,
     max_hold: float | None = None,
@@ -89,7 +89,7 @@ def locked(
         validate_ttl(ttl)
     if max_hold is not None:
         validate_ttl(max_hold, "max_hold")
-    if isinstance(timeout, _Unset):
+    if isinstance(timeout, Unset):
         timeout = None if on_conflict == "wait" else 0.0
     wait = validate_timeout(timeout)
     options: dict[str, Any] = {"ttl": ttl, "backend": backend, "max_hold": max_hold}

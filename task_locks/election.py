@@ -35,9 +35,10 @@ from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
 from . import events
+from ._plan import UNSET, Unset
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld, LockLost
-from .lock import _UNSET, AsyncLease, AsyncLock, Lease, Lock, _LeaseBase, _Unset, validate_name
+from .lock import AsyncLease, AsyncLock, Lease, LeaseBase, Lock, validate_name
 from .owner import owner_context
 from .types import Holder, Owner
 
@@ -48,7 +49,7 @@ PREFIX: Final = "election:"
 #: Longest pause between two looks of :meth:`Election.observe` by default.
 MAX_OBSERVE_INTERVAL: Final = 1.0
 
-L = TypeVar("L", bound=_LeaseBase)
+L = TypeVar("L", bound=LeaseBase)
 
 
 def lock_name(election: str) -> str:
@@ -276,8 +277,8 @@ class _ElectionBase(Generic[LS]):
         return float(interval)
 
     @staticmethod
-    def _changed(before: LeaderInfo | _Unset | None, now: LeaderInfo | None) -> bool:
-        if isinstance(before, _Unset):
+    def _changed(before: LeaderInfo | Unset | None, now: LeaderInfo | None) -> bool:
+        if isinstance(before, Unset):
             return True
         return (before.term if before else None) != (now.term if now else None)
 
@@ -300,7 +301,7 @@ class Election(_ElectionBase[Leadership]):
     def _make_lock(self, ttl: float | None, backend: Any, timeout: float | None) -> Lock:
         return Lock(self.lock_name, ttl, backend=backend, timeout=timeout, on_lost=self._lease_lost)
 
-    def campaign(self, timeout: float | _Unset | None = _UNSET) -> Leadership:
+    def campaign(self, timeout: float | Unset | None = UNSET) -> Leadership:
         """Become leader, waiting up to ``timeout`` seconds (``None``: as long as it takes).
 
         Returns the current term if this candidate already leads. Raises
@@ -349,7 +350,7 @@ class Election(_ElectionBase[Leadership]):
         """
         pause = self._observe_interval(interval)
         deadline = None if timeout is None else time.monotonic() + timeout
-        last: LeaderInfo | _Unset | None = _UNSET
+        last: LeaderInfo | Unset | None = UNSET
         while True:
             now_leader = self.leader()
             if self._changed(last, now_leader):
@@ -379,7 +380,7 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
             self.lock_name, ttl, backend=backend, timeout=timeout, on_lost=self._lease_lost
         )
 
-    async def campaign(self, timeout: float | _Unset | None = _UNSET) -> AsyncLeadership:
+    async def campaign(self, timeout: float | Unset | None = UNSET) -> AsyncLeadership:
         current = self._current()
         if current is not None:
             return current
@@ -415,7 +416,7 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
     ) -> AsyncIterator[LeaderInfo | None]:
         pause = self._observe_interval(interval)
         deadline = None if timeout is None else time.monotonic() + timeout
-        last: LeaderInfo | _Unset | None = _UNSET
+        last: LeaderInfo | Unset | None = UNSET
         while True:
             now_leader = await self.leader()
             if self._changed(last, now_leader):

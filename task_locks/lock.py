@@ -1,11 +1,14 @@
 """``Lock`` / ``AsyncLock`` and the ``Lease`` they hand out.
 
-The acquire loop (token, deadline, waiting for the holder) is written once, as a
-generator that *yields* the I/O it needs (``("acquire", ...)``, ``("wait", ...)``,
-``("wait_any", ...)``) and receives the answers. :func:`_drive` runs it against a
-backend's sync methods and :func:`_adrive` against its async ones, so sync and async
+The acquire loop (token, deadline, waiting for the holder) is written once, as a plan
+(:mod:`task_locks._plan`, the internal engine) that yields the I/O it needs (``Acquire``,
+``Release``, ``Wait``) and receives the answers; ``_plan.drive`` runs it against a
+backend's sync methods and ``_plan.adrive`` against its async ones, so sync and async
 share every decision and differ only in how they talk to the server. The semaphore's
 loop (:mod:`task_locks.semaphore`) is driven by the same two functions.
+
+:class:`LockBase` and :class:`LeaseBase` are internal too: the semaphore and the election
+build on them; the package does not export them.
 """
 
 from __future__ import annotations
@@ -21,42 +24,53 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
 from . import events
+from ._plan import MIN_PAUSE as MIN_PAUSE
+from ._plan import UNKNOWN_TTL_POLL as UNKNOWN_TTL_POLL
+from ._plan import (
+    UNSET,
+    Acquire,
+    AwaitGrant,
+    Dequeue,
+    Enqueue,
+    Plan,
+    Release,
+    Unset,
+    Wait,
+    adrive,
+    drive,
+    entry_ms,
+    handoff_slice,
+    pause,
+    report_acquired,
+    report_conflict,
+)
 from .backends.base import Backend, parse_capabilities
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
     InvalidArgument,
+    LockError,
     LockHeld,
     LockLost,
     MissingCapability,
     NotOwned,
 )
 from .owner import current_owner
-from .types import AcquireResult, Holder, Owner
+from .types import AcquireResult, Holder
 from .watchdog import Lane, async_renewer, deadline_watch, thread_renewer
 
 log = logging.getLogger("task_locks.lock")
 
 MAX_NAME_LENGTH: Final = 512
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-#: How long a waiter sleeps when the backend could not say when the holder's TTL ends.
-UNKNOWN_TTL_POLL: Final = 0.5
-#: Shortest wait between attempts: a TTL reported as "0 ms left" must not spin.
-MIN_PAUSE: Final = 0.001
-
-
-class _Unset:
-    pass
-
-
-_UNSET: Final = _Unset()
-Op = tuple[Any, ...]
-L = TypeVar("L", bound="_LeaseBase")
+L = TypeVar("L", bound="LeaseBase")
+#: (backend id, lock name, thread or task): see ``_held_by``.
+_HolderKey = tuple[int, str, "weakref.ref[Any]"]
 
 
 def validate_name(name: object) -> str:
@@ -99,52 +113,6 @@ def validate_timeout(timeout: object, name: str | None = None) -> float | None:
     if timeout < 0:
         raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}", name=name)
     return float(timeout)
-
-
-def _report_acquired(name: str, backend: Backend, fence: int, owner: Owner, waited: float) -> None:
-    """The ``acquired`` event of a lock or a semaphore's permit."""
-    if events.wanted("acquired"):  # no context look-up when nobody listens
-        events.emit(
-            "acquired",
-            name,
-            backend=backend.server,
-            fence=fence,
-            owner=owner,
-            waited=waited,
-            detail=events.current_context().detail,
-        )
-
-
-def _report_conflict(
-    name: str,
-    backend: Backend,
-    held: LockHeld,
-    waited: float,
-    timeout: float | None,
-    fence: int | None = None,
-) -> None:
-    """The ``conflict`` event of an acquire given up: at once (``timeout`` 0, a conflict)
-    or after waiting ``timeout`` in vain (a timeout), with the front end's policy."""
-    context = events.current_context()
-    if context.policy and events.wanted("conflict"):  # "": not worth reporting
-        events.emit(
-            "conflict",
-            name,
-            backend=backend.server,
-            fence=fence,
-            owner=held.holder.owner if held.holder else None,
-            waited=waited,
-            timeout=timeout,
-            policy=context.policy,
-            detail=context.detail,
-        )
-
-
-def _pause(retry_after: float | None, now: float, deadline: float | None) -> float:
-    """How long a waiter waits before it tries again: until the holder's TTL ends (a poll
-    interval when that is unknown), at least :data:`MIN_PAUSE`, never past ``deadline``."""
-    pause = max(MIN_PAUSE, UNKNOWN_TTL_POLL if retry_after is None else retry_after)
-    return pause if deadline is None else min(pause, deadline - now)
 
 
 def format_wait(seconds: float) -> str:
@@ -249,7 +217,7 @@ class LostFlag:
         return f"<LostFlag {'set' if self.is_set() else 'clear'}>"
 
 
-class _LeaseBase:
+class LeaseBase:
     """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
 
     #: The renewal lane this lease was handed to (``None``: not renewed in the background).
@@ -258,8 +226,8 @@ class _LeaseBase:
     _watched: bool = False
     #: A release was sent and got no answer (see ``_release_unknown``).
     _release_failed: bool = False
-    #: Its entry in the holders map (see ``_LockBase._held_here``).
-    _holder_key: tuple[int, str, int] | None = None
+    #: Its entry in the holders map (see ``LockBase._held_here``).
+    _holder_key: _HolderKey | None = None
 
     def __init__(
         self,
@@ -577,7 +545,7 @@ class _LeaseBase:
         return f"<{type(self).__name__} {self.name!r} fence={self.fence} {state}>"
 
 
-class Lease(_LeaseBase):
+class Lease(LeaseBase):
     """Proof of holding a lock, renewed in the background until released."""
 
     def _schedule(self) -> None:
@@ -624,7 +592,7 @@ class Lease(_LeaseBase):
             # The block's own exception goes on; the loss was logged when it happened.
 
 
-class AsyncLease(_LeaseBase):
+class AsyncLease(LeaseBase):
     """The asyncio twin of :class:`Lease`; renewed by a task in its event loop."""
 
     _loop: asyncio.AbstractEventLoop | None = None
@@ -686,19 +654,29 @@ class AsyncLease(_LeaseBase):
             # The block's own exception goes on; the loss was logged when it happened.
 
 
-#: Leases held now, by (backend, name, holder), the holder being the thread (sync) or the
-#: task (asyncio) that acquired them. A second acquire of the same name by the same holder
+#: Leases held now, by (backend, name, holder), the holder being (a weak reference to) the
+#: thread (sync) or the task (asyncio) that acquired them: not its id, which a new thread or
+#: task reuses once the old one is gone, and would then be taken for the holder. A second acquire of the same name by the same holder
 #: would wait for itself (forever with ``timeout=None``: the first lease keeps being
 #: renewed), so it fails at once instead. Weak: a dropped lease is not kept alive here.
-_held_by: dict[tuple[int, str, int], weakref.ref[Any]] = {}
+_held_by: dict[_HolderKey, weakref.ref[Any]] = {}
 
 
-def _forget_holder(key: tuple[int, str, int], ref: weakref.ref[Any]) -> None:
+def _forget_holder(key: _HolderKey, ref: weakref.ref[Any]) -> None:
     if _held_by.get(key) is ref:
         del _held_by[key]
 
 
-class _LockBase:
+def _give_back(name: str, token: str) -> Plan[None]:
+    """Leave the queue, giving back a grant that may have raced in (best effort: the call
+    that failed just before may mean this one fails too; the TTL then frees it)."""
+    try:
+        yield Dequeue(name, token)
+    except LockError as exc:
+        log.warning("lock %r: could not leave the wait queue (%s); its TTL frees it", name, exc)
+
+
+class LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
     #: Private: acquire under this token instead of a fresh one. A token that already
@@ -748,15 +726,15 @@ class _LockBase:
     def effective_ttl(self) -> float:
         return self.ttl if self.ttl is not None else default_ttl()
 
-    def _timeout(self, timeout: float | _Unset | None) -> float | None:
-        return self.timeout if isinstance(timeout, _Unset) else validate_timeout(timeout, self.name)
+    def _timeout(self, timeout: float | Unset | None) -> float | None:
+        return self.timeout if isinstance(timeout, Unset) else validate_timeout(timeout, self.name)
 
     def _plan(
         self,
         backend: Backend,
         timeout: float | None,
-        mine: tuple[_LeaseBase, str] | None = None,
-    ) -> Generator[Op, Any, tuple[str, int, float]]:
+        mine: tuple[LeaseBase, str] | None = None,
+    ) -> Plan[tuple[str, int, float]]:
         """The acquire loop: try, and while held, wait for the release or the holder's TTL.
 
         ``mine``: a lease of this lock that the calling thread or task holds (and who that
@@ -764,6 +742,12 @@ class _LockBase:
         is no timeout, the wait would never end (the holder is waiting for itself), so
         :class:`LockHeld` is raised at once. A bounded wait, or one for an unrenewed lease
         (its TTL frees it), waits as usual.
+
+        With the server hand-off (``backend.server_handoff``) each try also queues this
+        waiter, and the wait is a short blocking pop of the grant a release makes inside
+        the server. A grant can land any time after the last try's request was sent, so
+        the lease counts from that send (``sent_at``), never from the pop that brought it;
+        a waiter that gives up leaves the queue and gives back a grant that raced in.
         """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
@@ -771,19 +755,39 @@ class _LockBase:
         owner = current_owner()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        handoff = backend.server_handoff
+        grant_slice = handoff_slice(ttl)
+        queued = False
+        granted: int | None = None  # a fence the server handed over (hand-off only)
         while True:
-            sent_at = time.monotonic()
-            result: AcquireResult = yield ("acquire", name, token, ttl_ms, owner)
+            result: AcquireResult
+            if granted is not None:
+                # Handed over after the last try was sent: the lease counts from that send.
+                result, granted = AcquireResult(granted), None
+            elif handoff:
+                sent_at = time.monotonic()
+                # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
+                wait_ms = 0 if deadline is not None and sent_at >= deadline else entry_ms(ttl)
+                queued = queued or wait_ms > 0
+                try:
+                    result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
+                except LockError:
+                    if self._token is None:  # (never give back a lock handed over to us)
+                        yield from _give_back(name, token)
+                    raise
+            else:
+                sent_at = time.monotonic()
+                result = yield Acquire(name, token, ttl_ms, owner)
             if result.fence is not None:
                 now = time.monotonic()
                 if now < sent_at + ttl - backend.clock_margin(ttl):
                     log.debug("acquired lock %r (fence %s)", name, result.fence)
-                    _report_acquired(name, backend, result.fence, owner, now - start)
+                    report_acquired(name, backend, result.fence, owner, now - start)
                     return token, result.fence, sent_at
                 # The grant arrived after its TTL: it may be someone else's lock by now.
                 # Give it back (token-checked) rather than hand out a dead lease.
                 log.warning("lock %r: the acquire's reply came after the TTL; retrying", name)
-                yield ("release", name, token)
+                yield Release(name, token)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise BackendUnavailable(
                         f"lock {name!r}: the acquire's reply took longer than the TTL "
@@ -794,8 +798,10 @@ class _LockBase:
                 continue
             now = time.monotonic()
             if deadline is not None and now >= deadline:
+                if queued:
+                    yield Dequeue(name, token)
                 held = _held_message(name, result, now - start)
-                _report_conflict(name, backend, held, now - start, timeout, result.holder_fence)
+                report_conflict(name, backend, held, now - start, timeout, result.holder_fence)
                 raise held
             if (
                 mine is not None
@@ -804,13 +810,27 @@ class _LockBase:
                 and mine[0].held
                 and mine[0]._renewer is not None
             ):
+                if queued:
+                    yield Dequeue(name, token)
                 raise LockHeld(
                     f"lock {name!r} is already held by this same {mine[1]} (fence "
                     f"{mine[0].fence}): a second acquire would wait for itself; release "
                     "the first lease, or pass it along instead of acquiring again",
                     name=name,
                 )
-            yield ("wait", name, _pause(result.retry_after, now, deadline))
+            if not handoff:
+                yield Wait(name, pause(result.retry_after, now, deadline))
+                continue
+            # A slice, and no longer than the holder's TTL: a dead holder makes no release.
+            block = min(grant_slice, pause(result.retry_after, now, deadline))
+            # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
+            try:
+                granted = yield AwaitGrant(name, token, block)
+            except LockError:
+                # The pop may have taken a grant whose reply was lost: give it back
+                # rather than leave it held, by no one, until its TTL runs out.
+                yield from _give_back(name, token)
+                raise
 
     def _lease(
         self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float
@@ -827,7 +847,7 @@ class _LockBase:
             max_hold=self.max_hold,
         )
 
-    def _keep(self, lease: L, holder: int | None = None) -> L:
+    def _keep(self, lease: L, holder: weakref.ref[Any] | None = None) -> L:
         """Hand ``lease`` to the deadline watch (always: it marks the lease lost at its local
         deadline) and to its renewer, unless this lock was made with ``renew=False``; and
         remember which thread or task holds it."""
@@ -841,10 +861,10 @@ class _LockBase:
         return lease
 
     def _held_here(
-        self, backend: Backend, holder: int, described: str
-    ) -> tuple[_LeaseBase, str] | None:
+        self, backend: Backend, holder: weakref.ref[Any] | None, described: str
+    ) -> tuple[LeaseBase, str] | None:
         """The lease of this lock that this same thread or task holds, if any (for _plan)."""
-        ref = _held_by.get((id(backend), self.name, holder))
+        ref = None if holder is None else _held_by.get((id(backend), self.name, holder))
         lease = None if ref is None else ref()
         if lease is None or not lease.held or lease.token == self._token:
             return None  # none (or a hand-over to our own token: Celery's lock_on="both")
@@ -868,43 +888,7 @@ class _LockBase:
         return f"<{type(self).__name__} {self.name!r} ttl={self.effective_ttl}>"
 
 
-def _drive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
-    """Run an acquire plan with the backend's blocking calls."""
-    answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration as done:
-            return done.value
-        kind = op[0]
-        if kind == "acquire":
-            answer = backend.acquire(*op[1:])
-        elif kind == "release":
-            answer = backend.release(*op[1:])
-        else:
-            (backend.wait if kind == "wait" else backend.wait_any)(*op[1:])
-            answer = None
-
-
-async def _adrive(plan: Generator[Op, Any, Any], backend: Backend) -> Any:
-    """Run an acquire plan with the backend's asyncio calls."""
-    answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration as done:
-            return done.value
-        kind = op[0]
-        if kind == "acquire":
-            answer = await backend.aacquire(*op[1:])
-        elif kind == "release":
-            answer = await backend.arelease(*op[1:])
-        else:
-            await (backend.await_release if kind == "wait" else backend.await_any)(*op[1:])
-            answer = None
-
-
-class Lock(_LockBase):
+class Lock(LockBase):
     """A named distributed lock. ``acquire()`` returns a :class:`Lease`.
 
     ``ttl`` (seconds) bounds how long a dead holder keeps the lock; live holders are
@@ -912,17 +896,18 @@ class Lock(_LockBase):
     of ``with``: ``None`` waits as long as it takes, ``0`` tries once.
     """
 
-    def acquire(self, timeout: float | _Unset | None = _UNSET) -> Lease:
+    def acquire(self, timeout: float | Unset | None = UNSET) -> Lease:
         """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not.
 
         In a thread that already holds this lock, :class:`LockHeld` is raised at once: the
         lock is not re-entrant, and waiting would wait for itself.
         """
         backend = self.backend
-        holder = threading.get_ident()
-        mine = self._held_here(backend, holder, f"thread ({threading.current_thread().name})")
+        thread = threading.current_thread()
+        holder = weakref.ref(thread)
+        mine = self._held_here(backend, holder, f"thread ({thread.name})")
         try:
-            granted = _drive(self._plan(backend, self._timeout(timeout), mine), backend)
+            granted = drive(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
             events.emit("error", self.name, backend=backend.server, reason=str(exc))
             raise
@@ -951,17 +936,17 @@ class Lock(_LockBase):
         self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
 
 
-class AsyncLock(_LockBase):
+class AsyncLock(LockBase):
     """The asyncio twin of :class:`Lock`: same arguments, same semantics."""
 
-    async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncLease:
+    async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncLease:
         backend = self.backend
         task = asyncio.current_task()
-        holder = id(task)
+        holder = None if task is None else weakref.ref(task)
         name = task.get_name() if task is not None else "?"
         mine = self._held_here(backend, holder, f"task ({name})")
         try:
-            granted = await _adrive(self._plan(backend, self._timeout(timeout), mine), backend)
+            granted = await adrive(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
             events.emit("error", self.name, backend=backend.server, reason=str(exc))
             raise

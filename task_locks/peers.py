@@ -37,8 +37,9 @@ from typing import Any, Final
 
 import redis
 
+from ._plan import UNSET, Unset
 from .errors import BackendUnavailable, InvalidArgument, LockHeld
-from .lock import AsyncLease, AsyncLock, Lease, Lock, _Unset
+from .lock import AsyncLease, AsyncLock, Lease, Lock
 
 #: python-redis-lock's key for a lock name.
 PYTHON_REDIS_LOCK: Final = "lock:{name}"
@@ -49,7 +50,6 @@ POTTERY: Final = "redlock:{name}"
 #: Seconds between looks at a peer key that is held.
 PEER_POLL: Final = 0.1
 
-_UNSET: Final = _Unset()
 Pattern = str | Callable[[str], str]
 
 
@@ -163,7 +163,7 @@ class PeerCheckedLock(Lock):
             raise InvalidArgument(f"peers must be a PeerKeys, got {peers!r}", name=name)
         self.peers = peers
 
-    def acquire(self, timeout: float | _Unset | None = _UNSET) -> Lease:
+    def acquire(self, timeout: float | Unset | None = UNSET) -> Lease:
         wait = self._timeout(timeout)
         start = time.monotonic()
         deadline = None if wait is None else start + wait
@@ -188,7 +188,7 @@ class AsyncPeerCheckedLock(AsyncLock):
             raise InvalidArgument(f"peers must be a PeerKeys, got {peers!r}", name=name)
         self.peers = peers
 
-    async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncLease:
+    async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncLease:
         wait = self._timeout(timeout)
         start = time.monotonic()
         deadline = None if wait is None else start + wait

@@ -25,28 +25,26 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
+from ._plan import (
+    UNSET,
+    Acquire,
+    Plan,
+    Unset,
+    WaitAny,
+    adrive,
+    drive,
+    pause,
+    report_acquired,
+    report_conflict,
+)
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld
-from .lock import (
-    _UNSET,
-    AsyncLease,
-    Lease,
-    Op,
-    _adrive,
-    _drive,
-    _LockBase,
-    _pause,
-    _report_acquired,
-    _report_conflict,
-    _Unset,
-    format_wait,
-    validate_name,
-)
+from .lock import AsyncLease, Lease, LockBase, format_wait, validate_name
 from .owner import current_owner
 from .types import (
     SEMAPHORE_PREFIX,
@@ -133,7 +131,7 @@ class AsyncPermit(_PermitMixin, AsyncLease):
 P = TypeVar("P", Permit, AsyncPermit)
 
 
-class _SemaphoreBase(_LockBase):
+class _SemaphoreBase(LockBase):
     """Configuration and the acquire loop shared by both flavours (no I/O here)."""
 
     def __init__(
@@ -165,7 +163,7 @@ class _SemaphoreBase(_LockBase):
 
     def _permit_plan(
         self, backend: Backend, timeout: float | None
-    ) -> Generator[Op, Any, tuple[int, str, int, float]]:
+    ) -> Plan[tuple[int, str, int, float]]:
         """Try the slots in random order; when all are taken, wait for a release or a TTL.
 
         Reports ``acquired`` under the slot's name and ``conflict`` under the semaphore's
@@ -181,9 +179,9 @@ class _SemaphoreBase(_LockBase):
             soonest: float | None = None
             for index in random.sample(range(self.limit), self.limit):
                 sent_at = time.monotonic()
-                result: AcquireResult = yield ("acquire", names[index], token, ttl_ms, owner)
+                result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner)
                 if result.fence is not None:
-                    _report_acquired(
+                    report_acquired(
                         names[index], backend, result.fence, owner, time.monotonic() - start
                     )
                     return index, token, result.fence, sent_at
@@ -194,9 +192,9 @@ class _SemaphoreBase(_LockBase):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 full = self._full(now - start)
-                _report_conflict(self.name, backend, full, now - start, timeout)
+                report_conflict(self.name, backend, full, now - start, timeout)
                 raise full
-            yield ("wait_any", names, _pause(soonest, now, deadline))
+            yield WaitAny(names, pause(soonest, now, deadline))
 
     def _full(self, waited: float) -> LockHeld:
         after = f" after waiting {format_wait(waited)}" if waited else ""
@@ -231,10 +229,10 @@ class Semaphore(_SemaphoreBase):
     (default: as long as it takes) and releases the permit at the end of the block.
     """
 
-    def acquire(self, timeout: float | _Unset | None = _UNSET) -> Permit:
+    def acquire(self, timeout: float | Unset | None = UNSET) -> Permit:
         """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
-        granted = _drive(self._permit_plan(backend, self._timeout(timeout)), backend)
+        granted = drive(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(Permit, backend, *granted)
 
     def try_acquire(self) -> Permit | None:
@@ -266,9 +264,9 @@ class Semaphore(_SemaphoreBase):
 class AsyncSemaphore(_SemaphoreBase):
     """The asyncio twin of :class:`Semaphore`: same arguments, same semantics."""
 
-    async def acquire(self, timeout: float | _Unset | None = _UNSET) -> AsyncPermit:
+    async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncPermit:
         backend = self.backend
-        granted = await _adrive(self._permit_plan(backend, self._timeout(timeout)), backend)
+        granted = await adrive(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(AsyncPermit, backend, *granted)
 
     async def try_acquire(self) -> AsyncPermit | None:

@@ -64,7 +64,7 @@ MIN_CALL_TIMEOUT = 0.01
 
 
 class Renewable(Protocol):
-    """What the schedule needs from a lease (implemented by ``_LeaseBase``)."""
+    """What the schedule needs from a lease (implemented by ``LeaseBase``)."""
 
     name: str
     token: str

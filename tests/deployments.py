@@ -167,6 +167,8 @@ def build_deployment(request: pytest.FixtureRequest, kind: str) -> Deployment:
         url = f"memory://{_unique()}"
     elif kind == "redis":
         url = request.getfixturevalue("redis_server").url(prefix=prefix)
+        if os.environ.get("TASK_LOCKS_TEST_HANDOFF"):  # e.g. "server": the hand-off on
+            url += f"&handoff={os.environ['TASK_LOCKS_TEST_HANDOFF']}"
     elif kind == "redlock":
         url = request.getfixturevalue("redis_masters").url(prefix=prefix)
     elif kind == "etcd":

@@ -152,6 +152,9 @@ class Backend(abc.ABC):
     #: What this backend guarantees (the URL schemes it serves are named only in the
     #: registry, :data:`task_locks.backends.BUILTIN_SCHEMES`).
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: The server hands a released lock to the next waiter (``enqueue``, ``await_grant``,
+    #: ``dequeue``); opt-in on Redis (``?handoff=server``), off everywhere else.
+    server_handoff: bool = False
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -279,6 +282,25 @@ class Backend(abc.ABC):
         """
         return 0.0
 
+    # -- server-side hand-off, only where ``server_handoff`` is true -----------------
+
+    def enqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        """Acquire, or else queue ``token`` for the lock (an entry living ``wait_ms``,
+        refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue."""
+        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
+
+    def await_grant(self, name: str, token: str, timeout: float) -> int | None:
+        """Block up to ``timeout`` seconds for a release to hand the lock to ``token``:
+        its fence, or ``None``. A grant is the lock, taken after this call was sent."""
+        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
+
+    def dequeue(self, name: str, token: str) -> bool:
+        """Leave the queue, giving back (token-checked) a grant that raced in: ``True``
+        if one was given back."""
+        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to close by default
         """Release client resources (connections, threads)."""
 
@@ -306,6 +328,17 @@ class Backend(abc.ABC):
 
     async def aholders(self, prefix: str = "") -> list[Holder]:
         return await asyncio.to_thread(self.holders, prefix)
+
+    async def aenqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
+
+    async def aawait_grant(self, name: str, token: str, timeout: float) -> int | None:
+        return await asyncio.to_thread(self.await_grant, name, token, timeout)
+
+    async def adequeue(self, name: str, token: str) -> bool:
+        return await asyncio.to_thread(self.dequeue, name, token)
 
     async def aforce_release(self, name: str, fence: int | None = None) -> bool:
         return await asyncio.to_thread(self.force_release, name, fence)

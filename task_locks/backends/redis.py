@@ -9,6 +9,9 @@ One lock is four keys sharing a cluster hash slot (the name is the hash tag):
   lives max(60 s, 4 x socket_timeout)): a release that redis-py resends after its
   first reply was lost finds its own id there and reports the release it made
 
+With ``handoff=server`` (below) a lock also has a wait queue, and each waiter an entry
+and a grant list: ``:queue``, ``:wait:<token>``, ``:grant:<token>`` (see ``ENQUEUE``).
+
 Acquire, renew and release are one script call (one round trip) each; the watchdog's
 batches renew hundreds of leases per script call, all calls in one pipeline. Waiters
 block on the signal list, so a release hands the lock to the longest waiter in about one
@@ -20,7 +23,13 @@ URL options (query string, removed before the URL reaches redis-py): ``prefix``
 (default ``task_locks:``), ``socket_timeout`` (seconds, default 5), ``connect_timeout``
 (default 2), ``wait_replicas`` and ``wait_timeout`` (ms) to demand that a replica has the
 lock before an acquire counts, ``fence_ttl`` (seconds a fence counter outlives its last
-use, default 7 days).
+use, default 7 days), ``handoff`` (``client``, the default, or ``server``).
+
+``handoff=server`` (opt-in): a waiter that finds the lock held queues itself in the same
+script (FIFO), and a release hands the lock to the first live waiter in the same script
+(new fence, the waiter's TTL and owner), pushing the fence to that waiter's own list,
+where its short BLPOP picks it up: no second acquire round trip, and strict FIFO. Every
+client of a lock name must use the same mode. See ``ENQUEUE`` below.
 
 Sentinel: ``redis+sentinel://[:password@]host:port[,host:port]/service[/db]``.
 Cluster: ``redis+cluster://host:port[,host:port]``.
@@ -191,6 +200,169 @@ return 1
 """
 
 
+# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
+#
+# Per lock, beside the three keys above (all under the same hash tag):
+# - ``<lock>:queue``          zset of waiting tokens, scored by arrival (server us): FIFO
+# - ``<lock>:wait:<token>``   a waiter's entry: "ttl_ms|owner JSON", expiring (PX) unless
+#                             refreshed; a waiter without one is dead and is skipped
+# - ``<lock>:grant:<token>``  a waiter's own list: the release pushes the new fence there
+# The entry and grant keys are built in the scripts from KEYS[1]: same hash tag, same
+# slot, so a cluster serves them with the lock.
+#
+# Shared functions, prepended to each hand-off script.
+_HANDOFF_LIB = """
+local function take(key, counter, token, ttl, owner, counter_ttl)
+  local now = redis.call('time')
+  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local last = tonumber(redis.call('get', counter) or '0')
+  if last >= next_fence then next_fence = last + 1 end
+  local fence = string.format('%.0f', next_fence)
+  redis.call('set', counter, fence, 'px', counter_ttl)
+  redis.call('hset', key, 'token', token, 'fence', fence, 'owner', owner, 'ttl', ttl,
+    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
+    'renewals', 0)
+  redis.call('pexpire', key, ttl)
+  return fence
+end
+-- The first waiter of the queue whose entry is alive, and its entry; dead ones are
+-- dropped on the way.
+local function first_live(key, queue)
+  while true do
+    local head = redis.call('zrange', queue, 0, 0)[1]
+    if not head then return false, false end
+    local entry = redis.call('get', key .. ':wait:' .. head)
+    if entry then return head, entry end
+    redis.call('zrem', queue, head)
+  end
+end
+-- The lock goes to waiter ``head`` (every field of the hash is written anew): new
+-- fence, its TTL and owner, and the fence pushed to its grant list, which lives as long
+-- as the grant's TTL. Its entry is left to expire: it is out of the queue.
+local function grant_to(key, counter, queue, head, entry, counter_ttl)
+  redis.call('zrem', queue, head)
+  local sep = string.find(entry, '|', 1, true)
+  local ttl = string.sub(entry, 1, sep - 1)
+  local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl)
+  local grant = key .. ':grant:' .. head
+  redis.call('rpush', grant, fence)
+  redis.call('pexpire', grant, ttl)
+end
+-- A lock its holder gives up: to the first live waiter, else deleted, waking the BLPOP
+-- waiters as RELEASE does.
+local function hand_on(key, counter, queue, signal, ttl, counter_ttl)
+  local head, entry = first_live(key, queue)
+  if head then
+    grant_to(key, counter, queue, head, entry, counter_ttl)
+    return
+  end
+  redis.call('del', key)
+  if redis.call('exists', signal) == 0 then
+    redis.call('rpush', signal, '1')
+    redis.call('pexpire', signal, ttl or 60000)
+  end
+end
+"""
+
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue
+# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms,
+# ARGV[5] wait entry ms (0: try once, do not queue)
+# Returns the fence (integer) when the lock is now ours: already held by this token (a
+# grant that raced in, or a retried call: TTL restarts at ARGV[2], owner becomes ARGV[3],
+# as in ACQUIRE), or free with no live waiter ahead of us. A free lock with live waiters
+# ahead goes to the first of them (as a release would). Else, the lock being held, the
+# caller is queued (or its entry refreshed, keeping its place) and gets
+# {holder pttl ms, owner JSON, fence, acquired ms} as from ACQUIRE.
+# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
+ENQUEUE = (
+    _HANDOFF_LIB
+    + """
+local ttl, counter_ttl, wait = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
+  or counter_ttl > MAX_TTL_MS or not wait or wait < 0 or wait > MAX_TTL_MS then
+  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
+end
+local entry = KEYS[1] .. ':wait:' .. ARGV[1]
+local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
+if held[1] == ARGV[1] then
+  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
+  redis.call('pexpire', KEYS[1], ARGV[2])
+  redis.call('zrem', KEYS[3], ARGV[1])
+  redis.call('del', entry, KEYS[1] .. ':grant:' .. ARGV[1])
+  return tonumber(held[2])
+end
+if not held[1] then
+  local head, waiting = first_live(KEYS[1], KEYS[3])
+  if not head or head == ARGV[1] then
+    if head then redis.call('zrem', KEYS[3], ARGV[1]) end
+    return tonumber(take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]))
+  end
+  grant_to(KEYS[1], KEYS[2], KEYS[3], head, waiting, ARGV[4])
+  held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
+end
+if wait > 0 then
+  redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
+  local now = redis.call('time')
+  -- NX: a refresh keeps its place in line. The queue outlives the entry just written.
+  redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
+  redis.call('pexpire', KEYS[3], wait)
+end
+return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
+""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
+)
+
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
+# KEYS[5] release tombstone
+# ARGV[1] token, or '' to release whoever holds it (operator override)
+# ARGV[2] fence, or '' (as in RELEASE), ARGV[3] this call's release id, ARGV[4] tombstone
+# ttl ms, ARGV[5] fence counter ttl ms
+# Returns 1 if the lock was released (and handed to the first live waiter, who now holds
+# it, or else deleted and a BLPOP waiter signalled); 2 if this very call already released
+# it (a resend: the tombstone names its release id, as in RELEASE); 0 if not held / not
+# ours / another fence. The release writes the tombstone as RELEASE does.
+RELEASE_HANDOFF = (
+    _HANDOFF_LIB
+    + """
+local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
+  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[5])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5])
+return 1
+"""
+)
+
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
+# KEYS[5] release tombstone
+# ARGV[1] token, ARGV[2] fence counter ttl ms, ARGV[3] this call's release id, ARGV[4]
+# tombstone ttl ms
+# A waiter that gives up: leaves the queue, drops its entry and grant list, and gives
+# back (token-checked) a grant that raced in, which goes on to the next live waiter; the
+# give-back writes the tombstone as RELEASE does.
+# Returns 1 if a grant was given back, 2 if this very call already gave it back (a
+# resend), 0 if the token held nothing.
+DEQUEUE = (
+    _HANDOFF_LIB
+    + """
+redis.call('zrem', KEYS[3], ARGV[1])
+redis.call('del', KEYS[1] .. ':wait:' .. ARGV[1], KEYS[1] .. ':grant:' .. ARGV[1])
+local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if held[1] ~= ARGV[1] then
+  local tombstone = redis.call('get', KEYS[5])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2])
+return 1
+"""
+)
+
+
 def _causes(exc: BaseException) -> list[BaseException]:
     chain: list[BaseException] = []
     seen: BaseException | None = exc
@@ -270,6 +442,7 @@ _OUR_OPTIONS = {
     "wait_replicas",
     "wait_timeout",
     "fence_ttl",
+    "handoff",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
 
@@ -315,6 +488,9 @@ class _Scripts:
         self.register("acquire", ACQUIRE)
         self.register("renew_many", RENEW_MANY)
         self.register("release", RELEASE)
+        self.register("enqueue", ENQUEUE)
+        self.register("release_handoff", RELEASE_HANDOFF)
+        self.register("dequeue", DEQUEUE)
 
     def register(self, name: str, source: str) -> None:
         """Add a script (backends built on this one bring their own)."""
@@ -456,6 +632,17 @@ class RedisBackend(Backend):
         self.fence_ttl_ms = max(1, int(fence_ttl * 1000))
         # How long a release is remembered: longer than redis-py's resend of it can take.
         self.tombstone_ms = int(min(max(60.0, 4 * self.socket_timeout), MAX_TTL) * 1000)
+        handoff = options.get("handoff", "client")
+        if handoff not in ("client", "server"):
+            raise InvalidArgument(
+                f"{self.server}: option handoff must be 'client' or 'server', got {handoff!r}"
+            )
+        self.server_handoff = handoff == "server"
+        if self.server_handoff and self.wait_replicas:
+            # A grant made inside a release has no WAIT of its own to count replicas.
+            raise InvalidArgument(
+                f"{self.server}: option handoff=server cannot be combined with wait_replicas"
+            )
         self.scheme = parts.scheme.lower()
         self.cluster = self.scheme == "redis+cluster"
         # (not urlunsplit: it would turn unix:///path into unix:/path)
@@ -683,6 +870,11 @@ class RedisBackend(Backend):
         """A new release id per call: redis-py's resend of this call repeats it, so the
         resend finds the tombstone the first attempt left and reports that release."""
         key = self._key(name)
+        fence_arg = "" if fence is None else str(int(fence))
+        if self.server_handoff:  # the release_handoff script
+            keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
+            release_id = secrets.token_hex(8)
+            return [5, *keys, token, fence_arg, release_id, self.tombstone_ms, self.fence_ttl_ms]
         return [
             3,
             key,
@@ -693,6 +885,33 @@ class RedisBackend(Backend):
             secrets.token_hex(8),
             self.tombstone_ms,
         ]
+
+    @property
+    def _release_script(self) -> str:
+        return "release_handoff" if self.server_handoff else "release"
+
+    def _enqueue_args(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> list[Any]:
+        check_ttl_ms(ttl_ms, name)
+        key = self._key(name)
+        keys = [key, key + ":fence", key + ":queue"]
+        return [3, *keys, token, ttl_ms, owner.to_json(), self.fence_ttl_ms, max(0, wait_ms)]
+
+    def _dequeue_args(self, name: str, token: str) -> list[Any]:
+        key = self._key(name)
+        keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
+        return [5, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms]
+
+    def _grant_key(self, name: str, token: str) -> str:
+        return f"{self._key(name)}:grant:{token}"
+
+    @staticmethod
+    def _granted(reply: Any) -> int | None:
+        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``)."""
+        if isinstance(reply, list | tuple):
+            reply = reply[1]
+        return None if reply is None else int(reply)
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
@@ -943,7 +1162,33 @@ class RedisBackend(Backend):
     def _release(self, name: str, token: str, fence: int | None) -> bool:
         args = self._release_args(name, token, fence)
         try:
-            return bool(self._eval(self.client, "release", args))
+            return bool(self._eval(self.client, self._release_script, args))
+        except _CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    def enqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        try:
+            return self._acquire_result(self._eval(self.client, "enqueue", args))
+        except _CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    def await_grant(self, name: str, token: str, timeout: float) -> int | None:
+        block = self._block_for(timeout)
+        key = self._grant_key(name, token)
+        try:
+            if block is None:
+                time.sleep(self._nap(timeout))
+                return self._granted(self.client.lpop(key))
+            return self._granted(self.client.blpop([key], block))
+        except _CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    def dequeue(self, name: str, token: str) -> bool:
+        try:
+            return bool(self._eval(self.client, "dequeue", self._dequeue_args(name, token)))
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
@@ -1120,7 +1365,30 @@ class RedisBackend(Backend):
     async def _arelease(self, name: str, token: str, fence: int | None) -> bool:
         client = self._async_client()
         args = self._release_args(name, token, fence)
-        return bool(await self._acall(name, lambda: self._aeval(client, "release", args)))
+        script = self._release_script
+        return bool(await self._acall(name, lambda: self._aeval(client, script, args)))
+
+    async def aenqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        client = self._async_client()
+        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
+        return self._acquire_result(reply)
+
+    async def aawait_grant(self, name: str, token: str, timeout: float) -> int | None:
+        block = self._block_for(timeout)
+        key = self._grant_key(name, token)
+        client = self._async_client()
+        if block is None:
+            await asyncio.sleep(self._nap(timeout))
+            return self._granted(await self._acall(name, lambda: client.lpop(key)))
+        return self._granted(await self._acall(name, lambda: client.blpop([key], block)))
+
+    async def adequeue(self, name: str, token: str) -> bool:
+        client = self._async_client()
+        args = self._dequeue_args(name, token)
+        return bool(await self._acall(name, lambda: self._aeval(client, "dequeue", args)))
 
     async def arelease(self, name: str, token: str) -> bool:
         return await self._arelease(name, token, None)

@@ -611,15 +611,20 @@ class RedlockBackend(Backend):
         # The fence the acquire returned: the one a majority agreed on (fence_sync), or
         # else the largest.
         fence, votes = max(fences.items(), key=lambda item: (item[1], item[0]))
-        first = copies[0]
+        # The copies share a token, but not always an owner: a hand-over to the same token
+        # (Celery's run taking its publish-time lock) rewrites the owner, and a master
+        # that missed it keeps the old one. Name the owner most copies have (on a tie,
+        # the latest written: it expires last), not whichever master answered first.
+        owners = Counter(h.owner for h in copies)
+        owner = max(copies, key=lambda h: (owners[h.owner], h.expires_at or float("-inf"))).owner
         return Holder(
-            name=first.name,
+            name=copies[0].name,
             fence=fence if votes >= self.quorum else max(fences),
-            owner=first.owner,
+            owner=owner,
             acquired_at=min(acquired) if acquired else None,
             expires_at=expiries[self.quorum - 1] if len(expiries) >= self.quorum else None,
             renewals=max(h.renewals for h in copies),
-            token=first.token,
+            token=copies[0].token,
         )
 
     # -- sync I/O: a thread pool fans each call out -------------------------------------------

@@ -255,6 +255,33 @@ def test_force_release_of_a_minority_remnant_reports_nothing_held(
         lease.renew()
 
 
+def test_holder_is_the_majoritys_copy_when_the_first_master_differs(
+    masters_factory: MastersFactory,
+) -> None:
+    """The first master to answer may keep a stale copy: the holder named is the one a
+    majority of masters keeps (its token, and its owner), never that master's."""
+    from task_locks.types import Owner
+
+    masters = masters_factory(3)
+    backend = get_backend(masters.url())
+    single = [get_backend(server.url()) for server in masters.servers]
+    # A hand-over to the same token (Celery's run taking its publish-time lock) rewrote
+    # the owner on masters 1 and 2; master 0 missed it and keeps the publisher's.
+    assert backend.acquire("handed", "token-x", 30_000, Owner(task_id="publish")).acquired
+    for other in single[1:]:
+        assert other.acquire("handed", "token-x", 30_000, Owner(task_id="run")).acquired
+    seen = backend.holder("handed")
+    assert seen is not None and seen.token == "token-x"
+    assert seen.owner.task_id == "run"
+    assert [h.owner.task_id for h in backend.holders("hand")] == ["run"]
+    # Master 0 holds another token's leftover copy; masters 1 and 2 agree on token-y.
+    assert single[0].acquire("split", "token-old", 30_000, Owner(task_id="old")).acquired
+    for other in single[1:]:
+        assert other.acquire("split", "token-y", 30_000, Owner(task_id="new")).acquired
+    seen = backend.holder("split")
+    assert seen is not None and seen.token == "token-y" and seen.owner.task_id == "new"
+
+
 def _delete_lock_hash(server: object, name: str) -> None:
     """Delete ``name``'s lock hash on one master only (that master now says "not yours")."""
     client = redis.Redis(port=server.port)  # type: ignore[attr-defined]

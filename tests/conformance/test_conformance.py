@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,18 +203,27 @@ def test_renewal_keeps_the_lock_past_its_ttl(deployment: Deployment) -> None:
     successor.release()
 
 
+def blocking_wait(backend: Any, asynchronous: bool) -> str:
+    """The backend method a waiting lock blocks in: with the server hand-off
+    (``TASK_LOCKS_TEST_HANDOFF=server``) it is the pop of its grant."""
+    if backend.server_handoff:
+        return "aawait_grant" if asynchronous else "await_grant"
+    return "await_release" if asynchronous else "wait"
+
+
 def test_release_wakes_a_waiter_at_once(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = get_backend(deployment.url)
     waiting = threading.Event()
-    real_wait = backend.wait
+    method = blocking_wait(backend, asynchronous=False)
+    real_wait = getattr(backend, method)
 
-    def spy_wait(name: str, timeout: float) -> None:  # the real wait, observed
+    def spy_wait(*args: Any) -> Any:  # the real wait, observed
         waiting.set()
-        real_wait(name, timeout)
+        return real_wait(*args)
 
-    monkeypatch.setattr(backend, "wait", spy_wait)
+    monkeypatch.setattr(backend, method, spy_wait)
     holder = Lock("handoff", ttl=30, backend=deployment.url).acquire(timeout=0)
     granted: list[float] = []
     fences: list[int] = []
@@ -344,13 +354,14 @@ def test_async_lock_hands_over_and_fences_grow(
 ) -> None:
     backend = get_backend(deployment.url)
     waiting: list[str] = []
-    real_await_release = backend.await_release
+    method = blocking_wait(backend, asynchronous=True)
+    real_await_release = getattr(backend, method)
 
-    async def spy_await_release(name: str, timeout: float) -> None:  # the real wait, observed
-        waiting.append(name)
-        await real_await_release(name, timeout)
+    async def spy_await_release(*args: Any) -> Any:  # the real wait, observed
+        waiting.append(args[0])
+        return await real_await_release(*args)
 
-    monkeypatch.setattr(backend, "await_release", spy_await_release)
+    monkeypatch.setattr(backend, method, spy_await_release)
 
     async def scenario() -> None:
         first = await AsyncLock("async", ttl=10, backend=deployment.url).acquire(timeout=0)
@@ -396,13 +407,14 @@ def test_async_waiters_do_not_hold_up_the_holder(
     waiters, ttl = 12, 0.6  # the default executor has min(32, cpus + 4) threads
     backend = get_backend(deployment.url)
     waiting: set[object] = set()
-    real_await_release = backend.await_release
+    method = blocking_wait(backend, asynchronous=True)
+    real_await_release = getattr(backend, method)
 
-    async def spy_await_release(name: str, timeout: float) -> None:  # the real wait, observed
+    async def spy_await_release(*args: Any) -> Any:  # the real wait, observed
         waiting.add(asyncio.current_task())
-        await real_await_release(name, timeout)
+        return await real_await_release(*args)
 
-    monkeypatch.setattr(backend, "await_release", spy_await_release)
+    monkeypatch.setattr(backend, method, spy_await_release)
 
     async def scenario() -> None:
         holder = await AsyncLock("crowd", ttl=ttl, backend=deployment.url).acquire(timeout=0)

@@ -102,3 +102,43 @@ def test_another_thread_still_waits_for_the_holder(redis_url: str) -> None:
     waiter.join(10)
     assert got and got[0].fence > first.fence
     got[0].release()
+
+
+def test_a_new_task_with_a_dead_holders_id_is_not_taken_for_the_holder(redis_url: str) -> None:
+    """A task's id is reused once it is gone: the holders map must not mistake the new task
+    (waiting for a lease the dead task left to others) for the holder waiting on itself."""
+
+    async def main() -> None:
+        backend = get_backend(redis_url)
+
+        async def take() -> tuple[object, int]:
+            lease = await AsyncLock("reused", ttl=30, backend=backend).acquire(timeout=0)
+            return lease, id(asyncio.current_task())
+
+        lease, dead_id = await asyncio.create_task(take())  # the lease outlives its task
+        for _ in range(3):  # the loop lets go of the finished task within a few turns
+            await asyncio.sleep(0)
+        gc.collect()
+
+        async def attempt() -> bool:
+            if id(asyncio.current_task()) != dead_id:
+                return False
+            # In this very task (wait_for would run it in another): it waits for the holder,
+            # and is not refused at once as if it were the holder.
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await AsyncLock("reused", ttl=30, backend=backend).acquire(timeout=None)
+            return True
+
+        for _ in range(20):  # many tasks at once: one of them lands where the dead one was
+            tried = await asyncio.gather(*(asyncio.create_task(attempt()) for _ in range(1000)))
+            if any(tried):
+                break
+        else:
+            pytest.fail("no new task got the finished task's id (CPython reuses it quickly)")
+        await lease.release()  # type: ignore[attr-defined]
+        again = await AsyncLock("reused", ttl=30, backend=backend).acquire(timeout=0)
+        await again.release()
+        await backend.aclose()
+
+    asyncio.run(main())

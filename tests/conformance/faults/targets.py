@@ -135,10 +135,15 @@ def _query(**options: object) -> str:
     return "&".join(f"{k}={v}" for k, v in options.items())
 
 
-def _redis_urls(base: str, prefix: str) -> tuple[str, str]:
+#: ``TASK_LOCKS_TEST_HANDOFF=server`` runs the Redis targets with ``?handoff=server``.
+HANDOFF = os.environ.get("TASK_LOCKS_TEST_HANDOFF", "")
+
+
+def _redis_urls(base: str, prefix: str, handoff: bool = True) -> tuple[str, str]:
     fast = _query(prefix=prefix, socket_timeout=FAST_TIMEOUT, connect_timeout=FAST_TIMEOUT)
     slow = _query(prefix=prefix, socket_timeout=SLOW_TIMEOUT, connect_timeout=FAST_TIMEOUT)
-    return f"{base}?{fast}", f"{base}?{slow}"
+    extra = f"&handoff={HANDOFF}" if HANDOFF and handoff else ""
+    return f"{base}?{fast}{extra}", f"{base}?{slow}{extra}"
 
 
 def redis_single(hub: ProxyHub) -> Target:
@@ -169,7 +174,8 @@ def redis_wait_replicas(hub: ProxyHub) -> Target:
     replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(replica_link.port)]).start()
     client_link = hub.proxy(master.port)
     prefix = _prefix()
-    url, slow = _redis_urls(f"redis://127.0.0.1:{client_link.port}/0", prefix)
+    # (no hand-off here: a grant inside a release has no WAIT of its own)
+    url, slow = _redis_urls(f"redis://127.0.0.1:{client_link.port}/0", prefix, handoff=False)
     url, slow = (u + "&wait_replicas=1&wait_timeout=300" for u in (url, slow))
     raw_master, raw_replica = redis.Redis(port=master.port), redis.Redis(port=replica.port)
 

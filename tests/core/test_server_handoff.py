@@ -1,0 +1,271 @@
+"""Redis ``?handoff=server``: the release hands the lock to the first live waiter in the server.
+
+Against real Redis servers (and the chaoskit TCP proxy for a lost reply): exclusion across
+threads and processes, FIFO order with increasing fences, a killed waiter skipped, a
+timed-out waiter giving back a grant that raced in, and a lost grant reply never making
+two holders.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from servers import RedisServer, wait_until
+
+from task_locks import Lock, LockError, LockHeld, get_backend
+from task_locks._plan import entry_ms
+from task_locks.types import Owner
+
+from .holder import hammer_async, hammer_sync
+from .support import SyncDriver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+
+from chaoskit.proxy import ProxyHub
+
+
+def handoff(url: str) -> str:
+    return url + ("&" if "?" in url else "?") + "handoff=server"
+
+
+@pytest.fixture
+def url(redis_url: str) -> str:
+    return handoff(redis_url)
+
+
+def raw(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url.split("?", 1)[0])
+
+
+def queued(url: str, name: str) -> int:
+    return int(raw(url).zcard(f"task_locks:{{{name}}}:queue"))
+
+
+def entries(url: str, name: str) -> int:
+    return len(list(raw(url).scan_iter(match=f"task_locks:{{{name}}}:wait:*")))
+
+
+def test_the_url_option_is_checked(redis_url: str) -> None:
+    assert get_backend(handoff(redis_url)).server_handoff
+    assert not get_backend(redis_url).server_handoff
+    with pytest.raises(LockError, match="handoff"):
+        get_backend(redis_url + "?handoff=sometimes")
+    with pytest.raises(LockError, match="wait_replicas"):
+        get_backend(redis_url + "?handoff=server&wait_replicas=1")
+
+
+def test_threads_and_processes_never_overlap(driver: SyncDriver, children, url: str) -> None:
+    """The hammer of test_exclusion, with the hand-off: 4 local workers and 2 processes."""
+    name, counter = "handoff-hammer", "handoff-hammer:counter"
+    processes = [children(url, name, 10, driver.mode) for _ in range(2)]
+    for process in processes:
+        process.send("hammer", counter=counter, n=25, workers=2)
+    hammer = hammer_sync if driver.mode == "sync" else hammer_async
+    local_faults = driver.call(hammer, url, name, counter, 25, 4)
+    answers = [process.answer(timeout=120) for process in processes]
+    assert int(raw(url).get(counter) or 0) == 25 * (4 + 2 * 2)
+    assert local_faults == 0
+    assert [a.get("faults") for a in answers] == [0, 0], answers
+
+
+def test_waiters_get_the_lock_in_arrival_order_with_growing_fences(url: str) -> None:
+    name = "fifo"
+    first = Lock(name, ttl=10, backend=url).acquire(timeout=0)
+    order: list[tuple[int, int]] = []
+    guard = threading.Lock()
+
+    def wait(index: int) -> None:
+        lease = Lock(name, ttl=10, backend=url).acquire(timeout=20)
+        with guard:
+            order.append((index, lease.fence))
+        lease.release()
+
+    workers = []
+    for index in range(4):
+        worker = threading.Thread(target=wait, args=(index,))
+        worker.start()
+        workers.append(worker)
+        wait_until(lambda n=index + 1: queued(url, name) == n, 5, f"{index + 1} queued")
+    first.release()
+    for worker in workers:
+        worker.join(20)
+    assert [index for index, _ in order] == [0, 1, 2, 3]
+    fences = [first.fence] + [fence for _, fence in order]
+    assert fences == sorted(set(fences)), fences
+    assert queued(url, name) == 0
+    client = raw(url)  # granted waiters' entries are left to expire, and do
+    assert all(client.pttl(k) > 0 for k in client.scan_iter(match=f"task_locks:{{{name}}}:*"))
+
+
+def test_a_grant_reaches_the_waiter_without_a_second_acquire(url: str) -> None:
+    """The waiter's pop returns the grant: it holds the lock from the release's script on."""
+    backend = get_backend(url)
+    assert backend.acquire("direct", "holder", 10_000, Owner()).acquired
+    held = backend.enqueue("direct", "waiter", 10_000, Owner(task_id="w"), 5_000)
+    assert held.fence is None and held.holder_fence is not None
+    assert backend.release("direct", "holder")
+    now = backend.holder("direct")
+    assert now is not None and now.token == "waiter" and now.owner.task_id == "w"
+    assert now.fence > held.holder_fence
+    assert backend.await_grant("direct", "waiter", 1.0) == now.fence
+    assert backend.release("direct", "waiter")
+    assert backend.holder("direct") is None
+
+
+def test_a_killed_waiter_is_skipped(children, url: str) -> None:
+    name, ttl = "killed-waiter", 1.0
+    holder = Lock(name, ttl=ttl, backend=url).acquire(timeout=0)
+    doomed = children(url, name, ttl, "sync")
+    doomed.send("acquire", timeout=30)
+    wait_until(lambda: queued(url, name) == 1, 5, "the doomed waiter queued")
+    got: list[Any] = []
+    live = threading.Thread(
+        target=lambda: got.append(Lock(name, ttl=ttl, backend=url).acquire(timeout=20))
+    )
+    live.start()
+    wait_until(lambda: queued(url, name) == 2, 5, "the live waiter queued")
+    doomed.kill()  # SIGKILL: its wait entry is no longer refreshed
+    wait_until(lambda: entries(url, name) == 1, entry_ms(ttl) / 1000 + 3, "the entry to expire")
+    released = time.monotonic()
+    holder.release()
+    live.join(10)
+    assert got, "the live waiter did not get the lock"
+    # Handed straight to the live waiter (no TTL of a dead grantee to wait out).
+    assert time.monotonic() - released < ttl / 2
+    assert got[0].fence > holder.fence
+    got[0].release()
+
+
+def test_a_waiter_that_times_out_gives_back_a_grant_that_raced_in(url: str) -> None:
+    backend = get_backend(url)
+    assert backend.acquire("raced", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("raced", "late", 10_000, Owner(), 5_000).fence is None
+    assert backend.enqueue("raced", "next", 10_000, Owner(), 5_000).fence is None
+    assert backend.release("raced", "holder")  # granted to "late", which is timing out
+    assert backend.holder("raced").token == "late"  # type: ignore[union-attr]
+    assert backend.dequeue("raced", "late") is True  # given back, and on to "next"
+    now = backend.holder("raced")
+    assert now is not None and now.token == "next"
+    assert backend.dequeue("raced", "late") is False  # nothing left to give back
+    assert not raw(url).exists("task_locks:{raced}:grant:late")
+    assert backend.await_grant("raced", "next", 1.0) == now.fence
+    assert backend.release("raced", "next")
+
+
+def test_a_timed_out_acquire_leaves_the_queue(url: str) -> None:
+    holder = Lock("bounded", ttl=10, backend=url).acquire(timeout=0)
+    started = time.monotonic()
+    with pytest.raises(LockHeld):
+        Lock("bounded", ttl=10, backend=url).acquire(timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 1.0
+    assert queued(url, "bounded") == 0 and entries(url, "bounded") == 0
+    with pytest.raises(LockHeld):
+        Lock("bounded", ttl=10, backend=url).acquire(timeout=0)  # a try never queues
+    assert queued(url, "bounded") == 0
+    holder.release()
+    assert Lock("bounded", ttl=10, backend=url).acquire(timeout=0).release() is None
+
+
+def test_a_lease_handed_over_counts_from_the_try_before_the_pop(url: str) -> None:
+    """The grant may land right after the last try; the lease must not count from later."""
+    name, ttl = "counted", 2.0
+    holder = Lock(name, ttl=ttl, backend=url).acquire(timeout=0)
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(name, ttl=ttl, backend=url).acquire(timeout=10))
+    )
+    waiter.start()
+    wait_until(lambda: queued(url, name) == 1, 5, "the waiter queued")
+    holder.release()
+    released = time.monotonic()
+    waiter.join(10)
+    assert got
+    # The server's TTL started at the release; the lease must end no later than that.
+    assert got[0]._expires_mono <= released + ttl
+    got[0].release()
+
+
+@pytest.fixture
+def hub() -> Iterator[ProxyHub]:
+    proxies = ProxyHub()
+    yield proxies
+    proxies.close()
+
+
+@pytest.mark.parametrize("fault", ["drop_reply", "reset_once"])
+def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub, fault: str) -> None:
+    """``drop_reply``: the pop's reply (and every reply after it) is lost, the waiter fails;
+    ``reset_once``: the reply is lost with the connection, and redis-py's retry pops an
+    empty list, so the next try finds the lock already the waiter's."""
+    server = RedisServer().start()
+    try:
+        proxy = hub.proxy(server.port)
+        direct = handoff(server.url())
+        # Long TTL, so the waiter sits in one long BLPOP when its reply is dropped.
+        faulty = handoff(f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=3")
+        name, ttl = "lost-grant", 20.0
+        holder = Lock(name, ttl=ttl, backend=direct).acquire(timeout=0)
+        outcome: list[Any] = []
+
+        def wait() -> None:
+            try:
+                outcome.append(Lock(name, ttl=ttl, backend=faulty).acquire(timeout=15))
+            except LockError as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        wait_until(lambda: queued(direct, name) == 1, 5, "the waiter queued")
+        proxy.fault(fault)
+        holder.release()  # granted inside the server; the waiter's pop loses the reply
+        waiter.join(20)
+        proxy.heal()
+        assert outcome, "the waiter never came back"
+        second = Lock(name, ttl=ttl, backend=direct).try_acquire()
+        if isinstance(outcome[0], LockError):
+            # The waiter holds nothing. Its give-back (DEQUEUE) may not have got through
+            # the same broken link: then the orphaned grant holds the lock until its TTL.
+            if second is not None:
+                assert second.fence > holder.fence
+                second.release()
+        else:
+            assert second is None and outcome[0].held
+            outcome[0].release()
+    finally:
+        server.cleanup()
+
+
+def test_an_election_is_handed_over_and_a_semaphore_still_works(url: str) -> None:
+    """The election campaigns through Lock (so through the hand-off); the semaphore's
+    slots keep their own waits, and its releases still wake them."""
+    from task_locks import Election, Semaphore
+
+    first = Election("leader", ttl=5, backend=url, identity="a").campaign(timeout=0)
+    terms: list[int] = []
+    rival = threading.Thread(
+        target=lambda: terms.append(
+            Election("leader", ttl=5, backend=url, identity="b").campaign(timeout=10).term
+        )
+    )
+    rival.start()
+    wait_until(lambda: queued(url, "election:leader") == 1, 5, "the rival queued")
+    first.resign()
+    rival.join(10)
+    assert terms and terms[0] > first.term
+
+    semaphore = Semaphore("pool", limit=1, ttl=5, backend=url)
+    permit = semaphore.acquire(timeout=0)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(semaphore.acquire(timeout=10)))
+    waiter.start()
+    permit.release()
+    waiter.join(10)
+    assert got and got[0].fence > permit.fence
+    got[0].release()
