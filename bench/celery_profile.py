@@ -46,7 +46,7 @@ from task_locks.celery.task import SingletonTask, singleton_task  # noqa: E402
 from task_locks.types import Owner  # noqa: E402
 
 try:  # the run's body step since issue 16; older trees have task.py's own _Body
-    from task_locks.plans import Call as body_step
+    from task_locks._steps import Call as body_step
 except ImportError:  # pragma: no cover - an older tree on PYTHONPATH
     body_step = getattr(task_module, "_Body", None)
 

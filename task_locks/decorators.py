@@ -48,13 +48,13 @@ from collections.abc import Callable, Generator
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from ._plan import UNSET, Unset
+from ._steps import Call, Step, adrive, drive
 from .backends.base import Backend
 from .config import resolve_backend, validate_ttl
 from .context import AnyLease, _current
 from .errors import BackendUnavailable, InvalidArgument, LockHeld, LockLost
 from .keys import KeySpec, TaskKey
 from .lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
-from .plans import Call, Step, adrive, drive
 from .policies import Outcome, attempts, check_on_conflict, decide, take
 
 log = logging.getLogger("task_locks.decorators")

@@ -461,8 +461,9 @@ def cmd_run(
         with _forwarding(child):
             try:
                 # The lock reports acquired/conflict/released/lost to the event stream.
-                with owner_context(command=shlex.join(argv)), events.context(
-                    policy="exit", detail=f"run {shlex.join(argv)}"
+                with (
+                    owner_context(command=shlex.join(argv)),
+                    events.context(policy="exit", detail=f"run {shlex.join(argv)}"),
                 ):
                     lease = lock.acquire()
             except LockHeld as exc:

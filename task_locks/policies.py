@@ -16,9 +16,9 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final, TypeVar
 
 from . import events
+from ._steps import Step
 from .context import AnyLease
 from .errors import InvalidArgument, LockHeld
-from .plans import Step
 
 #: Every conflict choice; a front end offers those it can carry out (``"retry"`` needs a
 #: queue to run the call again later).
@@ -100,7 +100,7 @@ def take(
     detail: str,
     on_held: Callable[[LockHeld, int], bool],
 ) -> Generator[_S, Any, AnyLease | None]:
-    """Acquire with each of ``timeouts`` in turn (a plan: see :mod:`task_locks.plans`).
+    """Acquire with each of ``timeouts`` in turn (a plan: see :mod:`task_locks._steps`).
 
     Conflict events carry ``on_conflict`` as their policy and ``detail``. A held lock
     goes to ``on_held`` with the number of the attempt (from 1) that found it;

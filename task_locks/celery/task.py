@@ -28,13 +28,13 @@ from typing import Any, Final, NamedTuple, TypeVar, cast
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
+from .._steps import Call, adrive, drive
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
 from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
 from ..owner import owner_context
-from ..plans import Call, adrive, drive
 from ..policies import Outcome, attempts, check_on_conflict, decide, holder_of, take
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
 from ..types import Holder
@@ -324,7 +324,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     # -- the run -----------------------------------------------------------------------
     #
     # One plan (:meth:`_plan`, a generator) makes every decision of a run and yields the
-    # I/O it needs as typed steps; :mod:`task_locks.plans` drives it with blocking or
+    # I/O it needs as typed steps; :mod:`task_locks._steps` drives it with blocking or
     # awaited calls (async tasks). Errors of a step are thrown back into the plan, which
     # handles them where the decision is made.
 
@@ -367,7 +367,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     def _plan(
         self, body: Callable[..., Any], name: str, handed: str | None, args: Any, kwargs: Any
     ) -> Generator[_Step, Any, Any]:
-        """Every decision of one run; yields its I/O (see :mod:`task_locks.plans`)."""
+        """Every decision of one run; yields its I/O (see :mod:`task_locks._steps`)."""
         request = self.request
         if handed and self.lock_on == "enqueue":
             yield from self._drop_queued_lock(name, handed)

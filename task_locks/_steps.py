@@ -1,5 +1,8 @@
 """A front end's run as one plan: decisions in a generator, I/O in steps, two drivers.
 
+Internal interface of ``@singleton_task`` and ``@locked`` (the lock's own acquire
+engine, one level down, is :mod:`task_locks._plan`).
+
 ``@singleton_task`` and ``@locked`` wrap plain and ``async def`` functions alike. Their
 decisions (which lock, what a conflict means, how a failed release is reported) are
 written once, as a generator (the *plan*) that yields each piece of I/O as a *step*;
