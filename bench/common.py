@@ -49,14 +49,32 @@ class Plan:
     holds: tuple[float, ...]
     contention_seconds: float
     contention_rounds: int
-    target_rounds: int  # rounds for the cell the targets read (4 procs, 1 ms)
+    target_rounds: int  # rounds for the cells the targets read (TARGET_CELLS)
     leases: tuple[int, ...]
     renew_ttl: float
     renew_periods: float
     block_seconds: float = 0.5  # cap per subject per round, so slow backends stay cheap
     other_backends: bool = True  # redlock:// and etcd:// on servers of their own
     celery: bool = True
-    libraries: tuple[str, ...] = ("task-locks", "redis-py", "python-redis-lock")
+    libraries: tuple[str, ...] = (
+        "task-locks",
+        "task-locks-handoff",
+        "redis-py",
+        "python-redis-lock",
+    )
+    #: (procs, hold) cells beyond the procs x holds grid; outside the lock is 2 x hold.
+    extra_cells: tuple[tuple[int, float], ...] = ((4, 0.0), (4, 0.0002))
+
+    def cells(self) -> list[tuple[int, float]]:
+        """Every (procs, hold) cell of the run, in order, without repeats."""
+        grid = [(n, hold) for hold in self.holds for n in self.procs]
+        return list(dict.fromkeys([*grid, *self.extra_cells]))
+
+
+#: Issue 15's contention workloads (procs, hold; outside = 2 x hold), read by the targets
+#: and so measured over ``Plan.target_rounds``: hold 0, hold 0.2 ms / 0.4 ms outside,
+#: hold 1 ms / 2 ms outside, all at 4 processes.
+TARGET_CELLS = ((4, 0.0), (4, 0.0002), (4, 0.001))
 
 
 PLANS = {
@@ -64,7 +82,7 @@ PLANS = {
         "full", 15, 300, (2, 4, 8), (0.0, 0.001, 0.01), 1.5, 2, 4, (100, 1000, 10000), 3.0, 3
     ),
     "quick": Plan(
-        "quick", 5, 150, (2, 4, 8), (0.001,), 1.5, 1, 2, (100, 1000), 1.5, 2, block_seconds=0.25
+        "quick", 5, 150, (2, 4, 8), (0.001,), 1.0, 1, 2, (100, 1000), 1.5, 2, block_seconds=0.25
     ),
     "smoke": Plan(
         "smoke",
@@ -81,7 +99,8 @@ PLANS = {
         block_seconds=0.2,
         other_backends=False,
         celery=False,
-        libraries=("task-locks", "redis-py"),
+        libraries=("task-locks", "task-locks-handoff", "redis-py"),
+        extra_cells=(),
     ),
 }
 

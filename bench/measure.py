@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     FLOOR,
     PEER_ADAPTERS,
     PEER_FLOOR,
+    TARGET_CELLS,
     TTL,
     Plan,
     log,
@@ -213,9 +214,13 @@ def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> Non
             continue
         spent = server_cpu(admin) - before
         stats = admin.info("commandstats")
-        calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+        calls = sum(v["calls"] for k, v in stats.items() if k not in ADMIN_COMMANDS)
         subject.server_us = spent * 1e6 / cycles
         subject.server_calls = calls / cycles
+
+
+#: The runner's own commands around a measurement, left out of the counts.
+ADMIN_COMMANDS = ("cmdstat_info", "cmdstat_config")
 
 
 def server_cpu(admin: Any) -> float:
@@ -305,12 +310,12 @@ def measure_contention(
                 log(f"contention: {label} failed to start: {failed[label]}")
                 for worker in pools.pop(label):
                     worker.close()
-        cells = [(n, hold) for hold in plan.holds for n in plan.procs]
+        cells = plan.cells()
         runs: dict[tuple[str, int, float], list[Any]] = {}
         labels = list(pools)
         for round_no in range(max(plan.contention_rounds, plan.target_rounds)):
             for n, hold in cells:
-                target_cell = n == 4 and hold == 0.001
+                target_cell = (n, hold) in TARGET_CELLS
                 if round_no >= (plan.target_rounds if target_cell else plan.contention_rounds):
                     continue
                 shift = round_no % len(labels)
@@ -361,7 +366,7 @@ def _contend_once(
     stats = admin.info("commandstats")
     server = {
         "cpu": server_cpu(admin) - cpu,
-        "calls": sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+        "calls": sum(v["calls"] for k, v in stats.items() if k not in ADMIN_COMMANDS),
         "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
     }
     return per_process, start, end, server
@@ -516,10 +521,11 @@ def uncontended_rows(subjects: list[Subject]) -> list[dict[str, Any]]:
 def contention_libraries(
     plan: Plan, peers_python: str | None, peers: dict[str, str]
 ) -> list[tuple[str, str, str]]:
-    libs = [
-        ("task-locks", sys.executable, "task-locks"),
-        ("redis-py Lock", sys.executable, "redis-py"),
-    ]
+    libs = [("task-locks", sys.executable, "task-locks")]
+    if "task-locks-handoff" in plan.libraries:
+        # Opt-in server-side grant (Redis URL option handoff=server), issue 15.
+        libs.append(("task-locks-handoff", sys.executable, "task-locks-handoff"))
+    libs.append(("redis-py Lock", sys.executable, "redis-py"))
     if (
         "python-redis-lock" in plan.libraries
         and peers_python
@@ -601,7 +607,8 @@ def measure_all(
 
         admin.flushall()
         log(
-            f"contention: procs {plan.procs}, holds {plan.holds}, {plan.contention_seconds} s per run"
+            f"contention: (procs, hold) {plan.cells()}, outside 2 x hold, "
+            f"{plan.contention_seconds} s per run"
         )
         contention = measure_contention(
             contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
