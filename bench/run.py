@@ -6,10 +6,11 @@ process (``bench/workers.py``), in alternating rounds so that drift on the machi
 (other jobs, thermal, the server's allocator) lands on every library alike.
 
 Measured: the floor (raw PING / SET from the same client), uncontended acquire+release,
-contention (2/4/8 processes, hold 0/1/10 ms, work outside 2x hold), renewal of
+contention (2/4/8 processes, hold 0/1/10 ms, and 4 processes at hold 0.2 ms; work
+outside 2x hold; the opt-in server hand-off too), renewal of
 100/1,000/10,000 live leases, Celery throughput (``bench/celery_bench.py``) and where
 a singleton run's time goes (``bench/celery_profile.py``, its quick form, in every mode).
-The targets of issues 2 and 8 are checked as ratios from this same run.
+The targets of issues 2, 8 and 15 are checked as ratios from this same run.
 
 Writes ``bench/results.md``, ``bench/results.png`` and ``bench/results.json``.
 
@@ -25,6 +26,7 @@ and writing the reports (``report.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine,
             "versions": versions_of(peers),
             "peers": peers,
+            "plan": dataclasses.asdict(plan),
             **measured,
             "elapsed_s": time.monotonic() - started,
         }

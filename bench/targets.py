@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
 
-from common import FLOOR, ratio  # noqa: E402
+from common import FLOOR, fmt, ratio  # noqa: E402
 
 
 @dataclass
@@ -33,17 +33,29 @@ class Target:
         return "PASS" if ok else "MISS"
 
 
+#: The two ways task-locks hands a contended lock over, each checked against issue 15.
+OURS = (
+    ("task-locks", "task-locks (default, client hand-off)"),
+    ("task-locks-handoff", "task-locks-handoff (opt-in handoff=server)"),
+)
+
+
 def check_targets(results: dict[str, Any]) -> list[Target]:
     unc = {(r["label"], r["backend"]): r for r in results["uncontended"] if "median_us" in r}
     ours = unc.get(("task-locks", "redis"), {}).get("median_us")
     redis_py = unc.get(("redis-py Lock", "redis"), {}).get("median_us")
     ping = results["floor"].get(FLOOR, {}).get("ping", {}).get("median_us")
     cell = results["contention"]
-    at = lambda lib: cell.get(f"{lib}|4|0.001", {})  # noqa: E731
-    ours_c, rp_c, prl_c = at("task-locks"), at("redis-py Lock"), at("python-redis-lock")
+    ours_1ms = cell.get("task-locks|4|0.001", {})
     celery = results.get("celery", {})
     targets = [
-        Target("uncontended cycle / redis-py Lock (median)", ratio(ours, redis_py), 1.1, False),
+        Target(
+            "uncontended cycle / redis-py Lock (median)",
+            ratio(ours, redis_py),
+            1.0,
+            False,
+            note=_uncontended_note(unc),
+        ),
         Target(
             "uncontended cycle / two raw PING round trips (median)",
             ratio(ours, 2 * ping if ping else None),
@@ -52,56 +64,200 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
         ),
         Target(
             "4 procs, 1 ms hold: rate / redis-py Lock (default sleep=0.1)",
-            ratio(ours_c.get("rate"), rp_c.get("rate")),
+            ratio(ours_1ms.get("rate"), cell.get("redis-py Lock|4|0.001", {}).get("rate")),
             1.5,
             True,
         ),
         Target(
-            "4 procs, 1 ms hold: rate / python-redis-lock",
-            ratio(ours_c.get("rate"), prl_c.get("rate")),
-            1.0,
-            True,
-            note="" if prl_c else "python-redis-lock not measured (not installed)",
-        ),
-        Target(
             "4 procs, 1 ms hold: fairness (slowest / fastest)",
-            ours_c.get("fairness"),
+            ours_1ms.get("fairness"),
             0.8,
             True,
             unit="",
         ),
-        Target(
-            "4 procs, 1 ms hold: lock utilisation", ours_c.get("utilisation"), 0.85, True, unit=""
-        ),
     ]
+    for lib, name in OURS:
+        if not any(key.startswith(f"{lib}|") for key in cell):
+            continue  # not in this plan's libraries (--smoke measures only some)
+        targets += contention_targets(cell, lib, name, ping)
     plain = _celery_rate(celery, "plain")
     mine = _celery_rate(celery, "singleton_task")
     missing = "" if celery.get("status") == "ok" else celery.get("status", "not measured")
+    rates = f"@singleton_task {fmt(mine, 0)}/s, plain {fmt(plain, 0)}/s"
     targets += [
         Target(
             "Celery: @singleton_task / plain task throughput",
             ratio(mine, plain),
-            0.8,
+            0.9,
             True,
-            note=missing,
+            note=missing or rates,
         ),
         Target(
             "Celery: @singleton_task / celery-singleton throughput",
             ratio(mine, _celery_rate(celery, "celery-singleton")),
             1.0,
             True,
-            note=missing,
+            note=missing
+            or f"celery-singleton {fmt(_celery_rate(celery, 'celery-singleton'), 0)}/s",
         ),
         Target(
             "Celery: @singleton_task / celery-once throughput",
             ratio(mine, _celery_rate(celery, "celery-once")),
             1.0,
             True,
-            note=missing,
+            note=missing or f"celery-once {fmt(_celery_rate(celery, 'celery-once'), 0)}/s",
         ),
         _django_pg_target(results.get("backends", {})),
     ]
     return targets
+
+
+def contention_targets(
+    cell: dict[str, Any], lib: str, name: str, ping: float | None
+) -> list[Target]:
+    """Issue 15's contention targets (a)-(d) for one of our hand-offs, against
+    python-redis-lock in the same rotated rounds; a MISS says what was measured."""
+    out: list[Target] = []
+    prl_missing = "python-redis-lock not measured (not installed or failed)"
+
+    def pair(n: int, hold: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        return cell.get(f"{lib}|{n}|{hold}", {}), cell.get(f"python-redis-lock|{n}|{hold}", {})
+
+    def rate_note(mine: dict[str, Any], prl: dict[str, Any]) -> str:
+        if not mine:
+            return cell.get(f"{lib}|failed", {}).get("error", "cell not measured")
+        if not prl:
+            return prl_missing
+        return (
+            f"{mine['rate']:.0f} vs {prl['rate']:.0f} acq/s; hand-off median "
+            f"{mine['handoff_median_us']:.0f} vs {prl['handoff_median_us']:.0f} µs; Redis cmds/acq "
+            f"{fmt(mine.get('server_calls_per_acq'))} vs {fmt(prl.get('server_calls_per_acq'))}"
+        )
+
+    # (a) short critical sections: hold 0, and hold 0.2 ms with 0.4 ms outside.
+    for hold, what in ((0.0, "hold 0"), (0.0002, "hold 0.2 ms / 0.4 ms outside")):
+        mine, prl = pair(4, hold)
+        out.append(
+            Target(
+                f"{name}: 4 procs, {what}: rate / python-redis-lock",
+                ratio(mine.get("rate"), prl.get("rate")),
+                1.2,
+                True,
+                note=rate_note(mine, prl),
+            )
+        )
+        out.append(
+            Target(
+                f"{name}: 4 procs, {what}: fairness (slowest / fastest)",
+                mine.get("fairness"),
+                0.95,
+                True,
+                unit="",
+                note=(
+                    f"min over rounds {mine['fairness_min']:.2f}, "
+                    f"python-redis-lock {fmt(prl.get('fairness'), 2)}"
+                    if mine
+                    else "cell not measured"
+                ),
+            )
+        )
+    # (b) 1 ms hold, 2 ms outside: the lock busy holding most of the time.
+    mine, prl = pair(4, 0.001)
+    out.append(
+        Target(
+            f"{name}: 4 procs, 1 ms hold / 2 ms outside: rate / python-redis-lock",
+            ratio(mine.get("rate"), prl.get("rate")),
+            1.03,
+            True,
+            note=rate_note(mine, prl),
+        )
+    )
+    util_note = "cell not measured"
+    if mine:
+        h = mine["handoff_median_us"]
+        util_note = (
+            f"hand-off median {h:.0f} µs: with a 1 ms hold the lock is busy at most "
+            f"{1000 / (1000 + h):.2f} of the time; python-redis-lock "
+            f"{fmt(prl.get('utilisation'), 2)}"
+        )
+    out.append(
+        Target(
+            f"{name}: 4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time",
+            mine.get("utilisation"),
+            0.9,
+            True,
+            unit="",
+            note=util_note,
+        )
+    )
+    # Same direction at 2 and 8 processes, and with a 10 ms hold (where measured).
+    for n, hold, what in ((2, 0.001, "2 procs, 1 ms"), (8, 0.001, "8 procs, 1 ms"),
+                          (4, 0.01, "4 procs, 10 ms")):  # fmt: skip
+        mine, prl = pair(n, hold)
+        if mine:
+            out.append(
+                Target(
+                    f"{name}: {what} hold / {2 * hold * 1000:g} ms outside: "
+                    "rate / python-redis-lock",
+                    ratio(mine.get("rate"), prl.get("rate")),
+                    1.03,
+                    True,
+                    note=rate_note(mine, prl),
+                )
+            )
+    # (c) hand-off median against a PING round trip, 4 procs, 1 ms hold.
+    mine, prl = pair(4, 0.001)
+    handoff = mine.get("handoff_median_us")
+    out.append(
+        Target(
+            f"{name}: hand-off median / PING round trip (4 procs, 1 ms hold)",
+            ratio(handoff, ping),
+            3.0,
+            False,
+            note=(
+                f"hand-off {handoff:.0f} µs, PING {ping:.0f} µs; python-redis-lock "
+                f"{fmt(prl.get('handoff_median_us'), 0)} µs"
+                if handoff and ping
+                else "not measured"
+            ),
+        )
+    )
+    # (d) Redis commands per contended acquisition, each short-section workload and 1 ms.
+    for hold, what in ((0.0, "hold 0"), (0.0002, "hold 0.2 ms"), (0.001, "hold 1 ms")):
+        mine, prl = pair(4, hold)
+        calls, theirs = mine.get("server_calls_per_acq"), prl.get("server_calls_per_acq")
+        out.append(
+            Target(
+                f"{name}: Redis cmds per contended acquisition / python-redis-lock's "
+                f"(4 procs, {what})",
+                ratio(calls, theirs),
+                1.0,
+                False,
+                note=(
+                    f"{calls:.1f} vs {theirs:.1f} (INFO commandstats, commands inside "
+                    f"scripts counted); BLPOP/acq {mine.get('blpop_per_acq', 0):.2f} vs "
+                    f"{prl.get('blpop_per_acq', 0):.2f}"
+                    if calls and theirs
+                    else prl_missing
+                    if calls
+                    else "not measured"
+                ),
+            )
+        )
+    return out
+
+
+def _uncontended_note(unc: dict[tuple[str, str], dict[str, Any]]) -> str:
+    ours, rp = unc.get(("task-locks", "redis")), unc.get(("redis-py Lock", "redis"))
+    if not ours or not rp:
+        return "not measured"
+    return (
+        f"{ours['median_us']:.0f} vs {rp['median_us']:.0f} µs (acquire "
+        f"{ours['acquire_median_us']:.0f} vs {rp['acquire_median_us']:.0f}, release "
+        f"{ours['release_median_us']:.0f} vs {rp['release_median_us']:.0f}); client CPU "
+        f"{fmt(ours.get('client_cpu_us'), 0)} vs {fmt(rp.get('client_cpu_us'), 0)} µs, "
+        f"Redis cmds {fmt(ours.get('server_calls'), 1)} vs {fmt(rp.get('server_calls'), 1)}"
+    )
 
 
 def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
