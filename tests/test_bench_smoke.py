@@ -57,6 +57,10 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     assert 0 < ours["utilisation"] <= 1
     assert 0 < ours["fairness"] <= 1
     assert "redis-py Lock|2|0.001" in results["contention"]
+    # The opt-in server hand-off (issue 15) runs in the same rounds, Redis commands counted.
+    handoff = results["contention"]["task-locks-handoff|2|0.001"]
+    assert handoff["acquisitions"] > 0
+    assert ours["server_calls_per_acq"] > 0 and handoff["server_calls_per_acq"] > 0
 
     (renewal,) = results["renewal"]
     assert "error" not in renewal, renewal
@@ -68,6 +72,9 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     verdicts = {t["what"]: t["verdict"] for t in results["targets"]}
     assert set(verdicts.values()) <= {"PASS", "MISS", "n/a"}
     assert verdicts["uncontended cycle / redis-py Lock (median)"] in {"PASS", "MISS"}
+    # Issue 15's contention targets, once for each of our two hand-offs.
+    for name in ("task-locks (default", "task-locks-handoff (opt-in"):
+        assert any(what.startswith(name) for what in verdicts), verdicts
 
     markdown = (tmp_path / "results.md").read_text()
     for heading in ["## Targets", "## The floor", "## Uncontended", "## Contention", "## Renewal"]:
@@ -99,3 +106,45 @@ def test_contention_figures_from_known_records() -> None:
     assert stats["handoffs"] == 2
     assert stats["handoff_median_us"] == pytest.approx(100_000, rel=1e-6)  # 0.1 s
     assert stats["handoff_p99_us"] == pytest.approx(200_000, rel=1e-6)  # 0.2 s
+
+
+def test_issue15_targets_pass_or_miss_with_the_measured_reason() -> None:
+    """Known figures in, verdicts and reasons out, for both of our hand-offs."""
+    targets = load_bench("targets")
+
+    def cell(rate: float, calls: float, fairness: float = 1.0, util: float = 0.95) -> dict:
+        return {
+            "rate": rate,
+            "fairness": fairness,
+            "fairness_min": fairness,
+            "utilisation": util,
+            "handoff_median_us": 150.0,
+            "server_calls_per_acq": calls,
+            "blpop_per_acq": 1.0,
+        }
+
+    contention = {}
+    for hold in (0.0, 0.0002, 0.001):
+        contention[f"python-redis-lock|4|{hold}"] = cell(1000, 10)
+        contention[f"task-locks|4|{hold}"] = cell(900, 17, fairness=0.9, util=0.7)
+        contention[f"task-locks-handoff|4|{hold}"] = cell(1300, 8)
+    results = {
+        "uncontended": [],
+        "floor": {"our client (.venv)": {"ping": {"median_us": 60.0}}},
+        "contention": contention,
+    }
+    rows = {t.what: t for t in targets.check_targets(results)}
+    default = "task-locks (default, client hand-off): "
+    handoff = "task-locks-handoff (opt-in handoff=server): "
+    rate0 = "4 procs, hold 0: rate / python-redis-lock"
+    assert rows[default + rate0].verdict == "MISS"
+    assert "900 vs 1000 acq/s" in rows[default + rate0].note
+    assert rows[handoff + rate0].verdict == "PASS"
+    cmds = "Redis cmds per contended acquisition / python-redis-lock's (4 procs, hold 0)"
+    assert rows[default + cmds].verdict == "MISS" and "17.0 vs 10.0" in rows[default + cmds].note
+    assert rows[handoff + cmds].verdict == "PASS"
+    ping = "hand-off median / PING round trip (4 procs, 1 ms hold)"
+    assert rows[handoff + ping].value == pytest.approx(2.5)
+    assert rows[handoff + ping].verdict == "PASS"
+    util = "4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time"
+    assert rows[default + util].verdict == "MISS" and rows[handoff + util].verdict == "PASS"
