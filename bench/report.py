@@ -69,8 +69,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     add("|---|---:|---:|:---:|---|")
     for t in results["targets"]:
         sign = ">=" if t["higher_is_better"] else "<="
+        # A third digit where two would show the threshold itself beside a MISS.
+        digits = 3 if fmt(t["value"], 2) == fmt(float(t["threshold"]), 2) else 2
         add(
-            f"| {t['what']} | {fmt(t['value'], 2)}{t['unit'] if t['value'] is not None else ''} "
+            f"| {t['what']} | {fmt(t['value'], digits)}{t['unit'] if t['value'] is not None else ''} "
             f"| {sign} {t['threshold']}{t['unit']} | {t['verdict']} | {t['note']} |"
         )
     add("")
