@@ -69,8 +69,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     add("|---|---:|---:|:---:|---|")
     for t in results["targets"]:
         sign = ">=" if t["higher_is_better"] else "<="
-        # A third digit where two would show the threshold itself beside a MISS.
-        digits = 3 if fmt(t["value"], 2) == fmt(float(t["threshold"]), 2) else 2
+        # More digits where two would show the threshold itself beside a MISS.
+        digits = next(
+            (d for d in (2, 3, 4) if fmt(t["value"], d) != fmt(float(t["threshold"]), d)), 4
+        )
         add(
             f"| {t['what']} | {fmt(t['value'], digits)}{t['unit'] if t['value'] is not None else ''} "
             f"| {sign} {t['threshold']}{t['unit']} | {t['verdict']} | {t['note']} |"
