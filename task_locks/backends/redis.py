@@ -414,11 +414,17 @@ def _tls_handshake_timed_out(exc: Exception) -> bool:
 def _hung_up(exc: Exception) -> bool:
     """The server closed the connection on our request: what a TLS-only port does with
     plaintext (also what a server restarting does, so it stays "unavailable")."""
+    causes = list(_causes(exc))
+    if any(
+        isinstance(cause, ConnectionRefusedError) or "Connection refused" in str(cause)
+        for cause in causes
+    ):
+        return False  # nothing listens there (any more): plainly unavailable
     return any(
         isinstance(cause, ConnectionResetError)
         or "Connection reset by peer" in str(cause)
         or "Connection closed by server" in str(cause)
-        for cause in _causes(exc)
+        for cause in causes
     )
 
 
@@ -818,9 +824,9 @@ class RedisBackend(Backend):
             ) from exc
         if self.server.startswith("redis://") and _hung_up(exc):
             raise BackendUnavailable(
-                f"{what}: Redis at {self.server} hung up on the request: the port may speak "
-                "TLS only (then the URL must say rediss://), or the server is restarting: "
-                f"{exc}",
+                f"{what}: Redis at {self.server} is unavailable: it hung up on the request "
+                "(the port may speak TLS only, then the URL must say rediss://; or the server "
+                f"is restarting): {exc}",
                 name=name,
                 server=self.server,
             ) from exc

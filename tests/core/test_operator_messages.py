@@ -144,5 +144,5 @@ def test_plain_redis_against_a_tls_port_is_named_a_tls_mismatch(tls_redis) -> No
     server does the same, so it stays unavailable (a retry may help), with the likely cause."""
     host_port = tls_redis.url().split("@", 1)[1].split("/", 1)[0]
     backend = get_backend(f"redis://{host_port}/0?socket_timeout=2&connect_timeout=2")
-    with pytest.raises(BackendUnavailable, match=r"TLS only \(then the URL must say rediss://\)"):
+    with pytest.raises(BackendUnavailable, match=r"TLS only, then the URL must say rediss://"):
         backend.holder("x")
