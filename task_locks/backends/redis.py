@@ -300,12 +300,16 @@ if not held[1] then
   grant_to(KEYS[1], KEYS[2], KEYS[3], head, waiting, ARGV[4])
   held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
 end
+-- Not ours: a grant still in our list is stale (that lock was taken from us since, by
+-- a force release): popping it later would make two holders.
+redis.call('del', KEYS[1] .. ':grant:' .. ARGV[1])
 if wait > 0 then
   redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
   local now = redis.call('time')
-  -- NX: a refresh keeps its place in line. The queue outlives the entry just written.
+  -- NX: a refresh keeps its place in line. The queue outlives the entry just written,
+  -- and a short waiter never shortens it for the others (-1: no expiry yet).
   redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
-  redis.call('pexpire', KEYS[3], wait)
+  if redis.call('pttl', KEYS[3]) < wait then redis.call('pexpire', KEYS[3], wait) end
 end
 return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 """.replace("MAX_TTL_MS", str(MAX_TTL_MS))

@@ -56,6 +56,7 @@ from ._common import (
     park_for_retry,
 )
 from .options import for_this_publish
+from .releaser import releaser
 
 if TYPE_CHECKING:
     from .task import SingletonTask
@@ -131,6 +132,8 @@ def guarded_publish(
     if retries:
         return _publish_retry(task, send, producer, name, message, options, task_id, args, kwargs)
     key = task._lock_name(args, kwargs)
+    if releaser.pending(key):  # a run of this key here just ended: let its release land
+        releaser.flush_key(key)
     lock = Lock(key, ttl=_enqueue_ttl(task, headers), backend=task.lock_backend, renew=False)
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):

@@ -160,3 +160,21 @@ def test_a_solo_worker_runs_every_message_of_one_key_back_to_back(
     wait_until(lambda: store.llen(log) >= 30, 60, "30 runs")
     assert store.llen(log) == 30
     wait_until(lambda: get_backend(cluster.locks_url).holder(f"t:{key}") is None, 10, "release")
+
+
+def test_a_publish_here_after_a_run_waits_for_its_pending_release(
+    app: Celery, redis_url: str
+) -> None:
+    """The run is over when the worker publishes the same key again: the publish-time
+    lock must not meet this process's own release still in flight (DuplicateTask)."""
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True, lock_on="both")
+    run = tracer(app, task)
+    backend = get_backend(redis_url)
+    for i in range(50):
+        run(f"id-{i}", ("same",))
+        task.apply_async(("same",))  # raises DuplicateTask if it met the run's lock
+        queued = backend.holder(task.lock_name("same"))
+        assert queued is not None
+        assert backend.force_release(task.lock_name("same"), queued.fence)  # next round
+    assert len(ran) == 50

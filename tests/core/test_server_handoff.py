@@ -159,6 +159,34 @@ def test_a_waiter_that_times_out_gives_back_a_grant_that_raced_in(url: str) -> N
     assert backend.release("raced", "next")
 
 
+def test_a_grant_taken_back_by_a_force_release_is_never_popped(url: str) -> None:
+    """A grant left in a waiter's list after an operator freed that grant (and the lock
+    went on to someone else) must not be popped later as the lock: two holders."""
+    backend = get_backend(url)
+    assert backend.acquire("stale", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("stale", "w", 10_000, Owner(), 5_000).fence is None
+    assert backend.release("stale", "holder")  # granted to "w", not popped yet
+    assert backend.holder("stale").token == "w"  # type: ignore[union-attr]
+    assert backend.force_release("stale")  # the operator frees w's grant
+    assert backend.acquire("stale", "x", 10_000, Owner()).acquired
+    # w tries again before its next pop (as its plan does): queued, its stale grant gone
+    assert backend.enqueue("stale", "w", 10_000, Owner(), 5_000).fence is None
+    assert backend.await_grant("stale", "w", 0.2) is None
+    assert backend.holder("stale").token == "x"  # type: ignore[union-attr]
+    assert backend.dequeue("stale", "w") is False
+    assert backend.release("stale", "x")
+
+
+def test_a_short_waiter_does_not_shorten_the_queue_for_the_others(url: str) -> None:
+    backend = get_backend(url)
+    assert backend.acquire("line", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("line", "long", 10_000, Owner(), 5_000).fence is None
+    assert backend.enqueue("line", "short", 10_000, Owner(), 300).fence is None
+    assert raw(url).pttl("task_locks:{line}:queue") > 4_000
+    assert backend.dequeue("line", "long") is False and backend.dequeue("line", "short") is False
+    assert backend.release("line", "holder")
+
+
 def test_a_timed_out_acquire_leaves_the_queue(url: str) -> None:
     holder = Lock("bounded", ttl=10, backend=url).acquire(timeout=0)
     started = time.monotonic()
