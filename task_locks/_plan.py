@@ -191,7 +191,7 @@ def _unknown(op: Never) -> NoReturn:
 def drive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns."""
     answer: Any = None
-    failure: Exception | None = None
+    failure: BaseException | None = None
     while True:
         try:
             op = plan.send(answer) if failure is None else plan.throw(failure)
@@ -200,7 +200,7 @@ def drive(plan: Plan[T], backend: Backend) -> T:
         failure = None
         try:
             answer = _answer(op, backend)
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the plan may clean up
             failure = exc
 
 
@@ -227,7 +227,7 @@ def _answer(op: Op, backend: Backend) -> Any:
 async def adrive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
     answer: Any = None
-    failure: Exception | None = None
+    failure: BaseException | None = None
     while True:
         try:
             op = plan.send(answer) if failure is None else plan.throw(failure)
@@ -236,7 +236,7 @@ async def adrive(plan: Plan[T], backend: Backend) -> T:
         failure = None
         try:
             answer = await _aanswer(op, backend)
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the plan may clean up
             failure = exc
 
 

@@ -771,7 +771,9 @@ class LockBase:
                 queued = queued or wait_ms > 0
                 try:
                     result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
-                except LockError:
+                except GeneratorExit:
+                    raise
+                except BaseException:  # a lost reply, or the caller interrupted
                     if self._token is None:  # (never give back a lock handed over to us)
                         yield from _give_back(name, token)
                     raise
@@ -826,9 +828,13 @@ class LockBase:
             # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
             try:
                 granted = yield AwaitGrant(name, token, block)
-            except LockError:
-                # The pop may have taken a grant whose reply was lost: give it back
-                # rather than leave it held, by no one, until its TTL runs out.
+            except GeneratorExit:
+                raise
+            except BaseException:
+                # The pop may have taken a grant whose reply was lost, or the waiter was
+                # interrupted (cancelled, Ctrl-C, a task time limit) with its entry still
+                # queued: leave, giving back a grant, rather than have the lock held by no
+                # one until its TTL runs out.
                 yield from _give_back(name, token)
                 raise
 

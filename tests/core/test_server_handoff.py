@@ -8,6 +8,7 @@ two holders.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ import pytest
 import redis
 from servers import RedisServer, wait_until
 
-from task_locks import Lock, LockError, LockHeld, get_backend
+from task_locks import AsyncLock, Lock, LockError, LockHeld, get_backend
 from task_locks._plan import entry_ms
 from task_locks.types import Owner
 
@@ -199,6 +200,29 @@ def test_a_timed_out_acquire_leaves_the_queue(url: str) -> None:
     assert queued(url, "bounded") == 0
     holder.release()
     assert Lock("bounded", ttl=10, backend=url).acquire(timeout=0).release() is None
+
+
+def test_a_cancelled_waiter_leaves_the_queue(url: str) -> None:
+    """A waiter interrupted while it waits for a grant (task cancelled, Ctrl-C, a task's
+    time limit) leaves the queue: the next release must not hand the lock to it."""
+
+    async def main() -> None:
+        holder = await AsyncLock("cancelled", ttl=10, backend=url).acquire(timeout=0)
+        waiter = asyncio.ensure_future(AsyncLock("cancelled", ttl=10, backend=url).acquire())
+        deadline = time.monotonic() + 5
+        while queued(url, "cancelled") == 0:
+            assert time.monotonic() < deadline, "the waiter never queued"
+            await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert queued(url, "cancelled") == 0 and entries(url, "cancelled") == 0
+        await holder.release()
+        lease = await AsyncLock("cancelled", ttl=10, backend=url).acquire(timeout=0)
+        await lease.release()
+        await get_backend(url).aclose()  # this loop's connections, before it closes
+
+    asyncio.run(main())
 
 
 def test_a_lease_handed_over_counts_from_the_try_before_the_pop(url: str) -> None:
