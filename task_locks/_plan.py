@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Never, NoReturn, TypeVar
 
 from . import events
+from ._steps import Finished, advance
 from .backends.base import Backend
 from .errors import LockHeld
 from .types import Owner
@@ -189,19 +190,18 @@ def _unknown(op: Never) -> NoReturn:
 
 
 def drive(plan: Plan[T], backend: Backend) -> T:
-    """Run ``plan`` with the backend's blocking calls; return what the plan returns."""
-    answer: Any = None
-    failure: BaseException | None = None
-    while True:
-        try:
-            op = plan.send(answer) if failure is None else plan.throw(failure)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        failure = None
+    """Run ``plan`` with the backend's blocking calls; return what the plan returns.
+
+    A failed op, an interrupt included, is thrown into the plan, which may clean up."""
+    op = advance(plan, None, None)
+    while not isinstance(op, Finished):
         try:
             answer = _answer(op, backend)
-        except BaseException as exc:  # an interrupt too: the plan may clean up
-            failure = exc
+        except BaseException as exc:
+            op = advance(plan, None, exc)
+        else:
+            op = advance(plan, answer, None)
+    return op.value  # type: ignore[no-any-return]
 
 
 def _answer(op: Op, backend: Backend) -> Any:
@@ -226,18 +226,15 @@ def _answer(op: Op, backend: Backend) -> Any:
 
 async def adrive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
-    answer: Any = None
-    failure: BaseException | None = None
-    while True:
-        try:
-            op = plan.send(answer) if failure is None else plan.throw(failure)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        failure = None
+    op = advance(plan, None, None)
+    while not isinstance(op, Finished):
         try:
             answer = await _aanswer(op, backend)
-        except BaseException as exc:  # an interrupt too: the plan may clean up
-            failure = exc
+        except BaseException as exc:
+            op = advance(plan, None, exc)
+        else:
+            op = advance(plan, answer, None)
+    return op.value  # type: ignore[no-any-return]
 
 
 async def _aanswer(op: Op, backend: Backend) -> Any:

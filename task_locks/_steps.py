@@ -39,44 +39,46 @@ class Call(NamedTuple):
         return await self.function(*self.args, **self.kwargs)
 
 
-class _Finished(NamedTuple):
+class Finished(NamedTuple):
+    """A plan's result, as :func:`advance` returns it."""
+
     value: Any
 
 
-def _advance(
-    plan: Generator[Step, Any, Any], answer: Any, error: BaseException | None
-) -> Step | _Finished:
-    """Hand a step's answer (or its error) to the plan; its next step, or its result."""
+def advance(plan: Generator[Any, Any, Any], answer: Any, error: BaseException | None) -> Any:
+    """Hand an answer (or an error, thrown in at the ``yield``) to a plan: its next
+    request, or :class:`Finished` with its result. Shared with :mod:`task_locks._plan`'s
+    drivers, so every plan of the package is stepped the same way."""
     try:
         return plan.send(answer) if error is None else plan.throw(error)
     except StopIteration as done:
-        return _Finished(done.value)
+        return Finished(done.value)
 
 
 def drive(plan: Generator[Step, Any, Any]) -> Any:
     """Run a plan with blocking I/O; its result."""
-    step = _advance(plan, None, None)
-    while not isinstance(step, _Finished):
+    step = advance(plan, None, None)
+    while not isinstance(step, Finished):
         try:
             answer = step.run()
         except BaseException as exc:
-            step = _advance(plan, None, exc)
+            step = advance(plan, None, exc)
         else:
-            step = _advance(plan, answer, None)
+            step = advance(plan, answer, None)
     return step.value
 
 
 async def adrive(plan: Generator[Step, Any, Any]) -> Any:
     """Run a plan with awaited I/O; its result."""
-    step = _advance(plan, None, None)
-    while not isinstance(step, _Finished):
+    step = advance(plan, None, None)
+    while not isinstance(step, Finished):
         try:
             answer = await step.arun()
         except BaseException as exc:
-            step = _advance(plan, None, exc)
+            step = advance(plan, None, exc)
         else:
-            step = _advance(plan, answer, None)
+            step = advance(plan, answer, None)
     return step.value
 
 
-__all__ = ["Call", "Step", "adrive", "drive"]
+__all__ = ["Call", "Finished", "Step", "adrive", "advance", "drive"]
