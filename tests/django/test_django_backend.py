@@ -234,6 +234,33 @@ def test_two_processes_never_overlap_on_postgresql(tmp_path: Path) -> None:
         assert after[2] > before[2], "fences grow in the order the lock was held"
 
 
+@pytest.mark.skipif("pg" not in settings.DATABASES, reason="no PostgreSQL on 127.0.0.1:5432")
+@pytest.mark.django_db(transaction=True, databases=ALIASES)
+@pytest.mark.parametrize("pooler", [False, True])
+def test_prepared_statements_unless_the_alias_declares_a_pooler(
+    pooler: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README: behind a transaction-mode pooler, ``DISABLE_SERVER_SIDE_CURSORS``
+    keeps our PostgreSQL connections from preparing statements (a pooler hands the next
+    statement to another session, where the prepared name does not exist)."""
+    monkeypatch.setitem(connections["pg"].settings_dict, "DISABLE_SERVER_SIDE_CURSORS", pooler)
+    backend = DjangoBackend("django://pg")
+    try:
+        for _ in range(8):  # past psycopg's prepare threshold, on one pooled connection
+            assert backend.acquire("prepared", "t", 5_000, Owner()).acquired
+            assert backend.release("prepared", "t")
+        wrapper = backend._pool.checkout()  # that same connection (the pool is LIFO)
+        try:
+            with wrapper.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+                prepared = cursor.fetchone()[0]
+        finally:
+            backend._pool.checkin(wrapper)
+    finally:
+        backend.close()
+    assert (prepared == 0) if pooler else (prepared > 0), prepared
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_processes_never_overlap_on_sqlite(tmp_path: Path) -> None:
     sections = sorted(_run_workers("django://default", "sqlite-contended", 8, tmp_path))
