@@ -122,18 +122,19 @@ if held[1] and held[1] ~= ARGV[1] then
   return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 end
 local fence = held[2]
-if not held[1] then
+if held[1] then
+  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
+else
   local now = redis.call('time')
   local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
   local last = tonumber(redis.call('get', KEYS[2]) or '0')
   if last >= next_fence then next_fence = last + 1 end
   fence = string.format('%.0f', next_fence)
   redis.call('set', KEYS[2], fence, 'px', ARGV[4])
-  redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence,
-    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
-    'renewals', 0)
+  redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence, 'owner', ARGV[3],
+    'ttl', ARGV[2], 'renewals', 0,
+    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
 end
-redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
 local expired = redis.pcall('pexpire', KEYS[1], ARGV[2])
 if type(expired) == 'table' and expired.err then
   redis.call('del', KEYS[1])
@@ -871,6 +872,12 @@ class RedisBackend(Backend):
             return result, int(replies[1])
         return result, None
 
+    @property
+    def _plain_acquire(self) -> bool:
+        """An acquire is one script call, sent as such (no pipeline): nothing has to share
+        its connection (no WAIT), and no cluster redirection has to be followed by hand."""
+        return not self.wait_replicas and not self.cluster
+
     def _on_primary(self, name: str) -> bool:
         """Whether the acquire goes straight to the lock's primary, bypassing the cluster
         client: WAIT has no key, so the cluster client would send it elsewhere."""
@@ -1121,6 +1128,12 @@ class RedisBackend(Backend):
         return send
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        if self._plain_acquire:
+            args = self._acquire_args(name, token, ttl_ms, owner)
+            try:
+                return self._acquire_result(self._eval(self.client, "acquire", args))
+            except _CLIENT_ERRORS as exc:
+                self._fail(name, exc)
         commands = self._acquire_commands(name, token, ttl_ms, owner)
         try:
             client = self.client
@@ -1331,8 +1344,12 @@ class RedisBackend(Backend):
         return replies
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        commands = self._acquire_commands(name, token, ttl_ms, owner)
         client = self._async_client()
+        if self._plain_acquire:
+            args = self._acquire_args(name, token, ttl_ms, owner)
+            reply = await self._acall(name, lambda: self._aeval(client, "acquire", args))
+            return self._acquire_result(reply)
+        commands = self._acquire_commands(name, token, ttl_ms, owner)
 
         async def send() -> list[Any]:
             if not self._on_primary(name):

@@ -268,6 +268,11 @@ def test_holder_is_the_majoritys_copy_when_the_first_master_differs(
     # A hand-over to the same token (Celery's run taking its publish-time lock) rewrote
     # the owner on masters 1 and 2; master 0 missed it and keeps the publisher's.
     assert backend.acquire("handed", "token-x", 30_000, Owner(task_id="publish")).acquired
+    # The acquire returns at a majority: the third master's grant may still be on its way,
+    # and would land on top of the rewrite below.
+    wait_until(
+        lambda: all(s.holder("handed") is not None for s in single), 5, "every master's copy"
+    )
     for other in single[1:]:
         assert other.acquire("handed", "token-x", 30_000, Owner(task_id="run")).acquired
     seen = backend.holder("handed")

@@ -139,21 +139,23 @@ def _query(**options: object) -> str:
 HANDOFF = os.environ.get("TASK_LOCKS_TEST_HANDOFF", "")
 
 
-def _redis_urls(base: str, prefix: str, handoff: bool = True) -> tuple[str, str]:
+def _redis_urls(base: str, prefix: str, handoff: bool = True, mode: str = "") -> tuple[str, str]:
+    """The fast and slow URLs; ``mode`` forces a ``handoff`` mode (else ``HANDOFF``)."""
     fast = _query(prefix=prefix, socket_timeout=FAST_TIMEOUT, connect_timeout=FAST_TIMEOUT)
     slow = _query(prefix=prefix, socket_timeout=SLOW_TIMEOUT, connect_timeout=FAST_TIMEOUT)
-    extra = f"&handoff={HANDOFF}" if HANDOFF and handoff else ""
+    mode = mode or (HANDOFF if handoff else "")
+    extra = f"&handoff={mode}" if mode else ""
     return f"{base}?{fast}{extra}", f"{base}?{slow}{extra}"
 
 
-def redis_single(hub: ProxyHub) -> Target:
+def redis_single(hub: ProxyHub, handoff: str = "") -> Target:
     server = RedisServer().start()
     proxy = hub.proxy(server.port)
     prefix = _prefix()
-    url, slow = _redis_urls(f"redis://127.0.0.1:{proxy.port}/0", prefix)
-    direct = server.url(prefix=prefix)
+    url, slow = _redis_urls(f"redis://127.0.0.1:{proxy.port}/0", prefix, mode=handoff)
+    direct = server.url(prefix=prefix, **({"handoff": handoff} if handoff else {}))
     return Target(
-        "redis",
+        "redis+handoff" if handoff == "server" else "redis",
         url,
         slow,
         [proxy],
@@ -436,8 +438,15 @@ def _asyncio(build: Callable[[ProxyHub], Target | None]) -> Callable[[ProxyHub],
     return build_asyncio
 
 
+def redis_handoff(hub: ProxyHub) -> Target:
+    """Redis with ``?handoff=server`` (the grant inside the release, its own scripts) in
+    every run, whatever ``TASK_LOCKS_TEST_HANDOFF`` says."""
+    return redis_single(hub, handoff="server")
+
+
 BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis": redis_single,
+    "redis+handoff": redis_handoff,
     "redis+wait_replicas": redis_wait_replicas,
     "sentinel": redis_sentinel,
     "cluster": redis_cluster,
@@ -447,6 +456,7 @@ BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis-asyncio": _asyncio(redis_single),
     "sentinel-asyncio": _asyncio(redis_sentinel),
     "redlock-asyncio": _asyncio(redlock),
+    "redis+handoff-asyncio": _asyncio(redis_handoff),
 }
 
 
