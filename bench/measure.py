@@ -135,6 +135,9 @@ class Subject:
     cpu_cycles: int = 0
     server_us: float | None = None  # redis-server's CPU per cycle (INFO cpu)
     server_calls: float | None = None  # commands executed per cycle (inside scripts too)
+    #: Each round's median cycle (ns): the median of these is the typical round, which a
+    #: burst of load from other jobs during a minority of rounds does not move.
+    round_medians: list[float] = field(default_factory=list)
 
 
 def start_subjects(subjects: list[Subject], log_dir: Path) -> None:
@@ -183,6 +186,8 @@ def measure_uncontended(
                     continue
                 for key in ("ping", "set"):
                     floors[item][key] += reply.get(key, [])
+                if reply.get("ping"):
+                    floors[item].setdefault("ping_rounds", []).append(quantile(reply["ping"], 0.5))
                 continue
             if item.error is not None:
                 continue
@@ -192,6 +197,8 @@ def measure_uncontended(
                 item.error = str(exc).splitlines()[-1][:300]
                 continue
             cpu_ns, count = reply.pop("cpu")
+            if reply.get("cycle"):
+                item.round_medians.append(quantile(reply["cycle"], 0.5))
             item.cpu_ns += cpu_ns
             item.cpu_cycles += count
             for key, values in reply.items():
@@ -509,6 +516,8 @@ def uncontended_rows(subjects: list[Subject]) -> list[dict[str, Any]]:
             row["error"] = f"failed: {s.error}"
         else:
             row.update(summary_us(s.samples["cycle"]))
+            row["round_median_us"] = statistics.median(s.round_medians) / 1000
+            row["rounds"] = len(s.round_medians)
             row["acquire_median_us"] = quantile(s.samples["acq"], 0.5) / 1000
             row["release_median_us"] = quantile(s.samples["rel"], 0.5) / 1000
             row["client_cpu_us"] = s.cpu_ns / s.cpu_cycles / 1000 if s.cpu_cycles else None
@@ -623,7 +632,16 @@ def measure_all(
         for extra in extra_servers:
             extra.cleanup()
     return {
-        "floor": {who: {k: summary_us(v) for k, v in f.items() if v} for who, f in floors.items()},
+        "floor": {
+            who: {k: summary_us(v) for k, v in f.items() if v and k != "ping_rounds"}
+            for who, f in floors.items()
+        },
+        # The typical round's PING median (see Subject.round_medians).
+        "floor_round_ping_us": {
+            who: statistics.median(f["ping_rounds"]) / 1000
+            for who, f in floors.items()
+            if f.get("ping_rounds")
+        },
         "uncontended": uncontended,
         "contention": contention,
         "renewal": renewal,
