@@ -193,6 +193,11 @@ if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
 end
 redis.call('del', KEYS[1])
 redis.call('set', KEYS[3], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+if ARGV[1] == '' then
+  -- An operator's release: the holder may be a hand-off waiter that has not popped its
+  -- grant yet (see RELEASE_HANDOFF), whatever mode the operator's URL names.
+  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
+end
 if redis.call('exists', KEYS[2]) == 0 then
   redis.call('rpush', KEYS[2], '1')
   redis.call('pexpire', KEYS[2], held[2] or 60000)
@@ -336,6 +341,13 @@ if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
   return 0
 end
 redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+if ARGV[1] == '' then
+  -- An operator's release may free a grant its waiter has not popped yet (paused between
+  -- the try that queued it and its pop): the grant goes too, or the waiter would pop it
+  -- later as the lock while someone else holds it. A holder's own release has no grant
+  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
+  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
+end
 hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5])
 return 1
 """

@@ -1,0 +1,69 @@
+"""Redis ``?handoff=server``: a grant freed by an operator before its waiter popped it.
+
+A waiter's plan goes from the try that queued it straight to the blocking pop of its
+grant list. If the waiter is paused between the two (a GC pause, SIGSTOP, a loaded
+machine), a release can grant it the lock, an operator can force-release that grant
+(the holder looks stuck: it is), and another process can take the lock, all before the
+pop. The grant left in the list must not then be popped as the lock: two holders.
+Against a real Redis; the pause is the test holding the plan between two of its steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from task_locks import Lock, get_backend
+from task_locks._plan import AwaitGrant, Enqueue
+from task_locks.types import Owner
+
+
+def handoff(url: str) -> str:
+    return url + ("&" if "?" in url else "?") + "handoff=server"
+
+
+@pytest.mark.parametrize("operator_url", ["same", "plain"])
+def test_a_grant_force_released_before_its_pop_is_not_popped(
+    redis_url: str, operator_url: str
+) -> None:
+    """``plain``: the operator's URL lacks ``handoff=server`` (its force release is the
+    plain script); the grant must go all the same."""
+    url = handoff(redis_url)
+    backend = get_backend(url)
+    operator = backend if operator_url == "same" else get_backend(redis_url)
+    assert backend.acquire("freed", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("freed", "w", 10_000, Owner(), 5_000).fence is None  # queued
+    assert backend.release("freed", "holder")  # granted to w, which has not popped yet
+    assert backend.holder("freed").token == "w"  # type: ignore[union-attr]
+    assert operator.force_release("freed")  # the operator frees w's grant
+    assert backend.acquire("freed", "x", 10_000, Owner()).acquired
+    assert backend.await_grant("freed", "w", 0.2) is None  # w's pop finds nothing
+    assert not redis.Redis.from_url(redis_url).exists("task_locks:{freed}:grant:w")
+    assert backend.holder("freed").token == "x"  # type: ignore[union-attr]
+    backend.dequeue("freed", "w")
+    assert backend.release("freed", "x")
+
+
+def test_the_plan_paused_before_its_pop_does_not_take_a_freed_grant(redis_url: str) -> None:
+    """The same, through the lock's own acquire plan, paused between its two steps."""
+    url = handoff(redis_url)
+    backend = get_backend(url)
+    holder = Lock("paused", ttl=10, backend=url).acquire(timeout=0)
+    plan = Lock("paused", ttl=10, backend=url)._plan(backend, timeout=1.0)
+    op = next(plan)
+    assert isinstance(op, Enqueue)
+    op = plan.send(backend.enqueue(op.name, op.token, op.ttl_ms, op.owner, op.wait_ms))
+    assert isinstance(op, AwaitGrant)  # queued; the waiter pauses here
+    holder.release()  # granted to the paused waiter
+    assert backend.force_release("paused")  # the operator frees it
+    other = Lock("paused", ttl=10, backend=url).acquire(timeout=0)
+    answer = backend.await_grant(op.name, op.token, op.seconds)
+    try:
+        step = plan.send(answer)
+    except StopIteration as done:  # the plan took the lock: it must not have
+        raise AssertionError(f"two holders: the paused waiter got {done.value}") from None
+    assert isinstance(step, Enqueue)  # it tries again instead: queued behind the holder
+    plan.close()
+    backend.dequeue("paused", op.token)
+    assert backend.holder("paused").token == other.token  # type: ignore[union-attr]
+    other.release()
