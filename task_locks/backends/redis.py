@@ -29,7 +29,8 @@ use, default 7 days), ``handoff`` (``client``, the default, or ``server``).
 script (FIFO), and a release hands the lock to the first live waiter in the same script
 (new fence, the waiter's TTL and owner), pushing the fence to that waiter's own list,
 where its short BLPOP picks it up: no second acquire round trip, and strict FIFO. Every
-client of a lock name must use the same mode. See ``ENQUEUE`` below.
+client of a lock name should use the same mode (mixing is safe, only slower: a waiter
+is not woken by a release of the other mode until its next try). See ``ENQUEUE`` below.
 
 Sentinel: ``redis+sentinel://[:password@]host:port[,host:port]/service[/db]``.
 Cluster: ``redis+cluster://host:port[,host:port]``.

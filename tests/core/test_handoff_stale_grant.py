@@ -1,4 +1,5 @@
-"""Redis ``?handoff=server``: a grant freed by an operator before its waiter popped it.
+"""Redis ``?handoff=server``: a grant freed by an operator before its waiter popped it,
+and clients of both hand-off modes on one name.
 
 A waiter's plan goes from the try that queued it straight to the blocking pop of its
 grant list. If the waiter is paused between the two (a GC pause, SIGSTOP, a loaded
@@ -10,12 +11,16 @@ Against a real Redis; the pause is the test holding the plan between two of its 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import redis
 
 from task_locks import Lock, get_backend
 from task_locks._plan import AwaitGrant, Enqueue
 from task_locks.types import Owner
+
+from .holder import critical_section_sync
 
 
 def handoff(url: str) -> str:
@@ -67,3 +72,30 @@ def test_the_plan_paused_before_its_pop_does_not_take_a_freed_grant(redis_url: s
     backend.dequeue("paused", op.token)
     assert backend.holder("paused").token == other.token  # type: ignore[union-attr]
     other.release()
+
+
+def test_clients_of_both_modes_on_one_name_never_overlap(redis_url: str) -> None:
+    """The README asks every client of a name to use one mode; a mixed fleet (a rolling
+    change of the option) must still never make two holders, only hand over slower: a
+    waiter of one mode is not woken by a release of the other until its next try."""
+    name, counter = "mixed", "mixed:counter"
+    client = redis.Redis.from_url(redis_url)
+    faults: list[int] = []
+
+    def work(url: str) -> None:
+        lock = Lock(name, ttl=1, backend=url, timeout=30)
+        for _ in range(8):
+            with lock as lease:
+                if not critical_section_sync(client, counter, lease.fence):
+                    faults.append(lease.fence)
+
+    urls = [redis_url, handoff(redis_url)] * 2
+    workers = [threading.Thread(target=work, args=(url,)) for url in urls]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not any(worker.is_alive() for worker in workers)
+    assert int(client.get(counter) or 0) == 8 * len(urls)
+    assert faults == []
+    client.close()
