@@ -178,6 +178,26 @@ def test_a_grant_taken_back_by_a_force_release_is_never_popped(url: str) -> None
     assert backend.release("stale", "x")
 
 
+def test_a_hand_off_fence_is_above_the_holders_even_with_the_clock_and_counter_behind(
+    url: str,
+) -> None:
+    """The fence handed on counts from the holder's own: the server's clock stepped back
+    below it and its counter gone (``fence_ttl`` ran out under a long-held lock), the
+    next holder's fence must still be the larger."""
+    backend = get_backend(url)
+    client = raw(url)
+    assert backend.acquire("behind", "holder", 10_000, Owner()).acquired
+    ahead = int(client.hget("task_locks:{behind}", "fence")) + 10**12  # ~11 days ahead
+    client.hset("task_locks:{behind}", "fence", ahead)
+    client.delete("task_locks:{behind}:fence")
+    assert backend.enqueue("behind", "next", 10_000, Owner(), 5_000).fence is None
+    assert backend.release("behind", "holder")
+    assert backend.await_grant("behind", "next", 1.0) == ahead + 1
+    assert int(client.get("task_locks:{behind}:fence")) == ahead + 1
+    assert backend.release("behind", "next")
+    assert backend.acquire("behind", "later", 10_000, Owner()).fence == ahead + 2
+
+
 def test_a_short_waiter_does_not_shorten_the_queue_for_the_others(url: str) -> None:
     backend = get_backend(url)
     assert backend.acquire("line", "holder", 10_000, Owner()).acquired
