@@ -827,7 +827,7 @@ class LockBase:
             block = min(grant_slice, pause(result.retry_after, now, deadline))
             # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
             try:
-                granted = yield AwaitGrant(name, token, block)
+                granted = yield AwaitGrant(name, token, block, result.holder_fence)
             except GeneratorExit:
                 raise
             except BaseException:

@@ -304,9 +304,10 @@ if not held[1] then
   grant_to(KEYS[1], KEYS[2], head, waiting, ARGV[4])
   held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
 end
--- Not ours: a grant still in our list is stale (that lock was taken from us since, by
--- a force release): popping it later would make two holders.
-redis.call('del', KEYS[1] .. ':grant:' .. ARGV[1])
+-- Not ours. A grant still in our list is stale (that lock was taken from us since, by a
+-- force release): it is left to its pop, which drops it, its fence being at most the
+-- holder's reported below (fences only grow); a grant made after this call has a larger
+-- one (await_grant's ``above``).
 if wait > 0 then
   redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
   local now = redis.call('time')
@@ -924,11 +925,16 @@ class RedisBackend(Backend):
         return f"{self._key(name)}:grant:{token}"
 
     @staticmethod
-    def _granted(reply: Any) -> int | None:
-        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``)."""
+    def _granted(reply: Any, above: int | None) -> int | None:
+        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``), if it
+        is above ``above``: a grant at or below the holder's fence the last ENQUEUE saw is
+        stale (made before that try, and the lock taken back since), and is dropped."""
         if isinstance(reply, list | tuple):
             reply = reply[1]
-        return None if reply is None else int(reply)
+        if reply is None or above is None:
+            return None
+        fence = int(reply)
+        return fence if fence > above else None
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
@@ -1192,14 +1198,14 @@ class RedisBackend(Backend):
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def await_grant(self, name: str, token: str, timeout: float) -> int | None:
+    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
         block = self._block_for(timeout)
         key = self._grant_key(name, token)
         try:
             if block is None:
                 time.sleep(self._nap(timeout))
-                return self._granted(self.client.lpop(key))
-            return self._granted(self.client.blpop([key], block))
+                return self._granted(self.client.lpop(key), above)
+            return self._granted(self.client.blpop([key], block), above)
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
@@ -1393,14 +1399,17 @@ class RedisBackend(Backend):
         reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
         return self._acquire_result(reply)
 
-    async def aawait_grant(self, name: str, token: str, timeout: float) -> int | None:
+    async def aawait_grant(
+        self, name: str, token: str, timeout: float, above: int | None
+    ) -> int | None:
         block = self._block_for(timeout)
         key = self._grant_key(name, token)
         client = self._async_client()
         if block is None:
             await asyncio.sleep(self._nap(timeout))
-            return self._granted(await self._acall(name, lambda: client.lpop(key)))
-        return self._granted(await self._acall(name, lambda: client.blpop([key], block)))
+            return self._granted(await self._acall(name, lambda: client.lpop(key)), above)
+        reply = await self._acall(name, lambda: client.blpop([key], block))
+        return self._granted(reply, above)
 
     async def adequeue(self, name: str, token: str) -> bool:
         client = self._async_client()
