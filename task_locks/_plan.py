@@ -161,11 +161,14 @@ class Enqueue:
 @dataclass(frozen=True, slots=True)
 class AwaitGrant:
     """Server hand-off: block up to ``seconds`` for a release to hand ``name`` to ``token``;
-    answered with the grant's fence, or ``None``."""
+    answered with the grant's fence, or ``None``. Only a fence above ``above`` (the
+    holder's fence the last ``Enqueue`` reported) counts: a grant at or below it was made
+    before that try and taken back since (a force release), and is dropped."""
 
     name: str
     token: str
     seconds: float
+    above: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,8 +219,8 @@ def _answer(op: Op, backend: Backend) -> Any:
             return backend.wait_any(names, seconds)
         case Enqueue(name, token, ttl_ms, owner, wait_ms):
             return backend.enqueue(name, token, ttl_ms, owner, wait_ms)
-        case AwaitGrant(name, token, seconds):
-            return backend.await_grant(name, token, seconds)
+        case AwaitGrant(name, token, seconds, above):
+            return backend.await_grant(name, token, seconds, above)
         case Dequeue(name, token):
             return backend.dequeue(name, token)
         case _:
@@ -249,8 +252,8 @@ async def _aanswer(op: Op, backend: Backend) -> Any:
             return await backend.await_any(names, seconds)
         case Enqueue(name, token, ttl_ms, owner, wait_ms):
             return await backend.aenqueue(name, token, ttl_ms, owner, wait_ms)
-        case AwaitGrant(name, token, seconds):
-            return await backend.aawait_grant(name, token, seconds)
+        case AwaitGrant(name, token, seconds, above):
+            return await backend.aawait_grant(name, token, seconds, above)
         case Dequeue(name, token):
             return await backend.adequeue(name, token)
         case _:

@@ -747,7 +747,9 @@ class LockBase:
         waiter, and the wait is a short blocking pop of the grant a release makes inside
         the server. A grant can land any time after the last try's request was sent, so
         the lease counts from that send (``sent_at``), never from the pop that brought it;
-        a waiter that gives up leaves the queue and gives back a grant that raced in.
+        a waiter that gives up leaves the queue and gives back a grant that raced in. A
+        popped fence not above the holder's fence that try reported is a stale grant (made
+        before the try, and taken back since by a force release): it is dropped.
         """
         name, ttl = self.name, self.effective_ttl
         ttl_ms = max(1, int(ttl * 1000))
@@ -827,7 +829,7 @@ class LockBase:
             block = min(grant_slice, pause(result.retry_after, now, deadline))
             # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
             try:
-                granted = yield AwaitGrant(name, token, block)
+                granted = yield AwaitGrant(name, token, block, result.holder_fence)
             except GeneratorExit:
                 raise
             except BaseException:

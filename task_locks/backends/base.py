@@ -291,9 +291,14 @@ class Backend(abc.ABC):
         refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue."""
         raise NotImplementedError(f"{self!r} does not hand locks over in the server")
 
-    def await_grant(self, name: str, token: str, timeout: float) -> int | None:
+    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
         """Block up to ``timeout`` seconds for a release to hand the lock to ``token``:
-        its fence, or ``None``. A grant is the lock, taken after this call was sent."""
+        its fence, or ``None``. A grant is the lock, taken after this call was sent.
+
+        ``above``: the holder's fence the last :meth:`enqueue` reported. A grant whose
+        fence is not above it was made before that enqueue and taken back since (a force
+        release): stale, it is dropped (``None``). ``None`` trusts no grant: each one is
+        dropped, and the next enqueue finds the lock already this token's."""
         raise NotImplementedError(f"{self!r} does not hand locks over in the server")
 
     def dequeue(self, name: str, token: str) -> bool:
@@ -334,8 +339,10 @@ class Backend(abc.ABC):
     ) -> AcquireResult:
         return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
 
-    async def aawait_grant(self, name: str, token: str, timeout: float) -> int | None:
-        return await asyncio.to_thread(self.await_grant, name, token, timeout)
+    async def aawait_grant(
+        self, name: str, token: str, timeout: float, above: int | None
+    ) -> int | None:
+        return await asyncio.to_thread(self.await_grant, name, token, timeout, above)
 
     async def adequeue(self, name: str, token: str) -> bool:
         return await asyncio.to_thread(self.dequeue, name, token)

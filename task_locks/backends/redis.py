@@ -218,11 +218,16 @@ return 1
 # slot, so a cluster serves them with the lock.
 #
 # Shared functions, prepended to each hand-off script.
+#
+# Fences: ``take`` makes max(last + 1, server time in us), ``last`` being the fence of the
+# holder the lock is handed from when there is one (the counter is written only by a take,
+# together with the hash, so a held lock's fence is the last one handed out: no GET of
+# the counter), else the counter's value.
 _HANDOFF_LIB = """
-local function take(key, counter, token, ttl, owner, counter_ttl)
+local function take(key, counter, token, ttl, owner, counter_ttl, last)
   local now = redis.call('time')
   local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('get', counter) or '0')
+  last = tonumber(last or redis.call('get', counter) or '0')
   if last >= next_fence then next_fence = last + 1 end
   local fence = string.format('%.0f', next_fence)
   redis.call('set', counter, fence, 'px', counter_ttl)
@@ -232,35 +237,35 @@ local function take(key, counter, token, ttl, owner, counter_ttl)
   redis.call('pexpire', key, ttl)
   return fence
 end
--- The first waiter of the queue whose entry is alive, and its entry; dead ones are
--- dropped on the way.
-local function first_live(key, queue)
+-- Pops the queue up to its first waiter whose entry is alive, and returns it (out of the
+-- queue now: the caller must grant it the lock) with its entry; dead ones are dropped
+-- on the way (ZPOPMIN: one command per waiter looked at).
+local function pop_live(key, queue)
   while true do
-    local head = redis.call('zrange', queue, 0, 0)[1]
+    local head = redis.call('zpopmin', queue)[1]
     if not head then return false, false end
     local entry = redis.call('get', key .. ':wait:' .. head)
     if entry then return head, entry end
-    redis.call('zrem', queue, head)
   end
 end
--- The lock goes to waiter ``head`` (every field of the hash is written anew): new
--- fence, its TTL and owner, and the fence pushed to its grant list, which lives as long
--- as the grant's TTL. Its entry is left to expire: it is out of the queue.
-local function grant_to(key, counter, queue, head, entry, counter_ttl)
-  redis.call('zrem', queue, head)
+-- The lock goes to waiter ``head``, just popped (every field of the hash is written
+-- anew): new fence, its TTL and owner, and the fence pushed to its grant list, which
+-- lives as long as the grant's TTL. Its entry is left to expire. ``last``: the fence it
+-- is handed from (nil: read the counter).
+local function grant_to(key, counter, head, entry, counter_ttl, last)
   local sep = string.find(entry, '|', 1, true)
   local ttl = string.sub(entry, 1, sep - 1)
-  local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl)
+  local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl, last)
   local grant = key .. ':grant:' .. head
   redis.call('rpush', grant, fence)
   redis.call('pexpire', grant, ttl)
 end
--- A lock its holder gives up: to the first live waiter, else deleted, waking the BLPOP
--- waiters as RELEASE does.
-local function hand_on(key, counter, queue, signal, ttl, counter_ttl)
-  local head, entry = first_live(key, queue)
+-- A lock its holder (fence ``last``) gives up: to the first live waiter, else deleted,
+-- waking the BLPOP waiters as RELEASE does.
+local function hand_on(key, counter, queue, signal, ttl, counter_ttl, last)
+  local head, entry = pop_live(key, queue)
   if head then
-    grant_to(key, counter, queue, head, entry, counter_ttl)
+    grant_to(key, counter, head, entry, counter_ttl, last)
     return
   end
   redis.call('del', key)
@@ -299,24 +304,27 @@ if held[1] == ARGV[1] then
   return tonumber(held[2])
 end
 if not held[1] then
-  local head, waiting = first_live(KEYS[1], KEYS[3])
+  local head, waiting = pop_live(KEYS[1], KEYS[3])
   if not head or head == ARGV[1] then
-    if head then redis.call('zrem', KEYS[3], ARGV[1]) end
     return tonumber(take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]))
   end
-  grant_to(KEYS[1], KEYS[2], KEYS[3], head, waiting, ARGV[4])
+  grant_to(KEYS[1], KEYS[2], head, waiting, ARGV[4])
   held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
 end
--- Not ours: a grant still in our list is stale (that lock was taken from us since, by
--- a force release): popping it later would make two holders.
-redis.call('del', KEYS[1] .. ':grant:' .. ARGV[1])
+-- Not ours. A grant still in our list is stale (a force release drops the grant with
+-- the lock, but one may outlive its lock's expiry by a moment): it is left to its pop,
+-- which drops it, its fence being at most the holder's reported below (fences only
+-- grow); a grant made after this call has a larger one (await_grant's ``above``).
 if wait > 0 then
   redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
   local now = redis.call('time')
   -- NX: a refresh keeps its place in line. The queue outlives the entry just written,
-  -- and a short waiter never shortens it for the others (-1: no expiry yet).
+  -- and a short waiter never shortens it for the others (-1: no expiry yet); extended
+  -- to twice the entry's time, so the waiters' next tries seldom need to extend it.
   redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
-  if redis.call('pttl', KEYS[3]) < wait then redis.call('pexpire', KEYS[3], wait) end
+  if redis.call('pttl', KEYS[3]) < wait then
+    redis.call('pexpire', KEYS[3], math.min(2 * wait, MAX_TTL_MS))
+  end
 end
 return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
 """.replace("MAX_TTL_MS", str(MAX_TTL_MS))
@@ -349,7 +357,7 @@ if ARGV[1] == '' then
   -- left (popped, or dropped by the ENQUEUE that found the lock its own).
   redis.call('del', KEYS[1] .. ':grant:' .. held[1])
 end
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5], held[3])
 return 1
 """
 )
@@ -375,7 +383,7 @@ if held[1] ~= ARGV[1] then
   return 0
 end
 redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2], held[3])
 return 1
 """
 )
@@ -937,11 +945,16 @@ class RedisBackend(Backend):
         return f"{self._key(name)}:grant:{token}"
 
     @staticmethod
-    def _granted(reply: Any) -> int | None:
-        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``)."""
+    def _granted(reply: Any, above: int | None) -> int | None:
+        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``), if it
+        is above ``above``: a grant at or below the holder's fence the last ENQUEUE saw is
+        stale (made before that try, and the lock taken back since), and is dropped."""
         if isinstance(reply, list | tuple):
             reply = reply[1]
-        return None if reply is None else int(reply)
+        if reply is None or above is None:
+            return None
+        fence = int(reply)
+        return fence if fence > above else None
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
@@ -1211,14 +1224,14 @@ class RedisBackend(Backend):
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def await_grant(self, name: str, token: str, timeout: float) -> int | None:
+    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
         block = self._block_for(timeout)
         key = self._grant_key(name, token)
         try:
             if block is None:
                 time.sleep(self._nap(timeout))
-                return self._granted(self.client.lpop(key))
-            return self._granted(self.client.blpop([key], block))
+                return self._granted(self.client.lpop(key), above)
+            return self._granted(self.client.blpop([key], block), above)
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
@@ -1416,14 +1429,17 @@ class RedisBackend(Backend):
         reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
         return self._acquire_result(reply)
 
-    async def aawait_grant(self, name: str, token: str, timeout: float) -> int | None:
+    async def aawait_grant(
+        self, name: str, token: str, timeout: float, above: int | None
+    ) -> int | None:
         block = self._block_for(timeout)
         key = self._grant_key(name, token)
         client = self._async_client()
         if block is None:
             await asyncio.sleep(self._nap(timeout))
-            return self._granted(await self._acall(name, lambda: client.lpop(key)))
-        return self._granted(await self._acall(name, lambda: client.blpop([key], block)))
+            return self._granted(await self._acall(name, lambda: client.lpop(key)), above)
+        reply = await self._acall(name, lambda: client.blpop([key], block))
+        return self._granted(reply, above)
 
     async def adequeue(self, name: str, token: str) -> bool:
         client = self._async_client()

@@ -115,7 +115,7 @@ def test_a_grant_reaches_the_waiter_without_a_second_acquire(url: str) -> None:
     now = backend.holder("direct")
     assert now is not None and now.token == "waiter" and now.owner.task_id == "w"
     assert now.fence > held.holder_fence
-    assert backend.await_grant("direct", "waiter", 1.0) == now.fence
+    assert backend.await_grant("direct", "waiter", 1.0, held.holder_fence) == now.fence
     assert backend.release("direct", "waiter")
     assert backend.holder("direct") is None
 
@@ -148,7 +148,8 @@ def test_a_waiter_that_times_out_gives_back_a_grant_that_raced_in(url: str) -> N
     backend = get_backend(url)
     assert backend.acquire("raced", "holder", 10_000, Owner()).acquired
     assert backend.enqueue("raced", "late", 10_000, Owner(), 5_000).fence is None
-    assert backend.enqueue("raced", "next", 10_000, Owner(), 5_000).fence is None
+    queued = backend.enqueue("raced", "next", 10_000, Owner(), 5_000)
+    assert queued.fence is None
     assert backend.release("raced", "holder")  # granted to "late", which is timing out
     assert backend.holder("raced").token == "late"  # type: ignore[union-attr]
     assert backend.dequeue("raced", "late") is True  # given back, and on to "next"
@@ -156,13 +157,13 @@ def test_a_waiter_that_times_out_gives_back_a_grant_that_raced_in(url: str) -> N
     assert now is not None and now.token == "next"
     assert backend.dequeue("raced", "late") is False  # nothing left to give back
     assert not raw(url).exists("task_locks:{raced}:grant:late")
-    assert backend.await_grant("raced", "next", 1.0) == now.fence
+    assert backend.await_grant("raced", "next", 1.0, queued.holder_fence) == now.fence
     assert backend.release("raced", "next")
 
 
 def test_a_grant_taken_back_by_a_force_release_is_never_popped(url: str) -> None:
     """A grant left in a waiter's list after an operator freed that grant (and the lock
-    went on to someone else) must not be popped later as the lock: two holders."""
+    went on to someone else) must not be taken later as the lock: two holders."""
     backend = get_backend(url)
     assert backend.acquire("stale", "holder", 10_000, Owner()).acquired
     assert backend.enqueue("stale", "w", 10_000, Owner(), 5_000).fence is None
@@ -170,12 +171,60 @@ def test_a_grant_taken_back_by_a_force_release_is_never_popped(url: str) -> None
     assert backend.holder("stale").token == "w"  # type: ignore[union-attr]
     assert backend.force_release("stale")  # the operator frees w's grant
     assert backend.acquire("stale", "x", 10_000, Owner()).acquired
-    # w tries again before its next pop (as its plan does): queued, its stale grant gone
-    assert backend.enqueue("stale", "w", 10_000, Owner(), 5_000).fence is None
-    assert backend.await_grant("stale", "w", 0.2) is None
+    # w tries again before its next pop (as its plan does): queued; the pop finds the
+    # stale grant, at most x's fence, and drops it
+    queued = backend.enqueue("stale", "w", 10_000, Owner(), 5_000)
+    assert queued.fence is None
+    assert backend.await_grant("stale", "w", 0.2, queued.holder_fence) is None
+    assert not raw(url).exists("task_locks:{stale}:grant:w")
     assert backend.holder("stale").token == "x"  # type: ignore[union-attr]
     assert backend.dequeue("stale", "w") is False
     assert backend.release("stale", "x")
+
+
+def test_a_waiter_with_a_stale_grant_waits_for_a_real_one(url: str) -> None:
+    """Through the acquire loop: a waiter whose list still holds a grant taken back by a
+    force release must not return it as the lock while another holds it, and gets the
+    lock (with a larger fence) when that holder releases."""
+    backend = get_backend(url)
+    assert backend.acquire("stale-loop", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("stale-loop", "w", 10_000, Owner(), 5_000).fence is None
+    assert backend.release("stale-loop", "holder")  # granted to "w", not popped
+    assert backend.force_release("stale-loop")
+    x = Lock("stale-loop", ttl=10, backend=url).acquire(timeout=0)
+    lock = Lock("stale-loop", ttl=10, backend=url)
+    lock._token = "w"  # the waiter whose stale grant is in its list
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(lock.acquire(timeout=10)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not got, "the stale grant was taken as the lock while x holds it"
+    assert backend.holder("stale-loop").token == x.token  # type: ignore[union-attr]
+    x.release()
+    waiter.join(10)
+    assert got and got[0].fence > x.fence
+    got[0].release()
+
+
+def test_a_hand_off_fence_is_above_the_holders_even_with_the_clock_and_counter_behind(
+    url: str,
+) -> None:
+    """The fence handed on counts from the holder's own: the server's clock stepped back
+    below it and its counter gone (``fence_ttl`` ran out under a long-held lock), the
+    next holder's fence must still be the larger."""
+    backend = get_backend(url)
+    client = raw(url)
+    assert backend.acquire("behind", "holder", 10_000, Owner()).acquired
+    ahead = int(client.hget("task_locks:{behind}", "fence")) + 10**12  # ~11 days ahead
+    client.hset("task_locks:{behind}", "fence", ahead)
+    client.delete("task_locks:{behind}:fence")
+    queued = backend.enqueue("behind", "next", 10_000, Owner(), 5_000)
+    assert queued.fence is None and queued.holder_fence == ahead
+    assert backend.release("behind", "holder")
+    assert backend.await_grant("behind", "next", 1.0, queued.holder_fence) == ahead + 1
+    assert int(client.get("task_locks:{behind}:fence")) == ahead + 1
+    assert backend.release("behind", "next")
+    assert backend.acquire("behind", "later", 10_000, Owner()).fence == ahead + 2
 
 
 def test_a_short_waiter_does_not_shorten_the_queue_for_the_others(url: str) -> None:
