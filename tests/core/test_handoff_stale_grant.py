@@ -37,12 +37,15 @@ def test_a_grant_force_released_before_its_pop_is_not_popped(
     backend = get_backend(url)
     operator = backend if operator_url == "same" else get_backend(redis_url)
     assert backend.acquire("freed", "holder", 10_000, Owner()).acquired
-    assert backend.enqueue("freed", "w", 10_000, Owner(), 5_000).fence is None  # queued
+    queued = backend.enqueue("freed", "w", 10_000, Owner(), 5_000)
+    assert queued.fence is None  # held: w is queued, and its next step is the pop
     assert backend.release("freed", "holder")  # granted to w, which has not popped yet
     assert backend.holder("freed").token == "w"  # type: ignore[union-attr]
     assert operator.force_release("freed")  # the operator frees w's grant
     assert backend.acquire("freed", "x", 10_000, Owner()).acquired
-    assert backend.await_grant("freed", "w", 0.2) is None  # w's pop finds nothing
+    # w's pop finds nothing (the grant's fence is above the holder's that w's try saw:
+    # only its removal with the lock keeps w from taking it)
+    assert backend.await_grant("freed", "w", 0.2, queued.holder_fence) is None
     assert not redis.Redis.from_url(redis_url).exists("task_locks:{freed}:grant:w")
     assert backend.holder("freed").token == "x"  # type: ignore[union-attr]
     backend.dequeue("freed", "w")
@@ -62,7 +65,7 @@ def test_the_plan_paused_before_its_pop_does_not_take_a_freed_grant(redis_url: s
     holder.release()  # granted to the paused waiter
     assert backend.force_release("paused")  # the operator frees it
     other = Lock("paused", ttl=10, backend=url).acquire(timeout=0)
-    answer = backend.await_grant(op.name, op.token, op.seconds)
+    answer = backend.await_grant(op.name, op.token, op.seconds, op.above)
     try:
         step = plan.send(answer)
     except StopIteration as done:  # the plan took the lock: it must not have
