@@ -21,6 +21,7 @@ WAIT_REPLICAS = "wait_replicas=1&wait_timeout=100"
 
 BACKENDS = {
     "redis": lambda db: clusters.SingleRedis(),
+    "redis+handoff": lambda db: clusters.SingleRedis("handoff=server"),
     "sentinel": lambda db: clusters.SentinelRedis(),
     "sentinel+wait": lambda db: clusters.SentinelRedis(WAIT_REPLICAS),
     "redlock": lambda db: clusters.Redlock(),
@@ -29,6 +30,7 @@ BACKENDS = {
 }
 FAULTS_OF = {
     "redis": clusters.SingleRedis.faults,
+    "redis+handoff": clusters.SingleRedis.faults,
     "sentinel": clusters.SentinelRedis.faults,
     # wait_replicas only changes what happens when the master's data is lost
     "sentinel+wait": frozenset({"pause-server", "restart-server", "failover"}),
@@ -57,6 +59,10 @@ SHORT = [
     ("redis", "kill-holder"),
     ("redis", "proxy-blackhole"),
     ("redis", "clock-skew"),
+    # the server hand-off: a waiter paused between its queueing try and its pop, a
+    # holder killed with waiters queued
+    ("redis+handoff", "pause-acquirer"),
+    ("redis+handoff", "kill-holder"),
     ("sentinel", "failover"),
     ("redlock", "restart-server"),
     ("etcd", "kill-leader"),
