@@ -7,7 +7,7 @@ process sends to that backend, in the acquire's own pipelined round trip
 (:meth:`~task_locks.backends.base.Backend.defer_release`): back-to-back runs pay one
 round trip each, and no thread runs beside the worker's. If no acquire comes within
 :data:`RELEASE_DELAY` (the queue went quiet, or the backend cannot carry releases), the
-process's releaser thread sends it itself. Token-checked, as ever.
+process's releaser thread sends it itself, on its next tick (a few milliseconds). Token-checked, as ever.
 
 What keeps it safe:
 
@@ -50,7 +50,8 @@ log = logging.getLogger("task_locks.celery")
 #: Seconds a flush waits for the releases in flight (a release is one round trip).
 FLUSH_TIMEOUT: Final = 5.0
 #: Seconds a handed-over release waits for an acquire to carry it before the releaser
-#: thread sends it: the longest a finished run's key stays taken.
+#: thread sends it (on its next tick, which comes at most this much later): a finished
+#: run's key stays taken for at most twice this, plus the release's round trip.
 RELEASE_DELAY: Final = 0.003
 
 OnError = Callable[[Lease, LockError], None]
@@ -187,28 +188,22 @@ class Releaser:
                     if self._queue and self._queue[0].claimed:  # carried by an acquire
                         self._queue = [item for item in self._queue if not item.claimed]
                     now = time.monotonic()
-                    if not self._queue:
-                        # While runs keep handing releases over (and acquires keep
-                        # carrying them), look again every RELEASE_DELAY rather than be
-                        # woken by each hand-over: a wake-up per run costs the run's
-                        # thread the GIL. Only once nothing came, sleep until notified.
-                        if self._submitted == seen:
-                            self._wake_at = math.inf
-                            self._work.wait()
-                        else:
-                            seen = self._submitted
-                            self._wake_at = now + RELEASE_DELAY
-                            self._work.wait(RELEASE_DELAY)
-                        continue
-                    first = min(item.due for item in self._queue)
-                    if first > now:
-                        self._wake_at = first
-                        self._work.wait(first - now)
-                        continue
-                    self._wake_at = -math.inf  # busy: looks again before sleeping
                     due = [item for item in self._queue if item.due <= now and item.claim()]
-                    self._queue = [item for item in self._queue if not item.claimed]
-                    break
+                    if due:
+                        self._queue = [item for item in self._queue if not item.claimed]
+                        self._wake_at = -math.inf  # busy: looks again before sleeping
+                        break
+                    if not self._queue and self._submitted == seen:
+                        self._wake_at = math.inf  # nothing came since the last look
+                        self._work.wait()
+                        continue
+                    # While runs keep handing releases over (and acquires keep carrying
+                    # them), look on a fixed tick rather than at each release's due time:
+                    # a wake-up per run costs the run's thread the GIL. A release is sent
+                    # at most two ticks after its run.
+                    seen = self._submitted
+                    self._wake_at = now + RELEASE_DELAY
+                    self._work.wait(RELEASE_DELAY)
             for item in due:
                 _send(item)
 
