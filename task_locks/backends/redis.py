@@ -1125,7 +1125,8 @@ class RedisBackend(Backend):
         return send
 
     def defer_release(self, release: DeferredRelease) -> bool:
-        """Pipelined ahead of the next acquire (not on a cluster: one pipeline, one node)."""
+        """Pipelined ahead of the next acquire or, with ``handoff=server``, enqueue (not on
+        a cluster: one pipeline goes to one node)."""
         if self.cluster:
             return False
         with self._riders_guard:
@@ -1207,10 +1208,11 @@ class RedisBackend(Backend):
             raise self._too_few_replicas(name, acked)
         return result
 
-    def _acquire_after_releases(
-        self, name: str, token: str, riders: list[DeferredRelease], commands: Commands
-    ) -> AcquireResult:
-        """The riders' releases and the acquire in one pipelined round trip."""
+    def _after_releases(
+        self, name: str, riders: list[DeferredRelease], commands: Commands
+    ) -> list[Any]:
+        """The riders' releases, then ``commands``, in one pipelined round trip; the
+        riders are answered, and the replies to ``commands`` returned."""
         try:
             replies = self._one_connection(self.client, self._with_releases(riders, commands))
         except BaseException as exc:
@@ -1219,7 +1221,12 @@ class RedisBackend(Backend):
                 self._fail(name, exc)
             raise
         self._answer_riders(riders, replies)
-        result, acked = self._acquired(name, replies[len(riders) :])
+        return replies[len(riders) :]
+
+    def _acquire_after_releases(
+        self, name: str, token: str, riders: list[DeferredRelease], commands: Commands
+    ) -> AcquireResult:
+        result, acked = self._acquired(name, self._after_releases(name, riders, commands))
         if acked is not None:
             with contextlib.suppress(LockError):
                 self.release(name, token)
@@ -1262,6 +1269,14 @@ class RedisBackend(Backend):
         self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
     ) -> AcquireResult:
         args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        riders = self._take_riders() if self._riders else None
+        if riders:
+            (reply,) = self._after_releases(
+                name, riders, lambda by_sha: [script_command("enqueue", by_sha, args)]
+            )
+            if isinstance(reply, Exception):
+                self._fail(name, reply)
+            return self._acquire_result(reply)
         try:
             return self._acquire_result(self._eval(self.client, "enqueue", args))
         except _CLIENT_ERRORS as exc:

@@ -218,6 +218,24 @@ def test_a_deferred_release_goes_out_before_the_acquire_that_carries_it(redis_ur
     assert rider.outcomes == [True]
 
 
+def test_with_server_hand_off_the_release_rides_the_enqueue_and_grants_the_waiter(
+    redis_server: Any, redis_url: str
+) -> None:
+    """``handoff=server``: the plan's try is an enqueue; the release goes out before it,
+    and hands the lock to the first queued waiter, as a release sent alone would."""
+    backend = get_backend(redis_server.url(handoff="server"))
+    owner = Owner(task_id="t")
+    assert backend.enqueue("k", "first", 30_000, owner, 0).acquired
+    assert not backend.enqueue("k", "waiter", 30_000, owner, 5_000).acquired  # queued
+    rider = Rider("k", "first")
+    assert backend.defer_release(rider)
+    assert not backend.enqueue("k", "late", 30_000, owner, 0).acquired  # the waiter has it
+    assert rider.outcomes == [True]
+    assert backend.await_grant("k", "waiter", 1.0) is not None
+    holder = backend.holder("k")
+    assert holder is not None and holder.token == "waiter"
+
+
 def test_a_deferred_release_is_token_checked(redis_url: str) -> None:
     backend = get_backend(redis_url)
     owner = Owner(task_id="t")
