@@ -7,7 +7,8 @@ process sends to that backend, in the acquire's own pipelined round trip
 (:meth:`~task_locks.backends.base.Backend.defer_release`): back-to-back runs pay one
 round trip each, and no thread runs beside the worker's. If no acquire comes within
 :data:`RELEASE_DELAY` (the queue went quiet, or the backend cannot carry releases), the
-process's releaser thread sends it itself, on its next tick (a few milliseconds). Token-checked, as ever.
+process's releaser thread sends it itself. While runs keep coming, that thread wakes
+about once per :data:`RELEASE_DELAY`, not once per run. Token-checked, as ever.
 
 What keeps it safe:
 
@@ -50,9 +51,9 @@ log = logging.getLogger("task_locks.celery")
 #: Seconds a flush waits for the releases in flight (a release is one round trip).
 FLUSH_TIMEOUT: Final = 5.0
 #: Seconds a handed-over release waits for an acquire to carry it before the releaser
-#: thread sends it (on its next tick, which comes at most this much later): a finished
-#: run's key stays taken for at most twice this, plus the release's round trip.
-RELEASE_DELAY: Final = 0.003
+#: thread sends it: the longest a finished run's key stays taken, plus the release's
+#: round trip (and the thread's wait for a CPU).
+RELEASE_DELAY: Final = 0.005
 
 OnError = Callable[[Lease, LockError], None]
 
@@ -185,7 +186,7 @@ class Releaser:
         while True:
             with self._lock:
                 while True:
-                    if self._queue and self._queue[0].claimed:  # carried by an acquire
+                    if self._queue:  # drop those an acquire carried
                         self._queue = [item for item in self._queue if not item.claimed]
                     now = time.monotonic()
                     due = [item for item in self._queue if item.due <= now and item.claim()]
@@ -193,14 +194,18 @@ class Releaser:
                         self._queue = [item for item in self._queue if not item.claimed]
                         self._wake_at = -math.inf  # busy: looks again before sleeping
                         break
-                    if not self._queue and self._submitted == seen:
+                    if self._queue:  # sleep until the first is due, unless it is carried
+                        self._wake_at = min(item.due for item in self._queue)
+                        self._work.wait(self._wake_at - now)
+                        continue
+                    if self._submitted == seen:
                         self._wake_at = math.inf  # nothing came since the last look
                         self._work.wait()
                         continue
-                    # While runs keep handing releases over (and acquires keep carrying
-                    # them), look on a fixed tick rather than at each release's due time:
-                    # a wake-up per run costs the run's thread the GIL. A release is sent
-                    # at most two ticks after its run.
+                    # Runs keep handing releases over (and acquires keep carrying them):
+                    # look again a delay on rather than be woken by the next hand-over,
+                    # whose due time is later still. A wake-up per run would cost the
+                    # run's thread the GIL each time.
                     seen = self._submitted
                     self._wake_at = now + RELEASE_DELAY
                     self._work.wait(RELEASE_DELAY)
