@@ -40,6 +40,7 @@ from celery.app import trace as celery_trace  # noqa: E402
 from celery.app.trace import build_tracer  # noqa: E402
 
 from task_locks import events, get_backend, lock  # noqa: E402
+from task_locks.backends import redis as redis_backend  # noqa: E402
 from task_locks.celery import registry  # noqa: E402
 from task_locks.celery import task as task_module  # noqa: E402
 from task_locks.celery.task import SingletonTask, singleton_task  # noqa: E402
@@ -60,7 +61,7 @@ PARTS: dict[str, list[tuple[Any, str]]] = {
         (lock, "current_owner"),
         (Owner, "to_json"),
     ],
-    "acquire round trip (Lock, plan, Redis EVAL, Lease)": [
+    "acquire round trip (Lock, plan, Redis EVAL, Lease; carries the last run's release)": [
         (getattr(task_module, "_Acquire", None), "run"),
     ],
     "context set-up (current_lease, live leases, watchdog, events context)": [
@@ -73,8 +74,10 @@ PARTS: dict[str, list[tuple[Any, str]]] = {
         (events, "context"),
     ],
     "task body": [(body_step, "run")],
-    "release (Redis EVAL, token check; or the hand-over to the releaser)": [
+    "release (hand-over to the releaser; shaping and settling it in the next acquire)": [
         (getattr(task_module, "_Release", None), "run"),
+        (redis_backend.RedisBackend, "_with_releases"),
+        (redis_backend.RedisBackend, "_answer_riders"),
     ],
     "lock events (acquired/released)": [(events, "emit")],
     "Celery signals (prerun/postrun/success receivers)": [

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import replace
 from typing import Any
 
 from .types import Owner
@@ -46,4 +45,7 @@ def current_owner() -> Owner:
     if base is None or base.pid != pid or base.thread != thread:
         base = _local.owner = Owner(host=_host, pid=pid, thread=thread)
     extra = _context.get()
-    return replace(base, **extra) if extra else base
+    if not extra:
+        return base
+    # Not dataclasses.replace (a Python loop over the fields): owner_context checked the keys.
+    return Owner(**{"host": base.host, "pid": base.pid, "thread": base.thread, **extra})

@@ -62,10 +62,50 @@ class Owner:
 
 
 @functools.lru_cache(maxsize=1024)
-def _owner_json(owner: Owner) -> str:
+def _cached_owner_json(owner: Owner) -> str:
     # getattr, not dataclasses.asdict: asdict deep-copies every field.
     fields = ((k, getattr(owner, k)) for k in owner.__dataclass_fields__)
     return json.dumps({k: v for k, v in fields if v not in (None, "")})
+
+
+#: Placeholder task id that cannot occur in a real one (a lone surrogate: not UTF-8).
+_TASK_ID_SLOT: Final = "\udfff"
+#: Owner without its task id -> its JSON cut where the task id goes (see _owner_json).
+_by_task: dict[Owner, tuple[str, str]] = {}
+
+
+def _owner_json(owner: Owner) -> str:
+    """The owner's JSON. A Celery run's owner differs from the last run's only by its task
+    id, which the cache would never see again: the JSON around it is cached instead."""
+    task_id = owner.task_id
+    if type(task_id) is not str or not task_id:
+        return _cached_owner_json(owner)
+    rest = _replace_task_id(owner, None)
+    cut = _by_task.get(rest)
+    if cut is None:
+        slot = json.dumps(_TASK_ID_SLOT)
+        template = _cached_owner_json(_replace_task_id(owner, _TASK_ID_SLOT))
+        if template.count(slot) != 1:  # another field holds the placeholder: no shortcut
+            return _cached_owner_json(owner)
+        if len(_by_task) >= 1024:
+            _by_task.clear()
+        head, _, tail = template.partition(slot)
+        cut = _by_task[rest] = (head, tail)
+    return cut[0] + json.dumps(task_id) + cut[1]
+
+
+def _replace_task_id(owner: Owner, task_id: str | None) -> Owner:
+    return Owner(
+        owner.host,
+        owner.pid,
+        owner.thread,
+        task_id,
+        owner.task_name,
+        owner.command,
+        owner.worker,
+        owner.identity,
+        owner.limit,
+    )
 
 
 @dataclass(frozen=True, slots=True)

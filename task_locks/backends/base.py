@@ -29,8 +29,44 @@ from enum import StrEnum
 from typing import ClassVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
+
+_claims = threading.Lock()
+
+
+class DeferredRelease(abc.ABC):
+    """A release handed to :meth:`Backend.defer_release`: sent ahead of that backend's
+    next acquire, in the acquire's round trip, unless someone else sends it first.
+
+    Exactly one party sends it: whoever wins :meth:`claim` (the acquire that carries it,
+    or the owner's own fallback after a short delay); the sender reports the outcome to
+    :meth:`answer`. Token-checked like every release.
+    """
+
+    __slots__ = ("_claimed", "name", "token")
+
+    def __init__(self, name: str, token: str) -> None:
+        self.name = name
+        self.token = token
+        self._claimed = False
+
+    @property
+    def claimed(self) -> bool:
+        return self._claimed
+
+    def claim(self) -> bool:
+        """``True`` for the one caller that is to send this release."""
+        with _claims:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    @abc.abstractmethod
+    def answer(self, outcome: bool | LockError) -> None:
+        """What the claimed release did: ``True`` released, ``False`` not ours (any more),
+        or the error that left its outcome unknown. Must not raise."""
 
 
 class Capability(StrEnum):
@@ -305,6 +341,12 @@ class Backend(abc.ABC):
         """Leave the queue, giving back (token-checked) a grant that raced in: ``True``
         if one was given back."""
         raise NotImplementedError(f"{self!r} does not hand locks over in the server")
+
+    def defer_release(self, release: DeferredRelease) -> bool:
+        """Send ``release`` ahead of this backend's next (sync) acquire, in the same round
+        trip, if it is still unclaimed then; ``False``: this backend cannot (the caller
+        sends it itself). The caller must send it anyway if no acquire comes soon."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to close by default
         """Release client resources (connections, threads)."""

@@ -88,7 +88,7 @@ from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from ._redis_compat import get_connection, set_socket_timeout
-from .base import Backend, Capability
+from .base import Backend, Capability, DeferredRelease
 
 T = TypeVar("T")
 #: Replies that mean "ask another node": a bounded renewal sent straight to one primary
@@ -696,6 +696,10 @@ class RedisBackend(Backend):
             weakref.WeakKeyDictionary()
         )
         self._async_pid = os.getpid()
+        #: Releases to send ahead of the next acquire (:meth:`defer_release`).
+        self._riders: list[DeferredRelease] = []
+        self._riders_guard = threading.Lock()
+        self._riders_pid = os.getpid()
 
     # -- construction -----------------------------------------------------------------
 
@@ -1153,6 +1157,63 @@ class RedisBackend(Backend):
 
         return send
 
+    def defer_release(self, release: DeferredRelease) -> bool:
+        """Pipelined ahead of the next acquire or, with ``handoff=server``, enqueue (not on
+        a cluster: one pipeline goes to one node)."""
+        if self.cluster:
+            return False
+        with self._riders_guard:
+            if self._riders_pid != os.getpid():  # a forked child never sends its parent's
+                self._riders, self._riders_pid = [], os.getpid()
+            self._riders.append(release)
+        return True
+
+    def _take_riders(self) -> list[DeferredRelease]:
+        """The deferred releases this acquire is to carry (claimed: no one else sends them)."""
+        with self._riders_guard:
+            riders, self._riders = self._riders, []
+            if self._riders_pid != os.getpid():
+                self._riders_pid = os.getpid()
+                return []
+        return [rider for rider in riders if rider.claim()]
+
+    def _with_releases(self, riders: list[DeferredRelease], commands: Commands) -> Commands:
+        """``riders``' releases first, then ``commands``: one pipeline, run in that order."""
+        script = self._release_script
+        # The release ids are drawn once: a resend (NOSCRIPT, redis-py's retry) repeats
+        # them, and finds the tombstone of a release that already went through.
+        releases = [self._release_args(rider.name, rider.token) for rider in riders]
+        return lambda by_sha: [
+            *(script_command(script, by_sha, args) for args in releases),
+            *commands(by_sha),
+        ]
+
+    def _answer_riders(
+        self, riders: list[DeferredRelease], replies: list[Any] | BaseException
+    ) -> None:
+        for index, rider in enumerate(riders):
+            outcome: bool | LockError
+            reply = replies if isinstance(replies, BaseException) else replies[index]
+            if not isinstance(reply, BaseException):
+                outcome = bool(reply)
+            elif isinstance(reply, LockError):
+                outcome = reply
+            elif isinstance(reply, Exception):
+                try:
+                    self._fail(rider.name, reply)
+                except LockError as exc:
+                    outcome = exc
+            else:  # interrupted: the release may or may not have gone out
+                outcome = BackendUnavailable(
+                    f"lock {rider.name!r}: the release was interrupted ({reply!r})",
+                    name=rider.name,
+                    server=self.server,
+                )
+            try:
+                rider.answer(outcome)
+            except Exception:  # the acquire carrying it must not fail for it
+                log.exception("answering the deferred release of %r failed", rider.name)
+
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         if self._plain_acquire:
             args = self._acquire_args(name, token, ttl_ms, owner)
@@ -1161,6 +1222,9 @@ class RedisBackend(Backend):
             except _CLIENT_ERRORS as exc:
                 self._fail(name, exc)
         commands = self._acquire_commands(name, token, ttl_ms, owner)
+        riders = self._take_riders() if self._riders else None
+        if riders:
+            return self._acquire_after_releases(name, token, riders, commands)
         try:
             client = self.client
             if self._on_primary(name):
@@ -1178,6 +1242,31 @@ class RedisBackend(Backend):
         if acked is not None:
             # Granted on the master only: give it back rather than block every other
             # client until its TTL. A failover may already have lost it.
+            with contextlib.suppress(LockError):
+                self.release(name, token)
+            raise self._too_few_replicas(name, acked)
+        return result
+
+    def _after_releases(
+        self, name: str, riders: list[DeferredRelease], commands: Commands
+    ) -> list[Any]:
+        """The riders' releases, then ``commands``, in one pipelined round trip; the
+        riders are answered, and the replies to ``commands`` returned."""
+        try:
+            replies = self._one_connection(self.client, self._with_releases(riders, commands))
+        except BaseException as exc:
+            self._answer_riders(riders, exc)
+            if isinstance(exc, _CLIENT_ERRORS):
+                self._fail(name, exc)
+            raise
+        self._answer_riders(riders, replies)
+        return replies[len(riders) :]
+
+    def _acquire_after_releases(
+        self, name: str, token: str, riders: list[DeferredRelease], commands: Commands
+    ) -> AcquireResult:
+        result, acked = self._acquired(name, self._after_releases(name, riders, commands))
+        if acked is not None:
             with contextlib.suppress(LockError):
                 self.release(name, token)
             raise self._too_few_replicas(name, acked)
@@ -1219,6 +1308,14 @@ class RedisBackend(Backend):
         self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
     ) -> AcquireResult:
         args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        riders = self._take_riders() if self._riders else None
+        if riders:
+            (reply,) = self._after_releases(
+                name, riders, lambda by_sha: [script_command("enqueue", by_sha, args)]
+            )
+            if isinstance(reply, Exception):
+                self._fail(name, reply)
+            return self._acquire_result(reply)
         try:
             return self._acquire_result(self._eval(self.client, "enqueue", args))
         except _CLIENT_ERRORS as exc:

@@ -1,51 +1,83 @@
 """Run-lock releases sent after the run, off the worker's critical path (issue 15).
 
 A run whose outcome nobody waits for (its result is not stored, no callback or chain
-follows it) does not need its lock's release round trip before the worker moves on:
-the run hands the lease to this process's releaser thread, which sends the release
-(token-checked, as ever) while the worker acknowledges and fetches the next message.
+follows it) does not need its lock's release round trip before the worker moves on.
+The run hands the lease over here, and the release rides ahead of the next acquire the
+process sends to that backend, in the acquire's own pipelined round trip
+(:meth:`~task_locks.backends.base.Backend.defer_release`): back-to-back runs pay one
+round trip each, and no thread runs beside the worker's. If no acquire comes within
+:data:`RELEASE_DELAY` (the queue went quiet, or the backend cannot carry releases), the
+process's releaser thread sends it itself. While runs keep coming, that thread wakes
+about once per :data:`RELEASE_DELAY`, not once per run. Token-checked, as ever.
 
 What keeps it safe:
 
-- a new run of the same key in this process first waits for that key's pending
-  release (:meth:`Releaser.flush_key`), so it is never refused by its own process's
-  leftover;
+- a new run of the same key in this process, and a publish of it, first sends that
+  key's pending release (:meth:`Releaser.flush_key`), so it is never refused by its own
+  process's leftover; a pending release riding an acquire is sent before it, in order,
+  on the same connection;
 - worker shutdown, a pool child's exit and the interpreter's exit flush the queue
   (bounded by :data:`FLUSH_TIMEOUT`); a release still unsent after that is left to the
   lock's TTL, like any lock of a process that died;
-- only leases still held as far as this process knows are handed over: a lease lost
-  while the body ran is released in the run, which fails loudly as before. A release
-  the server refuses later (the lock was force-released meanwhile) is logged at
+- only leases still held as far as this process knows are handed over, and their
+  renewal stops at once: a lease lost while the body ran is released in the run, which
+  fails loudly as before. A release the server refuses later (the lock was
+  force-released meanwhile) marks the lease lost (the ``lost`` event) and is logged at
   WARNING; the run has already ended.
 
 A child killed while a run holds its lock never got to hand it over: the worker's main
-process recovers that lock as before (:mod:`task_locks.celery.request`).
+process recovers that lock as before (:mod:`task_locks.celery.request`). A child killed
+in the few milliseconds between a run's end and the release going out leaves that lock
+to its TTL (renewal stopped when the run ended).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Final
 
-from ..errors import LockError
+from ..backends.base import DeferredRelease
+from ..errors import BackendUnavailable, LockError
 from ..lock import Lease
 
 log = logging.getLogger("task_locks.celery")
 
 #: Seconds a flush waits for the releases in flight (a release is one round trip).
 FLUSH_TIMEOUT: Final = 5.0
+#: Seconds a handed-over release waits for an acquire to carry it before the releaser
+#: thread sends it: the longest a finished run's key stays taken, plus the release's
+#: round trip (and the thread's wait for a CPU).
+RELEASE_DELAY: Final = 0.005
 
 OnError = Callable[[Lease, LockError], None]
 
 
+class _Pending(DeferredRelease):
+    """One handed-over release: the lease, who hears of its failure, when it is due."""
+
+    __slots__ = ("due", "key", "lease", "on_error", "owner")
+
+    def __init__(self, owner: Releaser, key: str, lease: Lease, on_error: OnError) -> None:
+        super().__init__(lease.name, lease.token)
+        self.owner = owner
+        self.key = key
+        self.lease = lease
+        self.on_error = on_error
+        self.due = time.monotonic() + RELEASE_DELAY
+
+    def answer(self, outcome: bool | LockError) -> None:
+        self.owner._answered(self, outcome)
+
+
 class Releaser:
-    """One daemon thread per process that sends the releases runs handed over, in order."""
+    """The process's pending releases, and the daemon thread that sends those no acquire
+    carried within :data:`RELEASE_DELAY`."""
 
     def __init__(self) -> None:
         self._reset()
@@ -57,36 +89,63 @@ class Releaser:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._done = threading.Condition(self._lock)
-        self._queue: deque[tuple[str, Lease, OnError]] = deque()
+        #: Handed over and not yet claimed by a sender (claimed ones leave lazily).
+        self._queue: list[_Pending] = []
         #: key -> releases of it not yet answered (queued or in flight).
         self._pending: dict[str, int] = {}
         self._thread: threading.Thread | None = None
+        #: When the thread wakes on its own (``inf``: it waits for work).
+        self._wake_at = math.inf
+        #: Releases handed over so far (the thread sleeps for good only when none came).
+        self._submitted = 0
 
     def submit(self, key: str, lease: Lease, on_error: OnError) -> None:
-        """Release ``lease`` soon; ``on_error`` gets what the release raised, if anything."""
+        """Release ``lease`` soon; ``on_error`` gets what the release raised, if anything.
+
+        Its renewal stops now; it stays counted as held until the release is answered.
+        """
+        if not lease._begin_release():
+            return  # already released, or a forked child's copy: nothing to send
+        item = _Pending(self, key, lease, on_error)
         with self._lock:
+            self._queue.append(item)
+            self._pending[key] = self._pending.get(key, 0) + 1
+            self._submitted += 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="task-locks-releaser", daemon=True
                 )
                 self._thread.start()
-            self._queue.append((key, lease, on_error))
-            self._pending[key] = self._pending.get(key, 0) + 1
-            self._work.notify()
+        try:
+            rides = lease.backend.defer_release(item)
+        except Exception:  # a backend's hook must not lose the release
+            log.exception("deferring the release of %r failed; sending it now", lease.name)
+            rides = False
+        with self._lock:
+            if not rides:
+                item.due = time.monotonic()
+            if item.due < self._wake_at:
+                self._work.notify()
 
     def pending(self, key: str) -> bool:
         """Whether a release of ``key`` handed over in this process is not answered yet."""
         return key in self._pending
 
     def flush_key(self, key: str, timeout: float = FLUSH_TIMEOUT) -> bool:
-        """Wait (up to ``timeout``) until no release of ``key`` is pending here."""
-        return self._wait(lambda: key not in self._pending, timeout)
+        """Send ``key``'s pending releases now; wait (up to ``timeout``) for their answers."""
+        return self._flush(lambda item: item.key == key, lambda: key not in self._pending, timeout)
 
     def flush(self, timeout: float = FLUSH_TIMEOUT) -> bool:
-        """Wait (up to ``timeout``) until every release handed over here was sent."""
-        return self._wait(lambda: not self._pending, timeout)
+        """Send every pending release now; wait (up to ``timeout``) for their answers."""
+        return self._flush(lambda item: True, lambda: not self._pending, timeout)
 
-    def _wait(self, done: Callable[[], bool], timeout: float) -> bool:
+    def _flush(
+        self, which: Callable[[_Pending], bool], done: Callable[[], bool], timeout: float
+    ) -> bool:
+        with self._lock:
+            mine = [item for item in self._queue if which(item) and item.claim()]
+        for item in mine:  # in this thread: no wait for the releaser's turn
+            _send(item)
         deadline = time.monotonic() + timeout
         with self._lock:
             while not done():
@@ -97,30 +156,81 @@ class Releaser:
                 self._done.wait(remaining)
         return True
 
+    def _answered(self, item: _Pending, outcome: bool | LockError) -> None:
+        """Settle ``item``'s lease with what its release did, then count it answered."""
+        lease = item.lease
+        try:
+            if isinstance(outcome, LockError):
+                if isinstance(outcome, BackendUnavailable):
+                    lease._release_unknown(outcome)
+                raise outcome
+            lease._finish_release(outcome)  # False: marks it lost, raises NotOwned
+        except LockError as exc:
+            try:
+                item.on_error(lease, exc)
+            except Exception:
+                log.exception("reporting the failed release of %r failed", lease.name)
+        except Exception:
+            log.exception("settling the release of lock %r failed", lease.name)
+        finally:
+            with self._lock:
+                left = self._pending.get(item.key, 1) - 1
+                if left > 0:
+                    self._pending[item.key] = left
+                else:
+                    self._pending.pop(item.key, None)
+                self._done.notify_all()
+
     def _run(self) -> None:
+        seen = -1
         while True:
             with self._lock:
-                while not self._queue:
-                    self._work.wait()
-                key, lease, on_error = self._queue.popleft()
-            try:
-                lease.release()
-            except LockError as exc:
-                on_error(lease, exc)
-            except Exception:  # the thread must outlive any one release
-                log.exception("releasing lock %r in the background failed", lease.name)
-            finally:
-                with self._lock:
-                    left = self._pending.get(key, 1) - 1
-                    if left > 0:
-                        self._pending[key] = left
-                    else:
-                        self._pending.pop(key, None)
-                    self._done.notify_all()
+                while True:
+                    if self._queue:  # drop those an acquire carried
+                        self._queue = [item for item in self._queue if not item.claimed]
+                    now = time.monotonic()
+                    due = [item for item in self._queue if item.due <= now and item.claim()]
+                    if due:
+                        self._queue = [item for item in self._queue if not item.claimed]
+                        self._wake_at = -math.inf  # busy: looks again before sleeping
+                        break
+                    if self._queue:  # sleep until the first is due, unless it is carried
+                        self._wake_at = min(item.due for item in self._queue)
+                        self._work.wait(self._wake_at - now)
+                        continue
+                    if self._submitted == seen:
+                        self._wake_at = math.inf  # nothing came since the last look
+                        self._work.wait()
+                        continue
+                    # Runs keep handing releases over (and acquires keep carrying them):
+                    # look again a delay on rather than be woken by the next hand-over,
+                    # whose due time is later still. A wake-up per run would cost the
+                    # run's thread the GIL each time.
+                    seen = self._submitted
+                    self._wake_at = now + RELEASE_DELAY
+                    self._work.wait(RELEASE_DELAY)
+            for item in due:
+                _send(item)
+
+
+def _send(item: _Pending) -> None:
+    """Send one claimed release with its own round trip and settle it."""
+    outcome: bool | LockError
+    try:
+        outcome = item.lease.backend.release(item.name, item.token)
+    except LockError as exc:
+        outcome = exc
+    except Exception as exc:  # the thread must outlive any one release
+        log.exception("releasing lock %r in the background failed", item.name)
+        outcome = BackendUnavailable(f"lock {item.name!r}: release failed: {exc}", name=item.name)
+    except BaseException as exc:  # interrupted (Ctrl-C in a flush): settled, then re-raised
+        item.answer(BackendUnavailable(f"lock {item.name!r}: release interrupted", name=item.name))
+        raise exc
+    item.answer(outcome)
 
 
 #: This process's releaser.
 releaser: Final = Releaser()
 atexit.register(releaser.flush)
 
-__all__ = ["FLUSH_TIMEOUT", "Releaser", "releaser"]
+__all__ = ["FLUSH_TIMEOUT", "RELEASE_DELAY", "Releaser", "releaser"]

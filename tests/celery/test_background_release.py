@@ -8,6 +8,8 @@ message) in this process, against the shared real Redis.
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,9 +24,13 @@ from celery import Celery, signals
 from celery.app.trace import build_tracer
 from servers import wait_until
 
-from task_locks import get_backend
+from task_locks import events, get_backend
+from task_locks.backends.base import DeferredRelease
+from task_locks.celery import releaser as releaser_module
 from task_locks.celery import singleton_task
 from task_locks.celery.releaser import releaser
+from task_locks.errors import BackendUnavailable
+from task_locks.types import Owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,3 +184,185 @@ def test_a_publish_here_after_a_run_waits_for_its_pending_release(
         assert queued is not None
         assert backend.force_release(task.lock_name("same"), queued.fence)  # next round
     assert len(ran) == 50
+
+
+# -- the release rides the next acquire (issue 15: one round trip per run) ---------------
+
+
+class Rider(DeferredRelease):
+    """A deferred release whose outcome the test reads."""
+
+    def __init__(self, name: str, token: str) -> None:
+        super().__init__(name, token)
+        self.outcomes: list[object] = []
+
+    def answer(self, outcome: object) -> None:  # type: ignore[override]
+        self.outcomes.append(outcome)
+
+
+def test_a_deferred_release_goes_out_before_the_acquire_that_carries_it(redis_url: str) -> None:
+    """Same key: the release must reach the server first, or the acquire meets the lock."""
+    backend = get_backend(redis_url)
+    owner = Owner(task_id="t")
+    assert backend.acquire("same", "first", 30_000, owner).acquired
+    rider = Rider("same", "first")
+    assert backend.defer_release(rider)
+    result = backend.acquire("same", "second", 30_000, owner)
+    assert rider.outcomes == [True]
+    assert result.acquired
+    holder = backend.holder("same")
+    assert holder is not None and holder.token == "second"
+    # Answered once: a later acquire carries nothing, and the claim is taken.
+    assert not rider.claim()
+    assert backend.acquire("other", "third", 30_000, owner).acquired
+    assert rider.outcomes == [True]
+
+
+def test_with_server_hand_off_the_release_rides_the_enqueue_and_grants_the_waiter(
+    redis_server: Any, redis_url: str
+) -> None:
+    """``handoff=server``: the plan's try is an enqueue; the release goes out before it,
+    and hands the lock to the first queued waiter, as a release sent alone would."""
+    backend = get_backend(redis_server.url(handoff="server"))
+    owner = Owner(task_id="t")
+    assert backend.enqueue("k", "first", 30_000, owner, 0).acquired
+    assert not backend.enqueue("k", "waiter", 30_000, owner, 5_000).acquired  # queued
+    rider = Rider("k", "first")
+    assert backend.defer_release(rider)
+    assert not backend.enqueue("k", "late", 30_000, owner, 0).acquired  # the waiter has it
+    assert rider.outcomes == [True]
+    assert backend.await_grant("k", "waiter", 1.0) is not None
+    holder = backend.holder("k")
+    assert holder is not None and holder.token == "waiter"
+
+
+def test_a_deferred_release_is_token_checked(redis_url: str) -> None:
+    backend = get_backend(redis_url)
+    owner = Owner(task_id="t")
+    assert backend.acquire("k", "theirs", 30_000, owner).acquired
+    rider = Rider("k", "not-the-holder")
+    assert backend.defer_release(rider)
+    assert backend.acquire("other", "mine", 30_000, owner).acquired
+    assert rider.outcomes == [False]
+    holder = backend.holder("k")
+    assert holder is not None and holder.token == "theirs"
+
+
+def test_a_claimed_release_is_not_carried(redis_url: str) -> None:
+    """Whoever claims it first sends it (the releaser's thread, a flush): never twice."""
+    backend = get_backend(redis_url)
+    owner = Owner(task_id="t")
+    assert backend.acquire("k", "first", 30_000, owner).acquired
+    rider = Rider("k", "first")
+    assert backend.defer_release(rider)
+    assert rider.claim()
+    assert backend.acquire("other", "x", 30_000, owner).acquired
+    assert rider.outcomes == []
+    assert backend.holder("k") is not None  # the claimer's to send
+
+
+def test_a_failed_carrying_acquire_reports_the_release_as_unknown(redis_factory: Any) -> None:
+    server = redis_factory()
+    backend = get_backend(server.url(socket_timeout=1, connect_timeout=0.5))
+    owner = Owner(task_id="t")
+    assert backend.acquire("k", "first", 30_000, owner).acquired
+    rider = Rider("k", "first")
+    assert backend.defer_release(rider)
+    server.kill()
+    with pytest.raises(BackendUnavailable):
+        backend.acquire("other", "x", 30_000, owner)
+    assert len(rider.outcomes) == 1 and isinstance(rider.outcomes[0], BackendUnavailable)
+
+
+def test_a_forked_child_never_sends_its_parents_deferred_release(redis_url: str) -> None:
+    backend = get_backend(redis_url)
+    owner = Owner(task_id="t")
+    assert backend.acquire("k", "parent", 30_000, owner).acquired
+    rider = Rider("k", "parent")
+    assert backend.defer_release(rider)
+    pid = os.fork()
+    if pid == 0:  # the child: an acquire of its own carries nothing of the parent's
+        code = 1
+        try:
+            backend.acquire("child", "c", 30_000, owner)
+            code = 0 if rider.outcomes == [] and backend.holder("k") is not None else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.holder("k") is not None  # the child left it alone
+    assert backend.acquire("parent-next", "p", 30_000, owner).acquired
+    assert rider.outcomes == [True]
+    assert backend.holder("k") is None
+
+
+def test_back_to_back_runs_carry_each_release_in_the_next_acquire(
+    app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Distinct keys, no delay elapsing: every release but the last goes out with the next
+    run's acquire (no round trip of its own), and the last is sent by a flush."""
+    monkeypatch.setattr(releaser_module, "RELEASE_DELAY", 30.0)  # the thread never fires
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True)
+    run = tracer(app, task)
+    backend = get_backend(redis_url)
+    store = redis.Redis.from_url(redis_url)
+    run("id-0", ("k0",))
+    store.config_resetstat()
+    before = store.info("stats")["total_reads_processed"]
+    for i in range(1, 21):
+        run(f"id-{i}", (f"k{i}",))
+    after = store.info("stats")["total_reads_processed"]
+    # 20 acquires and 20 releases in 20 round trips: each pipeline arrives as one read
+    # (the INFO call adds one; sent on its own, the releases would add 20).
+    assert store.info("commandstats")["cmdstat_evalsha"]["calls"] == 40
+    assert after - before <= 22
+    assert [i for i in range(20) if backend.holder(task.lock_name(f"k{i}"))] == []
+    assert releaser.pending(task.lock_name("k20"))  # nothing carried the last one yet
+    store.close()
+    assert releaser.flush()
+    assert backend.holder(task.lock_name("k20")) is None
+    assert ran == [f"k{i}" for i in range(21)]
+
+
+def test_with_no_acquire_to_carry_it_the_thread_sends_the_release_soon(
+    app: Celery, redis_url: str
+) -> None:
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True)
+    run = tracer(app, task)
+    run("id-alone", ("alone",))
+    backend = get_backend(redis_url)
+    wait_until(lambda: backend.holder(task.lock_name("alone")) is None, 2, "the thread's release")
+    wait_until(lambda: not releaser.pending(task.lock_name("alone")), 2, "answered")
+
+
+def test_a_lock_lost_before_its_deferred_release_is_reported(
+    app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Force-released between the run's end and the release going out: the release finds
+    the token gone, the lease is marked lost and the failure is logged."""
+    monkeypatch.setattr(releaser_module, "RELEASE_DELAY", 30.0)
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True)
+    run = tracer(app, task)
+    backend = get_backend(redis_url)
+    seen: list[Any] = []
+    subscription = events.subscribe(seen.append)
+    try:
+        run("id-lost", ("lost",))
+        name = task.lock_name("lost")
+        holder = backend.holder(name)
+        assert holder is not None
+        assert backend.force_release(name, holder.fence)
+        with caplog.at_level(logging.WARNING, logger="task_locks.celery"):
+            run("id-next", ("next",))  # carries the release, which finds the token gone
+        assert not releaser.pending(name)
+        assert any("releasing lock" in r.getMessage() and name in r.getMessage()
+                   for r in caplog.records), caplog.text  # fmt: skip
+        assert events.flush(5.0)
+        assert [e.kind for e in seen if e.name == name and e.kind in ("lost", "released")] == [
+            "lost"
+        ]
+    finally:
+        subscription.close()

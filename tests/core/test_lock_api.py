@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -9,7 +10,9 @@ import time
 import pytest
 import redis
 
-from task_locks import LockHeld, LockLost, configure
+from task_locks import Lock, LockHeld, LockLost, configure, get_backend
+from task_locks.owner import owner_context
+from task_locks.types import Owner
 
 from .support import SyncDriver, holder_token
 
@@ -84,3 +87,30 @@ def test_configured_backend_and_default_ttl(driver: SyncDriver, redis_url: str) 
     with redis.Redis.from_url(redis_url) as client:
         assert 6000 < client.pttl("task_locks:{configured}") <= 7000
     handle.release()
+
+
+@pytest.mark.parametrize(
+    "owner",
+    [
+        Owner("h", 1, "t", "abc-1", "n", None, "w"),
+        Owner("h", 1, "t", 'we"ird\u00e9\\', "n", "c", "w", "i", 3),
+        Owner("h", 1, "t", None, "n"),
+        Owner(task_id=""),
+        Owner(task_id="x", task_name="\udfff"),  # the placeholder elsewhere: no shortcut
+        Owner(task_id="\udfff"),
+    ],
+)
+def test_the_owner_json_shortcut_for_task_ids_writes_what_json_does(
+    owner: Owner, redis_url: str
+) -> None:
+    """A run's owner JSON is spliced around its task id (cached per task and worker)."""
+    fields = {k: getattr(owner, k) for k in owner.__dataclass_fields__}
+    expected = json.dumps({k: v for k, v in fields.items() if v not in (None, "")})
+    assert owner.to_json() == expected
+    assert owner.to_json() == expected  # the cached cut gives the same
+    with owner_context(task_id="t-1", task_name="n", worker="w@h"):
+        lease = Lock("owner-json", ttl=5, backend=redis_url).acquire()
+    holder = get_backend(redis_url).holder("owner-json")
+    assert holder is not None and holder.owner.task_id == "t-1"
+    assert holder.owner.worker == "w@h" and holder.owner.pid == os.getpid()
+    lease.release()
