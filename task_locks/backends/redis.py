@@ -1215,6 +1215,10 @@ class RedisBackend(Backend):
                 log.exception("answering the deferred release of %r failed", rider.name)
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        riders = self._take_riders() if self._riders else None
+        if riders:  # finished runs' releases ride this acquire (defer_release)
+            commands = self._acquire_commands(name, token, ttl_ms, owner)
+            return self._acquire_after_releases(name, token, riders, commands)
         if self._plain_acquire:
             args = self._acquire_args(name, token, ttl_ms, owner)
             try:
@@ -1222,9 +1226,6 @@ class RedisBackend(Backend):
             except _CLIENT_ERRORS as exc:
                 self._fail(name, exc)
         commands = self._acquire_commands(name, token, ttl_ms, owner)
-        riders = self._take_riders() if self._riders else None
-        if riders:
-            return self._acquire_after_releases(name, token, riders, commands)
         try:
             client = self.client
             if self._on_primary(name):

@@ -226,12 +226,13 @@ def test_with_server_hand_off_the_release_rides_the_enqueue_and_grants_the_waite
     backend = get_backend(redis_server.url(handoff="server"))
     owner = Owner(task_id="t")
     assert backend.enqueue("k", "first", 30_000, owner, 0).acquired
-    assert not backend.enqueue("k", "waiter", 30_000, owner, 5_000).acquired  # queued
+    queued = backend.enqueue("k", "waiter", 30_000, owner, 5_000)
+    assert not queued.acquired
     rider = Rider("k", "first")
     assert backend.defer_release(rider)
     assert not backend.enqueue("k", "late", 30_000, owner, 0).acquired  # the waiter has it
     assert rider.outcomes == [True]
-    assert backend.await_grant("k", "waiter", 1.0) is not None
+    assert backend.await_grant("k", "waiter", 1.0, queued.holder_fence) is not None
     holder = backend.holder("k")
     assert holder is not None and holder.token == "waiter"
 
