@@ -46,7 +46,8 @@ def test_a_grant_force_released_before_its_pop_is_not_popped(
     # w's pop finds nothing (the grant's fence is above the holder's that w's try saw:
     # only its removal with the lock keeps w from taking it)
     assert backend.await_grant("freed", "w", 0.2, queued.holder_fence) is None
-    assert not redis.Redis.from_url(redis_url).exists("task_locks:{freed}:grant:w")
+    with redis.Redis.from_url(redis_url) as raw:
+        assert not raw.exists("task_locks:{freed}:grant:w")
     assert backend.holder("freed").token == "x"  # type: ignore[union-attr]
     backend.dequeue("freed", "w")
     assert backend.release("freed", "x")
@@ -96,9 +97,11 @@ def test_clients_of_both_modes_on_one_name_never_overlap(redis_url: str) -> None
     workers = [threading.Thread(target=work, args=(url,)) for url in urls]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join(60)
-    assert not any(worker.is_alive() for worker in workers)
-    assert int(client.get(counter) or 0) == 8 * len(urls)
-    assert faults == []
-    client.close()
+    try:
+        for worker in workers:
+            worker.join(60)
+        assert not any(worker.is_alive() for worker in workers)
+        assert int(client.get(counter) or 0) == 8 * len(urls)
+        assert faults == []
+    finally:
+        client.close()
