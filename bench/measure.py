@@ -4,6 +4,7 @@ renewal, the optional hooks).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib
 import itertools
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -582,6 +583,52 @@ def hooks(
     return out
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (threads it starts later inherit it)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), cpus)
+    except (FileNotFoundError, PermissionError):
+        pass  # gone, or not ours to pin: measured unpinned
+
+
+def _server_pids(extra_servers: list[Any]) -> list[int]:
+    """The processes of the other backends' servers (Redlock's masters, etcd)."""
+    pids = []
+    for server in extra_servers:
+        for one in [server, *getattr(server, "servers", [])]:
+            proc = getattr(one, "proc", None)
+            if proc is not None and proc.poll() is None:
+                pids.append(proc.pid)
+    return pids
+
+
+@contextlib.contextmanager
+def apart(servers: list[int], clients: list[int]) -> Iterator[None]:
+    """Servers on the first CPU, clients on the others, for the uncontended rounds.
+
+    Unpinned, the scheduler puts a client on the server's CPU for some rounds and on the
+    other CPU for others: two modes about 2x apart on a 2-CPU machine, so a library's
+    median said more about where its process landed than about the library (a process
+    with more threads landed apart more often). Apart is the remote server's case: every
+    round trip crosses CPUs. Undone afterwards (contention runs unpinned).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        yield
+        return
+    for pid in servers:
+        _pin(pid, {cpus[0]})
+    for pid in clients:
+        _pin(pid, set(cpus[1:]))
+    try:
+        yield
+    finally:
+        for pid in servers + clients:
+            _pin(pid, set(cpus))
+
+
 def measure_all(
     plan: Plan,
     url: str,
@@ -607,7 +654,10 @@ def measure_all(
         start_subjects(subjects, log_dir)
         workers += [s.worker for s in subjects if s.worker]
         log(f"uncontended: {plan.rounds} rounds x {plan.cycles} cycles x {len(subjects)} subjects")
-        floors = measure_uncontended(subjects, plan, floor_workers(subjects))
+        servers = [int(admin.info("server")["process_id"]), *_server_pids(extra_servers)]
+        clients = [w.proc.pid for w in workers]
+        with apart(servers, clients):
+            floors = measure_uncontended(subjects, plan, floor_workers(subjects))
         measure_server_cost(subjects, admin, plan.cycles)
         uncontended = uncontended_rows(subjects)
         for worker in workers:

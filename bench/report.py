@@ -97,7 +97,9 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "Client CPU = the worker process's CPU per cycle (user + system, socket calls "
         "included); Redis CPU and Redis cmds (commands run, those inside scripts included) "
         "per cycle come from `INFO cpu` / `INFO commandstats` with that library alone on "
-        "the server. The targets compare the typical round (the median of each round's "
+        "the server. The servers run on the first CPU and every client on the others "
+        "(unpinned, the scheduler put a client on the server's CPU in some rounds and "
+        "not in others, two modes about 2x apart). The targets compare the typical round (the median of each round's "
         "median), so a burst of load from other jobs in a few rounds does not decide "
         "them; the table's medians pool every sample.\n"
     )
