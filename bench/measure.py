@@ -380,6 +380,28 @@ def _contend_once(
     return per_process, start, end, server
 
 
+def measure_wakeup(url: str, log_dir: Path, n: int) -> dict[str, Any]:
+    """The floor of any hand-off that wakes a blocked process: a bare LPUSH from one
+    process to another blocked in BLPOP for 1 ms (the hold of the target cell), unpinned
+    as in the contention runs, with the
+    pusher's PING beside it (issue 15's hand-off target is a multiple of a PING)."""
+    popper = Worker(sys.executable, "wakeup-pop", log_dir)
+    pusher = Worker(sys.executable, "wakeup-push", log_dir)
+    try:
+        popper.send(op="wake_pop", url=url, key="bench:wakeup", n=n)
+        pushed = pusher.call(op="wake_push", url=url, key="bench:wakeup", n=n, gap=0.001)
+        popped = popper.receive(timeout=30 + n * 0.01)
+    except WorkerError as exc:
+        return {"error": str(exc).splitlines()[-1][:300]}
+    finally:
+        popper.close()
+        pusher.close()
+    wake, ping = popped.get("wakeup", []), pushed.get("ping", [])
+    if not wake or not ping:
+        return {"error": "no wake-up measured"}
+    return {"wakeup": summary_us(wake), "ping": summary_us(ping)}
+
+
 def measure_renewal(
     url: str, plan: Plan, log_dir: Path, flush: Callable[[], None]
 ) -> list[dict[str, Any]]:
@@ -672,6 +694,7 @@ def measure_all(
         contention = measure_contention(
             contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
         )
+        wakeup = measure_wakeup(url, log_dir, 300 if plan.mode == "smoke" else 1000)
         log(f"renewal: {plan.leases} leases")
         renewal = measure_renewal(url, plan, log_dir, admin.flushall)
         admin.flushall()
@@ -694,6 +717,7 @@ def measure_all(
         },
         "uncontended": uncontended,
         "contention": contention,
+        "wakeup": wakeup,
         "renewal": renewal,
         "renewal_ttl": plan.renew_ttl,
         "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},

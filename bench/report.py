@@ -89,6 +89,16 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             )
     add("")
 
+    wake = results.get("wakeup", {})
+    if "wakeup" in wake:
+        add(
+            "Wake-up floor (unpinned, as in the contention runs): a bare `LPUSH` from one "
+            "process waking another blocked in `BLPOP` takes "
+            f"{fmt(wake['wakeup']['median_us'])} µs median (p99 "
+            f"{fmt(wake['wakeup']['p99_us'])} µs), against {fmt(wake['ping']['median_us'])} µs "
+            "for the pusher's own PING: no hand-off that wakes a blocked waiter, ours or a "
+            "peer's, can be faster on this machine.\n"
+        )
     ping = results["floor"].get(FLOOR, {}).get("ping", {}).get("median_us")
     add("## Uncontended acquire + release\n")
     add(

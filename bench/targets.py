@@ -83,7 +83,7 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
     for lib, name in OURS:
         if not any(key.startswith(f"{lib}|") for key in cell):
             continue  # not in this plan's libraries (--smoke measures only some)
-        targets += contention_targets(cell, lib, name, ping)
+        targets += contention_targets(cell, lib, name, ping, results.get("wakeup", {}))
     plain = _celery_rate(celery, "plain")
     mine = _celery_rate(celery, "singleton_task")
     missing = "" if celery.get("status") == "ok" else celery.get("status", "not measured")
@@ -117,7 +117,11 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
 
 
 def contention_targets(
-    cell: dict[str, Any], lib: str, name: str, ping: float | None
+    cell: dict[str, Any],
+    lib: str,
+    name: str,
+    ping: float | None,
+    wakeup: dict[str, Any] | None = None,
 ) -> list[Target]:
     """Issue 15's contention targets (a)-(d) for one of our hand-offs, against
     python-redis-lock in the same rotated rounds; a MISS says what was measured."""
@@ -219,8 +223,9 @@ def contention_targets(
             3.0,
             False,
             note=(
-                f"hand-off {handoff:.0f} µs, PING {ping:.0f} µs; python-redis-lock "
-                f"{fmt(prl.get('handoff_median_us'), 0)} µs"
+                f"hand-off {handoff:.0f} µs, PING {ping:.0f} µs (client and server on "
+                f"different CPUs); python-redis-lock {fmt(prl.get('handoff_median_us'), 0)} µs"
+                + _wakeup_note(wakeup)
                 if handoff and ping
                 else "not measured"
             ),
@@ -249,6 +254,17 @@ def contention_targets(
             )
         )
     return out
+
+
+def _wakeup_note(wakeup: dict[str, Any] | None) -> str:
+    """The floor under any hand-off: a bare push waking a process blocked on a list."""
+    if not wakeup or "wakeup" not in wakeup:
+        return ""
+    wake, ping = wakeup["wakeup"]["median_us"], wakeup["ping"]["median_us"]
+    return (
+        f"; floor: a bare LPUSH waking a process blocked in BLPOP takes {wake:.0f} µs "
+        f"= {wake / ping:.1f}x the unpinned PING ({ping:.0f} µs) on this machine"
+    )
 
 
 def _uncontended_note(unc: dict[tuple[str, str], dict[str, Any]]) -> str:

@@ -359,6 +359,42 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     }
 
 
+# -- the wake-up floor: how long a push takes to wake a process blocked on the list ------
+
+
+def wake_pop(url: str, key: str, n: int, timeout: float = 5.0) -> dict[str, Any]:
+    """Block on ``key`` ``n`` times; each value is the pusher's CLOCK_MONOTONIC (ns, one
+    clock for every process), so ``now - value`` is the push-to-wake-up latency."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    latencies: list[int] = []
+    for _ in range(n):
+        got = client.blpop([key], timeout)
+        if got is None:
+            break
+        latencies.append(ns() - int(got[1]))
+    client.close()
+    return {"wakeup": latencies}
+
+
+def wake_push(url: str, key: str, n: int, gap: float) -> dict[str, Any]:
+    """``n`` pushes, ``gap`` seconds apart (the popper is blocked again by then), and as
+    many PINGs from this process, unpinned as the contention runs are."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    pings: list[int] = []
+    for _ in range(n):
+        t0 = ns()
+        client.ping()
+        pings.append(ns() - t0)
+        time.sleep(gap)
+        client.lpush(key, ns())
+    client.close()
+    return {"ping": pings}
+
+
 # -- the command loop --------------------------------------------------------------------
 
 
@@ -383,6 +419,10 @@ def serve() -> None:
                 }
             elif op == "renewal":
                 reply = renewal(**request)
+            elif op == "wake_pop":
+                reply = wake_pop(**request)
+            elif op == "wake_push":
+                reply = wake_push(**request)
             else:
                 assert adapter is not None, "setup first"
                 if op == "cycles":
