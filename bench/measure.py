@@ -383,8 +383,8 @@ def _contend_once(
 def measure_wakeup(url: str, log_dir: Path, n: int) -> dict[str, Any]:
     """The floor of any hand-off that wakes a blocked process: a bare LPUSH from one
     process to another blocked in BLPOP for 1 ms (the hold of the target cell), unpinned
-    as in the contention runs, with the
-    pusher's PING beside it (issue 15's hand-off target is a multiple of a PING)."""
+    as in the contention runs, with the pusher's PING beside it (issue 15's hand-off
+    target is a multiple of a PING)."""
     popper = Worker(sys.executable, "wakeup-pop", log_dir)
     pusher = Worker(sys.executable, "wakeup-push", log_dir)
     try:
