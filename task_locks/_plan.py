@@ -20,12 +20,13 @@ before it tries again), the ``acquired`` / ``conflict`` events a plan reports, a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Final, Never, NoReturn, TypeVar
 
 from . import events
-from ._steps import Finished, advance
+from ._steps import arun, run
 from .backends.base import Backend
 from .errors import LockHeld
 from .types import Owner
@@ -196,15 +197,7 @@ def drive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns.
 
     A failed op, an interrupt included, is thrown into the plan, which may clean up."""
-    op = advance(plan, None, None)
-    while not isinstance(op, Finished):
-        try:
-            answer = _answer(op, backend)
-        except BaseException as exc:
-            op = advance(plan, None, exc)
-        else:
-            op = advance(plan, answer, None)
-    return op.value  # type: ignore[no-any-return]
+    return run(plan, functools.partial(_answer, backend=backend))  # type: ignore[no-any-return]
 
 
 def _answer(op: Op, backend: Backend) -> Any:
@@ -229,15 +222,7 @@ def _answer(op: Op, backend: Backend) -> Any:
 
 async def adrive(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
-    op = advance(plan, None, None)
-    while not isinstance(op, Finished):
-        try:
-            answer = await _aanswer(op, backend)
-        except BaseException as exc:
-            op = advance(plan, None, exc)
-        else:
-            op = advance(plan, answer, None)
-    return op.value  # type: ignore[no-any-return]
+    return await arun(plan, functools.partial(_aanswer, backend=backend))  # type: ignore[no-any-return]
 
 
 async def _aanswer(op: Op, backend: Backend) -> Any:

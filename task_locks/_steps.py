@@ -13,7 +13,7 @@ decision is made. So no sync code is copied into async code: only the steps diff
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, NamedTuple, Protocol
 
 
@@ -39,46 +39,67 @@ class Call(NamedTuple):
         return await self.function(*self.args, **self.kwargs)
 
 
-class Finished(NamedTuple):
-    """A plan's result, as :func:`advance` returns it."""
+class _Finished(NamedTuple):
+    """A plan's result, as :func:`_advance` returns it."""
 
     value: Any
 
 
-def advance(plan: Generator[Any, Any, Any], answer: Any, error: BaseException | None) -> Any:
+def _advance(plan: Generator[Any, Any, Any], answer: Any, error: BaseException | None) -> Any:
     """Hand an answer (or an error, thrown in at the ``yield``) to a plan: its next
-    request, or :class:`Finished` with its result. Shared with :mod:`task_locks._plan`'s
-    drivers, so every plan of the package is stepped the same way."""
+    request, or :class:`_Finished` with its result."""
     try:
         return plan.send(answer) if error is None else plan.throw(error)
     except StopIteration as done:
-        return Finished(done.value)
+        return _Finished(done.value)
+
+
+def run(plan: Generator[Any, Any, Any], answer: Callable[[Any], Any]) -> Any:
+    """Step ``plan`` to its end, each request answered by ``answer`` (blocking); a request
+    that fails, an interrupt included, is thrown into the plan. Its result.
+
+    The one stepping loop of the package: front-end plans (steps, below) and the lock's
+    own acquire plans (:mod:`task_locks._plan`, ops answered by a backend) both use it."""
+    request = _advance(plan, None, None)
+    while not isinstance(request, _Finished):
+        try:
+            reply = answer(request)
+        except BaseException as exc:
+            request = _advance(plan, None, exc)
+        else:
+            request = _advance(plan, reply, None)
+    return request.value
+
+
+async def arun(plan: Generator[Any, Any, Any], answer: Callable[[Any], Awaitable[Any]]) -> Any:
+    """:func:`run` with awaited answers."""
+    request = _advance(plan, None, None)
+    while not isinstance(request, _Finished):
+        try:
+            reply = await answer(request)
+        except BaseException as exc:
+            request = _advance(plan, None, exc)
+        else:
+            request = _advance(plan, reply, None)
+    return request.value
 
 
 def drive(plan: Generator[Step, Any, Any]) -> Any:
     """Run a plan with blocking I/O; its result."""
-    step = advance(plan, None, None)
-    while not isinstance(step, Finished):
-        try:
-            answer = step.run()
-        except BaseException as exc:
-            step = advance(plan, None, exc)
-        else:
-            step = advance(plan, answer, None)
-    return step.value
+    return run(plan, _run_step)
 
 
 async def adrive(plan: Generator[Step, Any, Any]) -> Any:
     """Run a plan with awaited I/O; its result."""
-    step = advance(plan, None, None)
-    while not isinstance(step, Finished):
-        try:
-            answer = await step.arun()
-        except BaseException as exc:
-            step = advance(plan, None, exc)
-        else:
-            step = advance(plan, answer, None)
-    return step.value
+    return await arun(plan, _arun_step)
 
 
-__all__ = ["Call", "Finished", "Step", "adrive", "advance", "drive"]
+def _run_step(step: Step) -> Any:
+    return step.run()
+
+
+def _arun_step(step: Step) -> Awaitable[Any]:
+    return step.arun()
+
+
+__all__ = ["Call", "Step", "adrive", "arun", "drive", "run"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -70,8 +72,12 @@ def _cached_owner_json(owner: Owner) -> str:
 
 #: Placeholder task id that cannot occur in a real one (a lone surrogate: not UTF-8).
 _TASK_ID_SLOT: Final = "\udfff"
-#: Owner without its task id -> its JSON cut where the task id goes (see _owner_json).
-_by_task: dict[Owner, tuple[str, str]] = {}
+#: Every field of an owner but its task id, as a tuple (the key of the cut below).
+_all_but_task_id: Final = operator.attrgetter(
+    *(name for name in Owner.__dataclass_fields__ if name != "task_id")
+)
+#: An owner's other fields -> its JSON cut where the task id goes (see _owner_json).
+_by_task: dict[tuple[Any, ...], tuple[str, str]] = {}
 
 
 def _owner_json(owner: Owner) -> str:
@@ -80,11 +86,11 @@ def _owner_json(owner: Owner) -> str:
     task_id = owner.task_id
     if type(task_id) is not str or not task_id:
         return _cached_owner_json(owner)
-    rest = _replace_task_id(owner, None)
+    rest = _all_but_task_id(owner)
     cut = _by_task.get(rest)
     if cut is None:
         slot = json.dumps(_TASK_ID_SLOT)
-        template = _cached_owner_json(_replace_task_id(owner, _TASK_ID_SLOT))
+        template = _cached_owner_json(dataclasses.replace(owner, task_id=_TASK_ID_SLOT))
         if template.count(slot) != 1:  # another field holds the placeholder: no shortcut
             return _cached_owner_json(owner)
         if len(_by_task) >= 1024:
@@ -92,20 +98,6 @@ def _owner_json(owner: Owner) -> str:
         head, _, tail = template.partition(slot)
         cut = _by_task[rest] = (head, tail)
     return cut[0] + json.dumps(task_id) + cut[1]
-
-
-def _replace_task_id(owner: Owner, task_id: str | None) -> Owner:
-    return Owner(
-        owner.host,
-        owner.pid,
-        owner.thread,
-        task_id,
-        owner.task_name,
-        owner.command,
-        owner.worker,
-        owner.identity,
-        owner.limit,
-    )
 
 
 @dataclass(frozen=True, slots=True)

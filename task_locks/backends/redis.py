@@ -1216,16 +1216,28 @@ class RedisBackend(Backend):
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         riders = self._take_riders() if self._riders else None
-        if riders:  # finished runs' releases ride this acquire (defer_release)
-            commands = self._acquire_commands(name, token, ttl_ms, owner)
-            return self._acquire_after_releases(name, token, riders, commands)
-        if self._plain_acquire:
+        if not riders and self._plain_acquire:
             args = self._acquire_args(name, token, ttl_ms, owner)
             try:
                 return self._acquire_result(self._eval(self.client, "acquire", args))
             except _CLIENT_ERRORS as exc:
                 self._fail(name, exc)
         commands = self._acquire_commands(name, token, ttl_ms, owner)
+        if riders:  # finished runs' releases ride this acquire (defer_release)
+            replies = self._after_releases(name, riders, commands)
+        else:
+            replies = self._acquire_replies(name, commands)
+        result, acked = self._acquired(name, replies)
+        if acked is not None:
+            # Granted on the master only: give it back rather than block every other
+            # client until its TTL. A failover may already have lost it.
+            with contextlib.suppress(LockError):
+                self.release(name, token)
+            raise self._too_few_replicas(name, acked)
+        return result
+
+    def _acquire_replies(self, name: str, commands: Commands) -> list[Any]:
+        """The acquire pipeline's replies (with WAIT: on the lock's primary, one connection)."""
         try:
             client = self.client
             if self._on_primary(name):
@@ -1239,14 +1251,7 @@ class RedisBackend(Backend):
                 replies = self._one_connection(client, commands)
         except _CLIENT_ERRORS as exc:
             self._fail(name, exc)
-        result, acked = self._acquired(name, replies)
-        if acked is not None:
-            # Granted on the master only: give it back rather than block every other
-            # client until its TTL. A failover may already have lost it.
-            with contextlib.suppress(LockError):
-                self.release(name, token)
-            raise self._too_few_replicas(name, acked)
-        return result
+        return replies
 
     def _after_releases(
         self, name: str, riders: list[DeferredRelease], commands: Commands
@@ -1262,16 +1267,6 @@ class RedisBackend(Backend):
             raise
         self._answer_riders(riders, replies)
         return replies[len(riders) :]
-
-    def _acquire_after_releases(
-        self, name: str, token: str, riders: list[DeferredRelease], commands: Commands
-    ) -> AcquireResult:
-        result, acked = self._acquired(name, self._after_releases(name, riders, commands))
-        if acked is not None:
-            with contextlib.suppress(LockError):
-                self.release(name, token)
-            raise self._too_few_replicas(name, acked)
-        return result
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         check_ttl_ms(ttl_ms, name)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from servers import RedisMasters
+from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, InvalidArgument, Lock, get_backend
 from task_locks.backends.base import Backend
@@ -79,10 +79,28 @@ def call(backend: Backend, mode: str, method: str, *args: Any) -> Any:
     return asyncio.run(run())
 
 
-def test_same_token_acquire_resets_the_ttl_and_the_owner(url: str, mode: str) -> None:
+def on_every_server(servers: list[int], name: str) -> None:
+    """Wait until every server holds ``name``'s lock: Redlock answers at a majority, and a
+    straggler grant landing later would overwrite what the test writes next."""
+
+    def everywhere() -> bool:
+        clients = [redis.Redis(port=port) for port in servers]
+        try:
+            return all(client.exists(f"task_locks:{{{name}}}") for client in clients)
+        finally:
+            for client in clients:
+                client.close()
+
+    wait_until(everywhere, 5, f"every server's copy of {name!r}")
+
+
+def test_same_token_acquire_resets_the_ttl_and_the_owner(
+    url: str, mode: str, servers: list[int]
+) -> None:
     backend = get_backend(url)
     first = call(backend, mode, "acquire", "retried", "tok", 1000, Owner(host="first"))
     assert first.acquired
+    on_every_server(servers, "retried")
     # The retry of an acquire whose reply was lost: same token, the lease counted from now.
     again = call(backend, mode, "acquire", "retried", "tok", 30_000, Owner(host="retry"))
     assert again.fence == first.fence
