@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: help install servers lint package matrix-short matrix test chaos demo bench clean
+.PHONY: help install servers lint package docs matrix-short matrix test chaos demo bench clean
 
 help:
 	@echo "make demo   - run the example project's main job on the embedded default (no server needed)"
 	@echo "make test   - install what the tests need, start their servers, run lint + the suite"
+	@echo "make docs   - the documentation site (mkdocs.yml, docs/) in strict mode into build/site"
 	@echo "make matrix - the support matrix (noxfile.py): every pinned Django/Celery/redis-py set"
 	@echo "make chaos  - the long fault-injection suite and the full fault matrix, with their reports"
 	@echo "make bench  - benchmarks against the peers (bench/results.md, bench/results.png)"
@@ -18,7 +19,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all,test,bench]'
+	$(PY) -m pip install -q -e '.[all,test,bench,docs]'
 	touch $(STAMP)
 
 # The demo needs only the package with its Celery and Django extras.
@@ -44,6 +45,11 @@ package: install
 	@! grep -i "deprecat" build/package.log || { echo "package: setuptools deprecation warnings (above)"; exit 1; }
 	$(VENV)/bin/twine check --strict build/dist/*
 
+# The documentation site in strict mode: any warning (a broken link or anchor, a reference
+# to a name without a docstring page) fails it. Output in build/site (gitignored).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 # The support matrix (noxfile.py): each session its own virtualenv under .nox/ with pinned
 # Django, Celery and redis-py, running a smoke subset. `make test` runs the short form
 # (the lowest pins; the suite itself runs on the newest), reusing its virtualenv.
@@ -57,7 +63,7 @@ matrix: install servers
 # worker processes far more than it computes (about 12 min in one process, 6-7 in two).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-test: install servers lint package matrix-short
+test: install servers lint package docs matrix-short
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 chaos: install servers
