@@ -65,6 +65,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from task_locks.backends.base import Backend, Capability
 from task_locks.errors import BackendUnavailable, InvalidArgument
+from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
 from task_locks.types import AcquireResult, Holder, Owner, RenewItem
 
 LOCKS = "task_locks_lock"
@@ -474,6 +475,12 @@ class DjangoBackend(Backend):
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
         #: Namespace inside the shared table (``django://default?prefix=shop:``).
         self.prefix = options.pop("prefix", "")
+        # The table's name column holds the prefix and the name.
+        self.max_name_length = NAME_LENGTH - len(self.prefix)
+        if self.max_name_length < 1:
+            raise InvalidArgument(
+                f"{self.server}: the prefix must be shorter than {NAME_LENGTH} characters"
+            )
         #: Seconds a call may wait for the database before ``BackendUnavailable``.
         self.timeout = self._number(options, "timeout", DEFAULT_TIMEOUT, positive=True)
         options.pop("timeout", None)
@@ -657,6 +664,7 @@ class DjangoBackend(Backend):
         from django.db import InterfaceError, OperationalError
 
         self._check_ttl(name, ttl_ms)
+        self.check_name(name)
         try:
             return self._take(name, token, ttl_ms, owner)
         except _NotConnected:

@@ -705,12 +705,15 @@ class LockBase:
         self.require = parse_capabilities(require, name=self.name)  # a typo fails here
         if isinstance(backend, str):
             backend = resolve_backend(backend)  # a bad URL fails here, not at acquire
+        if backend is not None:
+            backend.check_name(self.name)  # a name it cannot store fails here too
         self._backend = backend
         self._leases: dict[object, list[Any]] = {}
 
     @property
     def backend(self) -> Backend:
         backend = resolve_backend(self._backend, name=self.name)
+        backend.check_name(self.name)
         if self.require:
             missing = backend.missing(self.require)
             if missing:

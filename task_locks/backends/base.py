@@ -191,10 +191,25 @@ class Backend(abc.ABC):
     #: The server hands a released lock to the next waiter (``enqueue``, ``await_grant``,
     #: ``dequeue``); opt-in on Redis (``?handoff=server``), off everywhere else.
     server_handoff: bool = False
+    #: The longest lock name this backend stores as given (``None``: no bound of its own
+    #: below the library's). A longer one is refused by :meth:`check_name`, never cut.
+    max_name_length: int | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.server = redact_url(url)
+
+    def check_name(self, name: str) -> None:
+        """Refuse a name longer than :attr:`max_name_length`, naming the limit: a database
+        column would refuse it mid-acquire, or cut it (MySQL outside strict mode) and make
+        two names one lock."""
+        limit = self.max_name_length
+        if limit is not None and len(name) > limit:
+            raise InvalidArgument(
+                f"{self.server}: a lock name here must be at most {limit} characters "
+                f"(the backend's limit), got {len(name)}",
+                name=name[:40] + "...",
+            )
 
     # -- URL options, read the same way by every backend -----------------------------
 

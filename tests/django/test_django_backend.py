@@ -483,3 +483,22 @@ def test_contended_acquires_answer_held_under_a_strict_isolation_level(
     backend.close()
     assert errors == [], errors[:1]
     assert sorted(granted) == list(range(15)), "exactly one winner per name"
+
+
+@ALL_DBS
+def test_a_name_too_long_for_the_table_is_refused_at_validation(url: str) -> None:
+    """Prefix plus name must fit the 512-character column: refused before any SQL, with
+    the limit, never BackendUnavailable ("value too long") nor cut by a non-strict MySQL
+    (two names would be one lock). Issue 23, bug 7."""
+    shop = get_backend(f"{url}?prefix=shop:")
+    longest = "n" * (512 - len("shop:"))
+    with pytest.raises(InvalidArgument, match=r"at most 507 characters.*got 508") as refused:
+        Lock(longest + "a", ttl=5, backend=shop)
+    assert refused.value.name.startswith("nnnn")
+    # The default backend resolved later: refused at acquire, before the database sees it.
+    with pytest.raises(InvalidArgument, match="at most 507 characters"):
+        shop.acquire(longest + "b", "t" * 32, 5000, Owner())
+    assert get_backend(url).holders("shop:") == []
+    lease = Lock(longest, ttl=5, backend=shop).acquire(timeout=0)  # exactly the limit fits
+    assert [h.name for h in shop.holders()] == [longest]
+    lease.release()
