@@ -10,6 +10,14 @@ round trip each, and no thread runs beside the worker's. If no acquire comes wit
 process's releaser thread sends it itself. While runs keep coming, that thread wakes
 about once per :data:`RELEASE_DELAY`, not once per run. Token-checked, as ever.
 
+That thread needs the GIL, which the next task may keep for seconds in one C call (a
+``sorted()`` of a big list): so no task body starts in this process while a release is
+unsent. The next task's ``task_prerun`` sends, in its own thread, every pending release
+its acquire will not carry (all of them before a task that takes no run lock on that
+backend, :func:`task_locks.celery.signals._before_task`). A finished run's key is thus
+taken for at most :data:`RELEASE_DELAY` and a round trip past its run, or until the
+next task starts, whichever is first (issue 23, bug 5).
+
 What keeps it safe:
 
 - a new run of the same key in this process, and a publish of it, first sends that
@@ -42,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from ..backends.base import DeferredRelease
+from ..backends.base import Backend, DeferredRelease
 from ..errors import BackendUnavailable, LockError
 from ..lock import Lease
 
@@ -93,6 +101,8 @@ class Releaser:
         self._queue: list[_Pending] = []
         #: key -> releases of it not yet answered (queued or in flight).
         self._pending: dict[str, int] = {}
+        #: Every release not yet answered (queued or in flight).
+        self._open: set[_Pending] = set()
         self._thread: threading.Thread | None = None
         #: When the thread wakes on its own (``inf``: it waits for work).
         self._wake_at = math.inf
@@ -109,6 +119,7 @@ class Releaser:
         item = _Pending(self, key, lease, on_error)
         with self._lock:
             self._queue.append(item)
+            self._open.add(item)
             self._pending[key] = self._pending.get(key, 0) + 1
             self._submitted += 1
             if self._thread is None:
@@ -135,9 +146,21 @@ class Releaser:
         """Send ``key``'s pending releases now; wait (up to ``timeout``) for their answers."""
         return self._flush(lambda item: item.key == key, lambda: key not in self._pending, timeout)
 
-    def flush(self, timeout: float = FLUSH_TIMEOUT) -> bool:
-        """Send every pending release now; wait (up to ``timeout``) for their answers."""
-        return self._flush(lambda item: True, lambda: not self._pending, timeout)
+    def flush(self, timeout: float = FLUSH_TIMEOUT, *, keep: Backend | None = None) -> bool:
+        """Send every pending release now; wait (up to ``timeout``) for their answers.
+
+        ``keep``: a backend whose acquire comes next in this thread; its releases are left
+        to ride it.
+        """
+
+        def which(item: _Pending) -> bool:
+            return item.lease.backend is not keep
+
+        return self._flush(which, lambda: not any(map(which, self._open)), timeout)
+
+    def idle(self) -> bool:
+        """Whether every release handed over in this process has been answered."""
+        return not self._open
 
     def _flush(
         self, which: Callable[[_Pending], bool], done: Callable[[], bool], timeout: float
@@ -174,6 +197,7 @@ class Releaser:
             log.exception("settling the release of lock %r failed", lease.name)
         finally:
             with self._lock:
+                self._open.discard(item)
                 left = self._pending.get(item.key, 1) - 1
                 if left > 0:
                     self._pending[item.key] = left

@@ -4,6 +4,8 @@ Connected once, when :mod:`task_locks.celery` is imported (strong references, so
 live as long as the process). Each release is token-checked, so running after the
 task's own ``finally`` costs nothing and can never free someone else's lock.
 
+- ``task_prerun`` (every task, singleton or not): no body starts while a finished run's
+  release is unsent (:mod:`task_locks.celery.releaser`).
 - ``task_postrun`` / ``task_failure`` (the process that ran the task): leftovers of the run.
 - ``task_revoked`` (the worker's main process): a message revoked or expired before it
   ran frees the lock taken when it was published (token from its headers).
@@ -19,9 +21,28 @@ from typing import Any
 
 from celery import signals
 
+from ..errors import LockError
 from .registry import live_leases, recover_task_locks, release_leftovers
 from .releaser import releaser
 from .task import TOKEN_HEADER, SingletonTask
+
+
+def _before_task(sender: Any = None, **_: Any) -> None:
+    """Send the releases handed over by finished runs before this task's body can keep
+    the GIL (and with it the releaser thread) for as long as it likes.
+
+    A singleton task whose run takes its lock on the releases' backend carries them in
+    that acquire, before its body: those are left to it.
+    """
+    if releaser.idle():
+        return
+    carrier = None
+    if isinstance(sender, SingletonTask) and sender.lock_on != "enqueue":
+        try:
+            carrier = sender._lock_backend()
+        except LockError:  # not configured: its run fails on its own; send them all
+            carrier = None
+    releaser.flush(keep=carrier)
 
 
 def _after_task(task_id: str | None = None, **_: Any) -> None:
@@ -62,6 +83,7 @@ def _on_shutdown(**_: Any) -> None:
 
 
 def connect() -> None:
+    signals.task_prerun.connect(_before_task, weak=False, dispatch_uid="task_locks.prerun")
     signals.task_postrun.connect(_after_task, weak=False, dispatch_uid="task_locks.postrun")
     signals.task_failure.connect(_after_task, weak=False, dispatch_uid="task_locks.failure")
     signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="task_locks.revoked")

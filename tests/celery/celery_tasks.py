@@ -313,3 +313,11 @@ def fire_and_forget_task(self: Any, key: str, log: str) -> None:
     """No stored result: its release follows the run (issue 15); a refused run records
     nothing."""
     record(log, event="ran", task_id=self.request.id)
+
+
+@app.task(name="celery_tasks.gil_task")
+def gil_task(log: str, count: int) -> None:
+    """Not a singleton task: one C call that keeps the GIL (``sum`` over a ``range``), then
+    records when it ended (issue 23, bug 5)."""
+    sum(range(count))
+    record(log, event="gil released", at=time.time())

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -367,3 +368,51 @@ def test_a_lock_lost_before_its_deferred_release_is_reported(
         ]
     finally:
         subscription.close()
+
+
+def test_a_task_after_the_run_starts_only_once_the_release_is_sent(
+    app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23, bug 5: the next task (no lock of its own) may keep the GIL from its first
+    line, so the releaser thread could not send the finished run's release until it ends:
+    its ``task_prerun`` sends it first."""
+    monkeypatch.setattr(releaser_module, "RELEASE_DELAY", 30.0)  # the thread never fires
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True)
+    backend = get_backend(redis_url)
+    seen: list[object] = []
+
+    @app.task(name=f"t.{uuid.uuid4().hex}")
+    def plain() -> None:
+        seen.append(backend.holder(task.lock_name("gil")))
+
+    tracer(app, task)("id-run", ("gil",))
+    assert releaser.pending(task.lock_name("gil"))
+    tracer(app, plain)("id-plain", ())
+    assert seen == [None]
+    assert not releaser.pending(task.lock_name("gil"))
+
+
+def test_a_task_holding_the_gil_does_not_keep_the_finished_runs_key(
+    cluster: Any, solo_worker: Any, key: str
+) -> None:
+    """A real worker: a run, then a task inside one C call for seconds. Another process
+    takes the run's key within half a second of the run's end, while that call goes on."""
+    log = f"log:{key}"
+    store = redis.Redis.from_url(cluster.locks_url)
+    backend = get_backend(cluster.locks_url)
+    cluster.tasks.fire_and_forget_task.apply_async((key, log), queue="tl_solo")
+    cluster.tasks.gil_task.apply_async((log, 150_000_000), queue="tl_solo")
+    wait_until(lambda: store.llen(log) >= 1, 20, "the run")
+    ran_seen = time.monotonic()
+    owner = Owner(task_id="other-process")
+    wait_until(
+        lambda: backend.acquire(f"t:{key}", "other", 10_000, owner).acquired, 10, "the key"
+    )
+    took = time.monotonic() - ran_seen
+    calls_ended = store.llen(log) > 1  # the C call's end is recorded after it
+    wait_until(lambda: store.llen(log) >= 2, 60, "the C call to end")
+    backend.release(f"t:{key}", "other")
+    assert took < 0.5 and not calls_ended, (
+        f"the finished run's key stayed taken {took:.2f}s (the C call had ended: {calls_ended})"
+    )
