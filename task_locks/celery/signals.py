@@ -7,6 +7,8 @@ task's own ``finally`` costs nothing and can never free someone else's lock.
 - ``task_prerun`` (every task, singleton or not): no body starts while a finished run's
   release is unsent (:mod:`task_locks.celery.releaser`).
 - ``task_postrun`` / ``task_failure`` (the process that ran the task): leftovers of the run.
+- ``worker_ready`` (the worker's main process): warn once about each lock backend of the
+  app's singleton tasks that does not answer (:mod:`task_locks.celery.unavailable`).
 - ``task_revoked`` (the worker's main process): a message revoked or expired before it
   ran frees the lock taken when it was published (token from its headers).
 - ``worker_process_shutdown`` (prefork child) / ``worker_shutdown`` (solo, threads):
@@ -25,6 +27,7 @@ from ..errors import LockError
 from .registry import live_leases, recover_task_locks, release_leftovers
 from .releaser import releaser
 from .task import TOKEN_HEADER, SingletonTask
+from .unavailable import warn_if_unreachable
 
 
 def _before_task(sender: Any = None, **_: Any) -> None:
@@ -75,6 +78,13 @@ def _on_revoked(
         )
 
 
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        tasks = [task for task in app.tasks.values() if isinstance(task, SingletonTask)]
+        warn_if_unreachable(tasks)
+
+
 def _on_shutdown(**_: Any) -> None:
     releaser.flush()  # releases handed over by finished runs go out first
     leftovers = live_leases.pop_all()
@@ -86,6 +96,7 @@ def connect() -> None:
     signals.task_prerun.connect(_before_task, weak=False, dispatch_uid="task_locks.prerun")
     signals.task_postrun.connect(_after_task, weak=False, dispatch_uid="task_locks.postrun")
     signals.task_failure.connect(_after_task, weak=False, dispatch_uid="task_locks.failure")
+    signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="task_locks.ready")
     signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="task_locks.revoked")
     signals.worker_process_shutdown.connect(
         _on_shutdown, weak=False, dispatch_uid="task_locks.process_shutdown"

@@ -66,6 +66,7 @@ from .options import call_options, for_this_call, with_lock_options
 from .publish import install_publish_guard
 from .registry import live_leases
 from .releaser import releaser
+from .unavailable import check_lock_unavailable, on_unavailable
 
 log = logging.getLogger("task_locks.celery")
 
@@ -104,9 +105,11 @@ def check_options(
     retry_countdown: object,
     enqueue_ttl: object,
     limit: object = 1,
+    lock_unavailable: object = "fail",
 ) -> TaskKey:
     """Validate a singleton task's lock options; the compiled key, or InvalidArgument."""
     check_on_conflict(on_conflict, f"task {task_name}", ON_CONFLICT)
+    check_lock_unavailable(task_name, lock_unavailable)
     if lock_on not in LOCK_ON:
         raise InvalidArgument(
             f"task {task_name}: lock_on must be one of {', '.join(map(repr, LOCK_ON))}, "
@@ -171,6 +174,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     #: Runs of one key allowed at once: 1 is a :class:`~task_locks.Lock` named by the
     #: key; N > 1 a :class:`~task_locks.Semaphore` of that name (``lock_on="run"`` only).
     lock_limit: int = 1
+    #: What a run does when its acquire meets ``BackendUnavailable``: ``"fail"`` or
+    #: ``"retry"`` (:mod:`task_locks.celery.unavailable`).
+    lock_unavailable: str = "fail"
 
     #: The worker's main process recovers locks of killed children through this class.
     Request = "task_locks.celery.request:SingletonRequest"
@@ -198,6 +204,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             retry_countdown=cls.retry_countdown,
             enqueue_ttl=cls.enqueue_ttl,
             limit=cls.lock_limit,
+            lock_unavailable=cls.lock_unavailable,
         )
         cls._is_async = inspect.iscoroutinefunction(function)
 
@@ -423,15 +430,19 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         """Acquire as ``on_conflict`` says (the run guard if ``guard``); ``None``: return
         without running."""
         timeouts = self._attempts()
-        return (
-            yield from take(
-                functools.partial(_Acquire, self, name, token, guard),
-                timeouts,
-                self.on_conflict,
-                f"task {self.name}",
-                lambda held, number: self._conflict(name, held, timeouts, number),
+        try:
+            return (
+                yield from take(
+                    functools.partial(_Acquire, self, name, token, guard),
+                    timeouts,
+                    self.on_conflict,
+                    f"task {self.name}",
+                    lambda held, number: self._conflict(name, held, timeouts, number),
+                )
             )
-        )
+        except BackendUnavailable as exc:
+            on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
+            raise
 
     def _release_guard(
         self, guard: AnyLease | None, task_id: str | None, later: str | None = None
@@ -754,6 +765,7 @@ def singleton_task(
     retry_countdown: float = 1.0,
     enqueue_ttl: float | None = None,
     limit: int = 1,
+    lock_unavailable: str = "fail",
     app: Any = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -762,6 +774,8 @@ def singleton_task(
 
     ``limit=N`` allows up to N runs of one key at once (a :class:`~task_locks.Semaphore`
     named by the key; ``on_conflict`` applies when all N permits are taken).
+    ``lock_unavailable="retry"`` retries a run whose lock service does not answer, as
+    ``autoretry_for`` would (:mod:`task_locks.celery.unavailable`).
     Usable bare (``@singleton_task``) or with options; with ``app=`` it registers on that
     app (``app.task``), else it is a ``shared_task``. Other keyword arguments are ordinary
     task options (``bind``, ``max_retries``, ``acks_late``, ``soft_time_limit``...). Bad
@@ -787,6 +801,7 @@ def singleton_task(
             retry_countdown=retry_countdown,
             enqueue_ttl=enqueue_ttl,
             limit=limit,
+            lock_unavailable=lock_unavailable,
         )
         options: dict[str, Any] = {
             **task_options,
@@ -801,6 +816,7 @@ def singleton_task(
             "retry_countdown": retry_countdown,
             "enqueue_ttl": enqueue_ttl,
             "lock_limit": limit,
+            "lock_unavailable": lock_unavailable,
         }
         register = shared_task if app is None else app.task
         return register(**options)(function)

@@ -321,3 +321,37 @@ def gil_task(log: str, count: int) -> None:
     records when it ended (issue 23, bug 5)."""
     sum(range(count))
     record(log, event="gil released", at=time.time())
+
+
+# The lock service is down (issue 25, item 4): a worker started with TL_OUTAGE_LOCKS gives
+# these tasks a lock server of their own that the tests stop and start.
+outage: dict[str, Any] = {**common, "backend": os.environ.get("TL_OUTAGE_LOCKS", LOCKS)}
+
+
+@singleton_task(**outage, ttl=10)
+def outage_fail_task(self: Any, key: str, log: str) -> str:
+    """The default, ``lock_unavailable="fail"``."""
+    record(log, event="ran", attempt=self.request.retries)
+    return "ran"
+
+
+@singleton_task(
+    **outage, ttl=10, lock_unavailable="retry", default_retry_delay=0.3, max_retries=None
+)
+def outage_retry_task(self: Any, key: str, log: str) -> str:
+    record(log, event="ran", attempt=self.request.retries)
+    return "ran"
+
+
+@singleton_task(
+    **outage,
+    ttl=10,
+    lock_unavailable="retry",
+    retry_backoff=True,
+    retry_backoff_max=1,
+    retry_jitter=False,
+    max_retries=2,
+)
+def outage_limited_task(self: Any, key: str, log: str) -> str:
+    record(log, event="ran", attempt=self.request.retries)
+    return "ran"

@@ -406,9 +406,7 @@ def test_a_task_holding_the_gil_does_not_keep_the_finished_runs_key(
     wait_until(lambda: store.llen(log) >= 1, 20, "the run")
     ran_seen = time.monotonic()
     owner = Owner(task_id="other-process")
-    wait_until(
-        lambda: backend.acquire(f"t:{key}", "other", 10_000, owner).acquired, 10, "the key"
-    )
+    wait_until(lambda: backend.acquire(f"t:{key}", "other", 10_000, owner).acquired, 10, "the key")
     took = time.monotonic() - ran_seen
     calls_ended = store.llen(log) > 1  # the C call's end is recorded after it
     wait_until(lambda: store.llen(log) >= 2, 60, "the C call to end")

@@ -58,6 +58,7 @@ def app() -> Iterator[Celery]:
         ({"limit": 5000}, "limit must be a whole number of runs from 1 to 1024, got 5000"),
         ({"limit": 2, "lock_on": "enqueue"}, "limit=2 needs lock_on='run', got 'enqueue'"),
         ({"limit": 3, "lock_on": "both"}, "limit=3 needs lock_on='run', got 'both'"),
+        ({"lock_unavailable": "wait"}, "lock_unavailable must be one of 'fail', 'retry'"),
     ],
 )
 def test_bad_definitions_raise_at_definition_time(
