@@ -37,15 +37,12 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import redis
 import redis.asyncio
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError
 
-from .backends.redis import _UNAVAILABLE
-from .errors import BackendUnavailable, InvalidArgument, LockError, StaleFence
+from .backends.redis_errors import CLIENT_ERRORS, translate
+from .errors import InvalidArgument, StaleFence
 
 T = TypeVar("T")
-
-#: What redis-py raises (cluster errors are not RedisErrors); translated at this boundary.
-_CLIENT_ERRORS = (RedisError, RedisClusterException)
 
 #: Keys are ``<prefix><resource>``; the default keeps them apart from the locks' own keys.
 DEFAULT_PREFIX = "task_locks:fenced:"
@@ -183,14 +180,8 @@ class _FencedBase:
             return repr(self.client)
 
     def _fail(self, resource: str, exc: Exception) -> NoReturn:
-        if isinstance(exc, _UNAVAILABLE):
-            server = self._server()
-            raise BackendUnavailable(
-                f"resource {resource!r}: Redis at {server} is unavailable: {exc}",
-                name=resource,
-                server=server,
-            ) from exc
-        raise LockError(f"resource {resource!r}: Redis refused: {exc}", name=resource) from exc
+        what = f"resource {resource!r}"
+        raise translate(exc, what=what, name=resource, server=self._server()) from exc
 
 
 class FencedStore(_FencedBase):
@@ -214,7 +205,7 @@ class FencedStore(_FencedBase):
                 return self.client.evalsha(FENCED_SHA, *args)
             except NoScriptError:
                 return self.client.eval(FENCED, *args)
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(resource, exc)
 
     def write(self, resource: str, value: bytes | str | int | float, fence: Fence) -> int:
@@ -253,7 +244,7 @@ class FencedStore(_FencedBase):
         if fence is None:
             try:
                 fields = self.client.hmget(self.key(resource), ["value", "fence", "version"])
-            except _CLIENT_ERRORS as exc:
+            except CLIENT_ERRORS as exc:
                 self._fail(resource, exc)
             return self._snapshot(fields)
         number, lock_name = self._fence(fence, resource)
@@ -280,7 +271,7 @@ class AsyncFencedStore(_FencedBase):
     async def _call(self, resource: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
             return await call()
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(resource, exc)
 
     async def _script(self, resource: str, args: list[Any]) -> Any:

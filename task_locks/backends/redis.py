@@ -41,54 +41,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import re
 import secrets
-import ssl
 import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import redis
-import redis.asyncio
-import redis.asyncio.cluster
-import redis.asyncio.retry
-import redis.asyncio.sentinel
-import redis.cluster
-import redis.retry
-import redis.sentinel
-from redis.backoff import NoBackoff
-from redis.exceptions import (
-    AskError,
-    AuthenticationError,
-    BusyLoadingError,
-    ClusterDownError,
-    InvalidResponse,
-    MovedError,
-    NoPermissionError,
-    NoScriptError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.sentinel import MasterNotFoundError
+from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
 
 from ..config import MAX_TTL, check_ttl_ms
-from ..errors import BackendMisconfigured, BackendUnavailable, InvalidArgument, LockError
+from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from ._redis_compat import get_connection, set_socket_timeout
 from .base import Backend, Capability, DeferredRelease
+from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
+from .redis_errors import CLIENT_ERRORS, translate
+from .redis_scripts import SCRIPTS, Commands, script_command
 
 T = TypeVar("T")
 #: Replies that mean "ask another node": a bounded renewal sent straight to one primary
@@ -97,376 +70,11 @@ _REDIRECTS = (MovedError, AskError, TryAgainError)
 
 log = logging.getLogger("task_locks.backends.redis")
 
-# The longest TTL a script writes, in ms (config.MAX_TTL): checked before any write, so
-# that no failure of PEXPIRE can leave a lock (or a fence counter) without expiry.
-MAX_TTL_MS = int(MAX_TTL * 1000)
-
-# KEYS[1] lock hash, KEYS[2] fence counter
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms
-# Returns the fence (integer) when the lock is now ours: taken now, or already held by
-# this token (a retried acquire), whose TTL then restarts at ARGV[2] and owner becomes
-# ARGV[3], keeping its fence: the caller counts its lease from this request's send time.
-# Else {holder pttl ms, owner JSON, fence, acquired ms}.
-# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
-# fence = max(last fence + 1, server time in microseconds): increasing even when the
-# counter was lost in a restart without persistence.
-# Every write carries its expiry: SET ... PX for the counter (one command), and HSET then
-# PEXPIRE with the TTL checked first; should PEXPIRE still fail, the hash is deleted.
-ACQUIRE = """
-local ttl, counter_ttl = tonumber(ARGV[2]), tonumber(ARGV[4])
-if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
-  or counter_ttl > MAX_TTL_MS then
-  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
-end
-local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-if held[1] and held[1] ~= ARGV[1] then
-  return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
-end
-local fence = held[2]
-if held[1] then
-  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
-else
-  local now = redis.call('time')
-  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('get', KEYS[2]) or '0')
-  if last >= next_fence then next_fence = last + 1 end
-  fence = string.format('%.0f', next_fence)
-  redis.call('set', KEYS[2], fence, 'px', ARGV[4])
-  redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence, 'owner', ARGV[3],
-    'ttl', ARGV[2], 'renewals', 0,
-    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
-end
-local expired = redis.pcall('pexpire', KEYS[1], ARGV[2])
-if type(expired) == 'table' and expired.err then
-  redis.call('del', KEYS[1])
-  return expired
-end
-return tonumber(fence)
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
-
-# KEYS[i] lock hashes; ARGV[2i-1] the token and ARGV[2i] the ttl ms for KEYS[i]
-# Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours
-# (that lease is lost). Raises (having written nothing) when a ttl is not in
-# 1..MAX_TTL_MS. The watchdog's batches: one command for many leases is far cheaper than
-# one each; a single renew is a batch of one.
-RENEW_MANY = """
-for i = 1, #KEYS do
-  local ttl = tonumber(ARGV[2 * i])
-  if not ttl or ttl < 1 or ttl > MAX_TTL_MS then
-    return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
-  end
-end
-local renewed = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('hget', key, 'token') == ARGV[2 * i - 1] then
-    redis.call('pexpire', key, ARGV[2 * i])
-    redis.call('hincrby', key, 'renewals', 1)
-    renewed[i] = 1
-  else
-    renewed[i] = 0
-  end
-end
-return renewed
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
 #: Redis's timer tick at the default ``hz 10``: how late a BLPOP timeout may fire.
 BLOCK_TICK = 0.1
 #: Leases per RENEW_MANY call (a few ms of server time at most); a batch is pipelined.
 RENEW_CHUNK = 500
 
-# KEYS[1] lock hash, KEYS[2] signal list, KEYS[3] release tombstone
-# ARGV[1] token, or '' to release whoever holds it (operator override)
-# ARGV[2] fence, or '': then the lock is deleted only if its holder has this fence, so an
-#   operator's force release cannot free a holder that came after the one they saw
-# ARGV[3] this call's release id (random, one per call: a resend repeats it)
-# ARGV[4] tombstone ttl ms
-# Returns 1 if the lock was deleted (and one waiter signalled); 2 if this very call
-# already deleted it: redis-py resent it after the first attempt's reply was lost, and
-# the tombstone names its release id; 0 if not held / not ours / held under another
-# fence (a new call, even for the same token or fence, never matches a tombstone).
-# The delete writes the tombstone 'id:fence:token' (SET ... PX: never without expiry).
-RELEASE = """
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[3])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('del', KEYS[1])
-redis.call('set', KEYS[3], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then
-  -- An operator's release: the holder may be a hand-off waiter that has not popped its
-  -- grant yet (see RELEASE_HANDOFF), whatever mode the operator's URL names.
-  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
-end
-if redis.call('exists', KEYS[2]) == 0 then
-  redis.call('rpush', KEYS[2], '1')
-  redis.call('pexpire', KEYS[2], held[2] or 60000)
-end
-return 1
-"""
-
-
-# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
-#
-# Per lock, beside the three keys above (all under the same hash tag):
-# - ``<lock>:queue``          zset of waiting tokens, scored by arrival (server us): FIFO
-# - ``<lock>:wait:<token>``   a waiter's entry: "ttl_ms|owner JSON", expiring (PX) unless
-#                             refreshed; a waiter without one is dead and is skipped
-# - ``<lock>:grant:<token>``  a waiter's own list: the release pushes the new fence there
-# The entry and grant keys are built in the scripts from KEYS[1]: same hash tag, same
-# slot, so a cluster serves them with the lock.
-#
-# Shared functions, prepended to each hand-off script.
-#
-# Fences: ``take`` makes max(last + 1, server time in us), ``last`` being the fence of the
-# holder the lock is handed from when there is one (the counter is written only by a take,
-# together with the hash, so a held lock's fence is the last one handed out: no GET of
-# the counter), else the counter's value.
-_HANDOFF_LIB = """
-local function take(key, counter, token, ttl, owner, counter_ttl, last)
-  local now = redis.call('time')
-  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  last = tonumber(last or redis.call('get', counter) or '0')
-  if last >= next_fence then next_fence = last + 1 end
-  local fence = string.format('%.0f', next_fence)
-  redis.call('set', counter, fence, 'px', counter_ttl)
-  redis.call('hset', key, 'token', token, 'fence', fence, 'owner', owner, 'ttl', ttl,
-    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
-    'renewals', 0)
-  redis.call('pexpire', key, ttl)
-  return fence
-end
--- Pops the queue up to its first waiter whose entry is alive, and returns it (out of the
--- queue now: the caller must grant it the lock) with its entry; dead ones are dropped
--- on the way (ZPOPMIN: one command per waiter looked at).
-local function pop_live(key, queue)
-  while true do
-    local head = redis.call('zpopmin', queue)[1]
-    if not head then return false, false end
-    local entry = redis.call('get', key .. ':wait:' .. head)
-    if entry then return head, entry end
-  end
-end
--- The lock goes to waiter ``head``, just popped (every field of the hash is written
--- anew): new fence, its TTL and owner, and the fence pushed to its grant list, which
--- lives as long as the grant's TTL. Its entry is left to expire. ``last``: the fence it
--- is handed from (nil: read the counter).
-local function grant_to(key, counter, head, entry, counter_ttl, last)
-  local sep = string.find(entry, '|', 1, true)
-  local ttl = string.sub(entry, 1, sep - 1)
-  local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl, last)
-  local grant = key .. ':grant:' .. head
-  redis.call('rpush', grant, fence)
-  redis.call('pexpire', grant, ttl)
-end
--- A lock its holder (fence ``last``) gives up: to the first live waiter, else deleted,
--- waking the BLPOP waiters as RELEASE does.
-local function hand_on(key, counter, queue, signal, ttl, counter_ttl, last)
-  local head, entry = pop_live(key, queue)
-  if head then
-    grant_to(key, counter, head, entry, counter_ttl, last)
-    return
-  end
-  redis.call('del', key)
-  if redis.call('exists', signal) == 0 then
-    redis.call('rpush', signal, '1')
-    redis.call('pexpire', signal, ttl or 60000)
-  end
-end
-"""
-
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms,
-# ARGV[5] wait entry ms (0: try once, do not queue)
-# Returns the fence (integer) when the lock is now ours: already held by this token (a
-# grant that raced in, or a retried call: TTL restarts at ARGV[2], owner becomes ARGV[3],
-# as in ACQUIRE), or free with no live waiter ahead of us. A free lock with live waiters
-# ahead goes to the first of them (as a release would). Else, the lock being held, the
-# caller is queued (or its entry refreshed, keeping its place) and gets
-# {holder pttl ms, owner JSON, fence, acquired ms} as from ACQUIRE.
-# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
-ENQUEUE = (
-    _HANDOFF_LIB
-    + """
-local ttl, counter_ttl, wait = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
-  or counter_ttl > MAX_TTL_MS or not wait or wait < 0 or wait > MAX_TTL_MS then
-  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
-end
-local entry = KEYS[1] .. ':wait:' .. ARGV[1]
-local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-if held[1] == ARGV[1] then
-  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
-  redis.call('pexpire', KEYS[1], ARGV[2])
-  redis.call('zrem', KEYS[3], ARGV[1])
-  redis.call('del', entry, KEYS[1] .. ':grant:' .. ARGV[1])
-  return tonumber(held[2])
-end
-if not held[1] then
-  local head, waiting = pop_live(KEYS[1], KEYS[3])
-  if not head or head == ARGV[1] then
-    return tonumber(take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]))
-  end
-  grant_to(KEYS[1], KEYS[2], head, waiting, ARGV[4])
-  held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-end
--- Not ours. A grant still in our list is stale (a force release drops the grant with
--- the lock, but one may outlive its lock's expiry by a moment): it is left to its pop,
--- which drops it, its fence being at most the holder's reported below (fences only
--- grow); a grant made after this call has a larger one (await_grant's ``above``).
-if wait > 0 then
-  redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
-  local now = redis.call('time')
-  -- NX: a refresh keeps its place in line. The queue outlives the entry just written,
-  -- and a short waiter never shortens it for the others (-1: no expiry yet); extended
-  -- to twice the entry's time, so the waiters' next tries seldom need to extend it.
-  redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
-  if redis.call('pttl', KEYS[3]) < wait then
-    redis.call('pexpire', KEYS[3], math.min(2 * wait, MAX_TTL_MS))
-  end
-end
-return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
-)
-
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
-# KEYS[5] release tombstone
-# ARGV[1] token, or '' to release whoever holds it (operator override)
-# ARGV[2] fence, or '' (as in RELEASE), ARGV[3] this call's release id, ARGV[4] tombstone
-# ttl ms, ARGV[5] fence counter ttl ms
-# Returns 1 if the lock was released (and handed to the first live waiter, who now holds
-# it, or else deleted and a BLPOP waiter signalled); 2 if this very call already released
-# it (a resend: the tombstone names its release id, as in RELEASE); 0 if not held / not
-# ours / another fence. The release writes the tombstone as RELEASE does.
-RELEASE_HANDOFF = (
-    _HANDOFF_LIB
-    + """
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[5])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then
-  -- An operator's release may free a grant its waiter has not popped yet (paused between
-  -- the try that queued it and its pop): the grant goes too, or the waiter would pop it
-  -- later as the lock while someone else holds it. A holder's own release has no grant
-  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
-  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
-end
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5], held[3])
-return 1
-"""
-)
-
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
-# KEYS[5] release tombstone
-# ARGV[1] token, ARGV[2] fence counter ttl ms, ARGV[3] this call's release id, ARGV[4]
-# tombstone ttl ms
-# A waiter that gives up: leaves the queue, drops its entry and grant list, and gives
-# back (token-checked) a grant that raced in, which goes on to the next live waiter; the
-# give-back writes the tombstone as RELEASE does.
-# Returns 1 if a grant was given back, 2 if this very call already gave it back (a
-# resend), 0 if the token held nothing.
-DEQUEUE = (
-    _HANDOFF_LIB
-    + """
-redis.call('zrem', KEYS[3], ARGV[1])
-redis.call('del', KEYS[1] .. ':wait:' .. ARGV[1], KEYS[1] .. ':grant:' .. ARGV[1])
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if held[1] ~= ARGV[1] then
-  local tombstone = redis.call('get', KEYS[5])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2], held[3])
-return 1
-"""
-)
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    seen: BaseException | None = exc
-    while seen is not None and seen not in chain and len(chain) < 8:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return chain
-
-
-def _misconfiguration(exc: Exception, server: str) -> str | None:
-    """A sentence saying how the URL and the server disagree, or ``None`` (not that).
-
-    Retrying cannot fix these, so they are not "unavailable": authentication, TLS where
-    the server has none (or the reverse), a server that is not Redis.
-    """
-    text = str(exc)
-    if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
-        if not ("invalid username-password" in text or text.startswith("WRONGPASS")):
-            # NOAUTH (redis-py drops the word): "Authentication required", "HELLO must be
-            # called with the client already authenticated..."
-            return (
-                f"Redis at {server} requires a password: put it in the URL, "
-                "redis://:PASSWORD@host:port/db (or redis://USER:PASSWORD@... with ACLs)"
-            )
-        return (
-            f"Redis at {server} refused the URL's credentials (wrong password, or wrong "
-            f"user): {text}"
-        )
-    if "called without any password configured" in text:
-        return f"the URL gives a password but Redis at {server} has none: remove it from the URL"
-    if isinstance(exc, InvalidResponse) or "Protocol error" in text:
-        tls = (
-            " (a TLS port? then the URL must say rediss://)" if server.startswith("redis:") else ""
-        )
-        return f"the server at {server} does not speak the Redis protocol{tls}: {text}"
-    for cause in _causes(exc):
-        if isinstance(cause, ssl.SSLError) and not isinstance(cause, ssl.SSLZeroReturnError):
-            return (
-                f"TLS with {server} failed (a plain, non-TLS port? then the URL must say "
-                f"redis://; or a certificate problem): {cause}"
-            )
-    return None
-
-
-def _tls_handshake_timed_out(exc: Exception) -> bool:
-    return any("handshake" in str(cause) for cause in _causes(exc))
-
-
-def _hung_up(exc: Exception) -> bool:
-    """The server closed the connection on our request: what a TLS-only port does with
-    plaintext (also what a server restarting does, so it stays "unavailable")."""
-    causes = list(_causes(exc))
-    if any(
-        isinstance(cause, ConnectionRefusedError) or "Connection refused" in str(cause)
-        for cause in causes
-    ):
-        return False  # nothing listens there (any more): plainly unavailable
-    return any(
-        isinstance(cause, ConnectionResetError)
-        or "Connection reset by peer" in str(cause)
-        or "Connection closed by server" in str(cause)
-        for cause in causes
-    )
-
-
-_UNAVAILABLE = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    BusyLoadingError,
-    ReadOnlyError,
-    ClusterDownError,
-    MasterNotFoundError,
-    TryAgainError,
-    RedisClusterException,  # no reachable node / slot not covered
-    OSError,
-)
-#: What redis-py raises; translated to our errors at this boundary, never let through.
-_CLIENT_ERRORS = (RedisError, RedisClusterException)
 _OUR_OPTIONS = {
     "prefix",
     "socket_timeout",
@@ -477,17 +85,6 @@ _OUR_OPTIONS = {
     "handoff",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
-
-
-def _access_refused(what: str, server: str, prefix: str, exc: Exception) -> str:
-    """A wrong user/password or an ACL refusal: a configuration error, not an outage."""
-    user = urlsplit(server).username or "default"
-    if isinstance(exc, AuthenticationError):
-        return f"{what}: Redis at {server} refused user {user!r}: check the user and password"
-    return (
-        f"{what}: Redis at {server} refused user {user!r}: {exc}; its ACL must allow the keys "
-        f"{prefix + '*'!r} (prefix {prefix!r}) and the commands of the README's lock-user ACL"
-    )
 
 
 def _tag(name: str) -> str:
@@ -509,130 +106,6 @@ def _untag(tag: str) -> str:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class _Scripts:
-    """Our scripts by name, with SHA1s computed once; NOSCRIPT is answered by loading them."""
-
-    def __init__(self) -> None:
-        self.source: dict[str, str] = {}
-        self.sha: dict[str, str] = {}
-        self.register("acquire", ACQUIRE)
-        self.register("renew_many", RENEW_MANY)
-        self.register("release", RELEASE)
-        self.register("enqueue", ENQUEUE)
-        self.register("release_handoff", RELEASE_HANDOFF)
-        self.register("dequeue", DEQUEUE)
-
-    def register(self, name: str, source: str) -> None:
-        """Add a script (backends built on this one bring their own)."""
-        self.source[name] = source
-        self.sha[name] = hashlib.sha1(source.encode()).hexdigest()
-
-
-SCRIPTS = _Scripts()
-
-#: Script calls shaped once: ``commands(by_sha)`` gives EVALSHA commands, or EVAL ones
-#: (with the source) to resend after NOSCRIPT.
-Commands = Callable[[bool], list[tuple[Any, ...]]]
-
-
-def script_command(which: str, by_sha: bool, args: Sequence[Any]) -> tuple[Any, ...]:
-    """One script call as a raw command, for a pipeline.
-
-    ``execute_command``, not ``pipe.evalsha()``: redis-py refuses the latter in cluster
-    mode, although every key of one script call shares a slot here.
-    """
-    if by_sha:
-        return ("EVALSHA", SCRIPTS.sha[which], *args)
-    return ("EVAL", SCRIPTS.source[which], *args)
-
-
-def _share_tls_context(pool: Any) -> None:
-    """Give every TLS connection of an asyncio ``pool`` one shared context.
-
-    redis.asyncio builds a fresh ``ssl.create_default_context()`` for each new
-    connection: loading the system CA store costs about 70 ms of CPU, in the event
-    loop's thread. A dozen waiters opening connections at once blocked the loop for
-    about a second, long enough for the holder's renewal to miss a short TTL.
-    """
-    base = pool.connection_class
-    if not issubclass(base, redis.asyncio.connection.SSLConnection):
-        return
-    shared: list[Any] = []
-
-    class SharedContextSSLConnection(base):  # type: ignore[misc, valid-type]
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            if shared:
-                self.ssl_context = shared[0]
-            else:
-                shared.append(self.ssl_context)
-
-    pool.connection_class = SharedContextSSLConnection
-
-
-class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
-    """A sentinel-managed connection that is dropped after any read error.
-
-    redis-py's sync class reads with ``disconnect_on_error=False``: after a socket timeout
-    the connection returns to the pool with the late reply unread, and the next command
-    (say, someone's acquire) would read it as its own answer. The asyncio class already
-    disconnects.
-    """
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["disconnect_on_error"] = True
-        return super().read_response(*args, **kwargs)
-
-
-def _send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """``commands`` pipelined down one connection of ``pool``, waiting at most ``timeout``.
-
-    The connection's socket timeout is lowered for this call only and restored before the
-    connection goes back to the pool; after a timeout it is dropped (its reply may still
-    come, and must not be read as someone else's).
-    """
-    connection = get_connection(pool, str(commands[0][0]))
-    try:
-        set_socket_timeout(connection, timeout)
-        connection.send_packed_command(connection.pack_commands(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(connection.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        set_socket_timeout(connection, None)  # back to the pool's own timeout
-    except BaseException:
-        connection.disconnect()
-        raise
-    finally:
-        pool.release(connection)
-    return replies
-
-
-@dataclass(frozen=True)
-class _Flavour:
-    """The redis-py modules for one I/O style: the sync and asyncio clients mirror each other."""
-
-    plain: Any
-    sentinel: Any
-    cluster: Any
-    retry: Any
-    sentinel_options: dict[str, Any]
-
-
-_SYNC = _Flavour(
-    redis,
-    redis.sentinel,
-    redis.cluster,
-    redis.retry.Retry,
-    {"connection_class": _SentinelConnection},
-)
-_ASYNC = _Flavour(
-    redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster, redis.asyncio.retry.Retry, {}
-)
 
 
 class RedisBackend(Backend):
@@ -679,8 +152,13 @@ class RedisBackend(Backend):
         self.cluster = self.scheme == "redis+cluster"
         # (not urlunsplit: it would turn unix:///path into unix:/path)
         base = url.split("?", 1)[0].split("#", 1)[0]
-        self._client_url = base + (f"?{urlencode(query)}" if query else "")
-        self._parts = parts
+        self._clients = ClientFactory(
+            parts,
+            base + (f"?{urlencode(query)}" if query else ""),
+            self.server,
+            self.socket_timeout,
+            self.connect_timeout,
+        )
         if query and self.scheme in ("redis+sentinel", "redis+cluster"):
             raise InvalidArgument(
                 f"{self.server}: unknown option(s) {sorted(query)}; "
@@ -689,9 +167,9 @@ class RedisBackend(Backend):
         self._client_guard = threading.Lock()
         self._sync_client: Any = None
         if self.cluster:
-            self._hosts()  # a bad host list fails now; the client connects on first use
+            self._clients.hosts()  # a bad host list fails now; the client connects on first use
         else:
-            self._sync_client = self._make_client(_SYNC)  # no I/O yet: checks the URL now
+            self._sync_client = self._clients.make(SYNC)  # no I/O yet: checks the URL now
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -703,99 +181,6 @@ class RedisBackend(Backend):
 
     # -- construction -----------------------------------------------------------------
 
-    def _hosts(self) -> list[tuple[str, int]]:
-        default_port = 26379 if self.scheme == "redis+sentinel" else 6379
-        netloc = self._parts.netloc.rsplit("@", 1)[-1]
-        hosts = []
-        for item in filter(None, (part.strip() for part in netloc.split(","))):
-            host, port = item, str(default_port)
-            if item.startswith("["):  # [IPv6]:port
-                host, _, rest = item[1:].partition("]")
-                port = rest[1:] if rest.startswith(":") else port
-            elif ":" in item:
-                host, _, port = item.rpartition(":")
-            try:
-                number = int(port)
-            except ValueError:
-                number = -1
-            if not host or not 0 < number < 65536:
-                raise InvalidArgument(f"malformed host:port {item!r} in {self.server}")
-            hosts.append((host, number))
-        if not hosts:
-            raise InvalidArgument(f"no host:port in {self.server}")
-        return hosts
-
-    def _user(self) -> str | None:
-        """The URL's ACL user for Sentinel and Cluster clients (redis-py takes it apart)."""
-        return unquote(self._parts.username) if self._parts.username else None
-
-    def _password(self) -> str | None:
-        """The URL's password, percent-decoded (``from_url`` does this for plain URLs)."""
-        return unquote(self._parts.password) if self._parts.password is not None else None
-
-    def _make_client(self, flavour: _Flavour) -> Any:
-        common: dict[str, Any] = {
-            "socket_timeout": self.socket_timeout,
-            "socket_connect_timeout": self.connect_timeout,
-        }
-        # One quick retry on a dropped connection (a restarted server, a stale pooled
-        # socket); never on a timeout, so a paused server fails within socket_timeout.
-        retry = flavour.retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
-        if self.scheme == "redis+sentinel":
-            path = [p for p in self._parts.path.split("/") if p]
-            if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-                raise InvalidArgument(
-                    f"malformed sentinel URL {self.server}: expected "
-                    "redis+sentinel://host:port[,host:port]/service_name[/db]"
-                )
-            kwargs = dict(
-                common,
-                username=self._user(),
-                password=self._password(),
-                retry=retry,
-                **flavour.sentinel_options,
-            )
-            if len(path) > 1:
-                kwargs["db"] = int(path[1])
-            # The sentinels get the same single quick retry: redis-py's default (three
-            # retries with backoff) made an unreachable sentinel take 8 s to report.
-            sentinel = flavour.sentinel.Sentinel(
-                self._hosts(), sentinel_kwargs=dict(common, retry=retry), **common
-            )
-            master = sentinel.master_for(path[0], **kwargs)
-            master.task_locks_sentinels = sentinel.sentinels  # closed with the client
-            return master
-        if self.cluster:
-            nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self._hosts()]
-            # The same single retry (after the client refreshed its slot map): redis-py's
-            # default (three, with backoff) made a frozen primary take 11 s to report.
-            return flavour.cluster.RedisCluster(
-                startup_nodes=nodes,
-                username=self._user(),
-                password=self._password(),
-                retry=retry,
-                **common,
-            )
-        database = self._parts.path.strip("/")
-        if self.scheme != "unix" and database and not database.isdigit():
-            # redis-py would silently use db 0 here
-            raise InvalidArgument(
-                f"malformed Redis URL {self.server}: the path must be a database number, "
-                f"got {database!r}"
-            )
-        try:
-            client = flavour.plain.Redis.from_url(self._client_url, retry=retry, **common)
-        except ValueError as exc:
-            raise InvalidArgument(f"malformed Redis URL {self.server}: {exc}") from exc
-        pool = client.connection_pool
-        if flavour is _ASYNC:
-            _share_tls_context(pool)
-        try:  # an unknown query option would otherwise fail at the first command
-            pool.connection_class(**pool.connection_kwargs)
-        except TypeError as exc:
-            raise InvalidArgument(f"unsupported option in Redis URL {self.server}: {exc}") from exc
-        return client
-
     @property
     def client(self) -> Any:
         """The sync client (a cluster client connects when it is built, so: on first use)."""
@@ -803,7 +188,7 @@ class RedisBackend(Backend):
         if client is None:
             with self._client_guard:
                 if self._sync_client is None:
-                    self._sync_client = self._make_client(_SYNC)
+                    self._sync_client = self._clients.make(SYNC)
                 client = self._sync_client
         return client
 
@@ -816,7 +201,7 @@ class RedisBackend(Backend):
         loop = asyncio.get_running_loop()
         client = self._async.get(loop)
         if client is None:
-            client = self._async[loop] = self._make_client(_ASYNC)
+            client = self._async[loop] = self._clients.make(ASYNC)
         return client
 
     # -- keys ---------------------------------------------------------------------------
@@ -835,38 +220,7 @@ class RedisBackend(Backend):
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
         what = f"lock {name!r}" if name else "listing locks"
-        if isinstance(exc, NoPermissionError):
-            raise BackendMisconfigured(
-                _access_refused(what, self.server, self.prefix, exc), name=name, server=self.server
-            ) from exc
-        misconfigured = _misconfiguration(exc, self.server)
-        if misconfigured is not None:
-            raise BackendMisconfigured(
-                f"{what}: {misconfigured}", name=name, server=self.server
-            ) from exc
-        if self.server.startswith("rediss") and _tls_handshake_timed_out(exc):
-            raise BackendUnavailable(
-                f"{what}: the TLS handshake with {self.server} got no answer: the port may "
-                "be a plain (non-TLS) Redis, where the URL must say redis://, or the server "
-                f"is frozen: {exc}",
-                name=name,
-                server=self.server,
-            ) from exc
-        if self.server.startswith("redis://") and _hung_up(exc):
-            raise BackendUnavailable(
-                f"{what}: Redis at {self.server} is unavailable: it hung up on the request "
-                "(the port may speak TLS only, then the URL must say rediss://; or the server "
-                f"is restarting): {exc}",
-                name=name,
-                server=self.server,
-            ) from exc
-        if isinstance(exc, _UNAVAILABLE):
-            raise BackendUnavailable(
-                f"{what}: Redis at {self.server} is unavailable: {exc}",
-                name=name,
-                server=self.server,
-            ) from exc
-        raise LockError(f"{what}: Redis at {self.server} refused: {exc}", name=name) from exc
+        raise translate(exc, what=what, name=name, server=self.server, prefix=self.prefix) from exc
 
     # -- request shaping shared by sync and async paths ----------------------------------
 
@@ -1100,7 +454,7 @@ class RedisBackend(Backend):
                 for index, reply in zip(missing, again, strict=True):
                     replies[index] = reply
             return replies
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def _one_connection(self, client: Any, commands: Commands) -> list[Any]:
@@ -1137,7 +491,7 @@ class RedisBackend(Backend):
         try:
             client = self.client
             if not self.cluster:
-                return functools.partial(_send_bounded, client.connection_pool, timeout)
+                return functools.partial(send_bounded, client.connection_pool, timeout)
             nodes = {client.get_node_from_key(self._key(item.name)) for item in items}
         except Exception:  # no slot map yet: the cluster client's own path
             return None
@@ -1147,7 +501,7 @@ class RedisBackend(Backend):
         pool = node.redis_connection.connection_pool
 
         def send(commands: list[tuple[Any, ...]]) -> list[Any]:
-            replies = _send_bounded(pool, timeout, commands)
+            replies = send_bounded(pool, timeout, commands)
             moved = [i for i, r in enumerate(replies) if isinstance(r, _REDIRECTS)]
             if moved:  # the slot moved: the cluster client follows the redirection
                 again = self._pipeline(client, [commands[i] for i in moved])
@@ -1220,7 +574,7 @@ class RedisBackend(Backend):
             args = self._acquire_args(name, token, ttl_ms, owner)
             try:
                 return self._acquire_result(self._eval(self.client, "acquire", args))
-            except _CLIENT_ERRORS as exc:
+            except CLIENT_ERRORS as exc:
                 self._fail(name, exc)
         commands = self._acquire_commands(name, token, ttl_ms, owner)
         if riders:  # finished runs' releases ride this acquire (defer_release)
@@ -1249,7 +603,7 @@ class RedisBackend(Backend):
                     self.client.get_node_from_key(self._key(name))
                 )
                 replies = self._one_connection(client, commands)
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
         return replies
 
@@ -1262,7 +616,7 @@ class RedisBackend(Backend):
             replies = self._one_connection(self.client, self._with_releases(riders, commands))
         except BaseException as exc:
             self._answer_riders(riders, exc)
-            if isinstance(exc, _CLIENT_ERRORS):
+            if isinstance(exc, CLIENT_ERRORS):
                 self._fail(name, exc)
             raise
         self._answer_riders(riders, replies)
@@ -1273,7 +627,7 @@ class RedisBackend(Backend):
         args = self._renew_args(name, token, ttl_ms)
         try:
             return bool(self._eval(self.client, "renew_many", args)[0])
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
@@ -1297,7 +651,7 @@ class RedisBackend(Backend):
         args = self._release_args(name, token, fence)
         try:
             return bool(self._eval(self.client, self._release_script, args))
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def enqueue(
@@ -1314,7 +668,7 @@ class RedisBackend(Backend):
             return self._acquire_result(reply)
         try:
             return self._acquire_result(self._eval(self.client, "enqueue", args))
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
@@ -1325,13 +679,13 @@ class RedisBackend(Backend):
                 time.sleep(self._nap(timeout))
                 return self._granted(self.client.lpop(key), above)
             return self._granted(self.client.blpop([key], block), above)
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def dequeue(self, name: str, token: str) -> bool:
         try:
             return bool(self._eval(self.client, "dequeue", self._dequeue_args(name, token)))
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     def force_release(self, name: str, fence: int | None = None) -> bool:
@@ -1344,7 +698,7 @@ class RedisBackend(Backend):
             return
         try:
             self.client.blpop(self._signals(names), block)
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(names[0], exc)
 
     def wait(self, name: str, timeout: float) -> None:
@@ -1366,7 +720,7 @@ class RedisBackend(Backend):
                 pipe.hgetall(key)
                 pipe.pttl(key)
             replies = pipe.execute() if keys else []
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(prefix or None, exc)
         return self._holders(keys, replies, sent)
 
@@ -1378,7 +732,7 @@ class RedisBackend(Backend):
             pipe.hgetall(key)
             pipe.pttl(key)
             fields, pttl = pipe.execute()
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
         return self._holder(key, fields, pttl, sent)
 
@@ -1409,7 +763,7 @@ class RedisBackend(Backend):
     async def _acall(self, name: str | None, call: Callable[[], Awaitable[T]]) -> T:
         try:
             return await call()
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
     async def _ascripts(self, name: str, commands: Commands) -> list[Any]:

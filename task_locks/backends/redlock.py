@@ -94,7 +94,8 @@ from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUnde
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from ._redis_compat import aget_connection, get_connection
 from .base import Backend, Capability
-from .redis import SCRIPTS, Commands, RedisBackend, script_command
+from .redis import RedisBackend
+from .redis_scripts import SCRIPTS, Commands, script_command
 
 T = TypeVar("T")
 

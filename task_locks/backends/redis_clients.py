@@ -1,0 +1,224 @@
+"""Building redis-py clients from a URL: plain, ``unix://``, Sentinel and Cluster, sync
+and asyncio alike (:class:`ClientFactory`), and the connection classes they need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import SplitResult, unquote
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.retry
+import redis.sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from ..errors import InvalidArgument
+from ._redis_compat import get_connection, set_socket_timeout
+
+
+def _share_tls_context(pool: Any) -> None:
+    """Give every TLS connection of an asyncio ``pool`` one shared context.
+
+    redis.asyncio builds a fresh ``ssl.create_default_context()`` for each new
+    connection: loading the system CA store costs about 70 ms of CPU, in the event
+    loop's thread. A dozen waiters opening connections at once blocked the loop for
+    about a second, long enough for the holder's renewal to miss a short TTL.
+    """
+    base = pool.connection_class
+    if not issubclass(base, redis.asyncio.connection.SSLConnection):
+        return
+    shared: list[Any] = []
+
+    class SharedContextSSLConnection(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            if shared:
+                self.ssl_context = shared[0]
+            else:
+                shared.append(self.ssl_context)
+
+    pool.connection_class = SharedContextSSLConnection
+
+
+class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
+    """A sentinel-managed connection that is dropped after any read error.
+
+    redis-py's sync class reads with ``disconnect_on_error=False``: after a socket timeout
+    the connection returns to the pool with the late reply unread, and the next command
+    (say, someone's acquire) would read it as its own answer. The asyncio class already
+    disconnects.
+    """
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["disconnect_on_error"] = True
+        return super().read_response(*args, **kwargs)
+
+
+def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` pipelined down one connection of ``pool``, waiting at most ``timeout``.
+
+    The connection's socket timeout is lowered for this call only and restored before the
+    connection goes back to the pool; after a timeout it is dropped (its reply may still
+    come, and must not be read as someone else's).
+    """
+    connection = get_connection(pool, str(commands[0][0]))
+    try:
+        set_socket_timeout(connection, timeout)
+        connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        set_socket_timeout(connection, None)  # back to the pool's own timeout
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+    return replies
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """The redis-py modules for one I/O style: the sync and asyncio clients mirror each other."""
+
+    plain: Any
+    sentinel: Any
+    cluster: Any
+    retry: Any
+    sentinel_options: dict[str, Any]
+
+
+SYNC = Flavour(
+    redis,
+    redis.sentinel,
+    redis.cluster,
+    redis.retry.Retry,
+    {"connection_class": _SentinelConnection},
+)
+ASYNC = Flavour(
+    redis.asyncio, redis.asyncio.sentinel, redis.asyncio.cluster, redis.asyncio.retry.Retry, {}
+)
+
+
+@dataclass(frozen=True)
+class ClientFactory:
+    """What a client is made from: the URL (``parts``; ``client_url`` without our own
+    options), its scheme, and the timeouts. ``server`` names it in errors."""
+
+    parts: SplitResult
+    client_url: str
+    server: str
+    socket_timeout: float
+    connect_timeout: float
+
+    @property
+    def scheme(self) -> str:
+        return self.parts.scheme.lower()
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme == "redis+cluster"
+
+    def hosts(self) -> list[tuple[str, int]]:
+        default_port = 26379 if self.scheme == "redis+sentinel" else 6379
+        netloc = self.parts.netloc.rsplit("@", 1)[-1]
+        hosts = []
+        for item in filter(None, (part.strip() for part in netloc.split(","))):
+            host, port = item, str(default_port)
+            if item.startswith("["):  # [IPv6]:port
+                host, _, rest = item[1:].partition("]")
+                port = rest[1:] if rest.startswith(":") else port
+            elif ":" in item:
+                host, _, port = item.rpartition(":")
+            try:
+                number = int(port)
+            except ValueError:
+                number = -1
+            if not host or not 0 < number < 65536:
+                raise InvalidArgument(f"malformed host:port {item!r} in {self.server}")
+            hosts.append((host, number))
+        if not hosts:
+            raise InvalidArgument(f"no host:port in {self.server}")
+        return hosts
+
+    def _user(self) -> str | None:
+        """The URL's ACL user for Sentinel and Cluster clients (redis-py takes it apart)."""
+        return unquote(self.parts.username) if self.parts.username else None
+
+    def _password(self) -> str | None:
+        """The URL's password, percent-decoded (``from_url`` does this for plain URLs)."""
+        return unquote(self.parts.password) if self.parts.password is not None else None
+
+    def make(self, flavour: Flavour) -> Any:
+        common: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.connect_timeout,
+        }
+        # One quick retry on a dropped connection (a restarted server, a stale pooled
+        # socket); never on a timeout, so a paused server fails within socket_timeout.
+        retry = flavour.retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        if self.scheme == "redis+sentinel":
+            path = [p for p in self.parts.path.split("/") if p]
+            if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+                raise InvalidArgument(
+                    f"malformed sentinel URL {self.server}: expected "
+                    "redis+sentinel://host:port[,host:port]/service_name[/db]"
+                )
+            kwargs = dict(
+                common,
+                username=self._user(),
+                password=self._password(),
+                retry=retry,
+                **flavour.sentinel_options,
+            )
+            if len(path) > 1:
+                kwargs["db"] = int(path[1])
+            # The sentinels get the same single quick retry: redis-py's default (three
+            # retries with backoff) made an unreachable sentinel take 8 s to report.
+            sentinel = flavour.sentinel.Sentinel(
+                self.hosts(), sentinel_kwargs=dict(common, retry=retry), **common
+            )
+            master = sentinel.master_for(path[0], **kwargs)
+            master.task_locks_sentinels = sentinel.sentinels  # closed with the client
+            return master
+        if self.cluster:
+            nodes = [flavour.cluster.ClusterNode(h, p) for h, p in self.hosts()]
+            # The same single retry (after the client refreshed its slot map): redis-py's
+            # default (three, with backoff) made a frozen primary take 11 s to report.
+            return flavour.cluster.RedisCluster(
+                startup_nodes=nodes,
+                username=self._user(),
+                password=self._password(),
+                retry=retry,
+                **common,
+            )
+        database = self.parts.path.strip("/")
+        if self.scheme != "unix" and database and not database.isdigit():
+            # redis-py would silently use db 0 here
+            raise InvalidArgument(
+                f"malformed Redis URL {self.server}: the path must be a database number, "
+                f"got {database!r}"
+            )
+        try:
+            client = flavour.plain.Redis.from_url(self.client_url, retry=retry, **common)
+        except ValueError as exc:
+            raise InvalidArgument(f"malformed Redis URL {self.server}: {exc}") from exc
+        pool = client.connection_pool
+        if flavour is ASYNC:
+            _share_tls_context(pool)
+        try:  # an unknown query option would otherwise fail at the first command
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise InvalidArgument(f"unsupported option in Redis URL {self.server}: {exc}") from exc
+        return client
