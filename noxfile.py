@@ -10,7 +10,7 @@ smoke subset of the suite against real servers (the fixtures start their own Red
 
 The highest pins are what `make test` itself installs and runs the whole suite on.
 Django: only 5.2 runs on Python 3.11 and is supported (6.0 needs Python 3.12; 4.2, 5.0
-and 5.1 are out of support). The README's "Supported versions" table lists what ran.
+and 5.1 are out of support). docs/installation.md's "Supported versions" table lists what ran.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def verdict(
     say("  then http://127.0.0.1:8000/admin/ (login admin / admin): Task locks > Lock holders,")
     say("  Lock events (the conflict the second nightly_report met), Shop > Job runs")
     say(f"  {env}{python} {manage} locks list      # who holds what, from a shell")
-    say("  README.md: quick starts, safety by backend, fencing, configuration")
+    say("  README.md: the quick starts; make docs: the documentation site (build/site/index.html)")
     return 0 if ok else 1
 
 

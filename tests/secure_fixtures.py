@@ -19,7 +19,8 @@ from servers import AuthEtcdServer, Certs, SecureRedisServer, TLSEtcdServer
 
 #: Recognisable in any output: no log line, error or page may ever contain it.
 SECRET = "S3cr3t-Hunter2-Pw"
-README = Path(__file__).resolve().parents[1] / "README.md"
+#: The page with the least-privilege ACL blocks (once in the README).
+README = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 #: The marker above the README's ACL block (the block the tests load, verbatim).
 ACL_MARKER = "<!-- not-run: the lock user's Redis ACL; tests/security load this block -->"
 #: Prefix the etcd RBAC role covers.

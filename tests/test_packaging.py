@@ -1,7 +1,7 @@
 """Packaging and the support matrix are wired as the README says (issue 14).
 
 `make test` builds and checks the distributions and runs the matrix's short form; the
-matrix's lowest pins are the floors pyproject.toml declares; the README's "Supported
+matrix's lowest pins are the floors pyproject.toml declares; docs/installation.md's "Supported
 versions" table lists only sets the noxfile runs.
 """
 
@@ -82,7 +82,7 @@ def test_lowest_pins_are_the_declared_floors() -> None:
 
 
 def test_readme_supported_versions_are_sessions_the_noxfile_runs() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "installation.md").read_text()
     table = readme.split("<!-- matrix-results -->", 1)[1].split("<!-- /matrix-results -->")[0]
     rows = re.findall(
         r"^\| ([\w.-]+)[^|]* \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.M

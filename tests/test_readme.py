@@ -1,4 +1,4 @@
-"""Every code block in README.md is run here, or says why not, so the README cannot rot.
+"""Every code block in README.md and docs/ is run here, or says why not, so neither can rot.
 
 Each fenced block has a marker on the line right above it: ``<!-- run: how -->`` or
 ``<!-- not-run: why -->``. Python blocks marked ``run`` are executed one by one, each in
@@ -15,8 +15,11 @@ system checks, a ``LockedCommand`` is run with ``call_command``, a ``LOGGING`` d
 applied. The reference tables are checked against the code (every ``TASK_LOCKS`` key and
 every ``singleton_task`` option, with its default).
 
-The same goes for the guides in ``docs/`` (:data:`DOCS`): their blocks carry the same
-markers and run the same way (docs/migrating.md's "after" code, one block per peer).
+The same goes for every page of the documentation site in ``docs/`` (:data:`DOCS`): their
+blocks carry the same markers and run the same way (docs/migrating.md's "after" code, one
+block per peer, docs/fencing.md's worked example...). The reference tables moved with their
+sections: the ``@singleton_task`` options are in docs/celery.md, ``TASK_LOCKS`` in
+docs/configuration.md.
 
 ``python tests/test_readme.py BLOCKS.json RESULTS.json`` is the subprocess's entry point.
 """
@@ -38,8 +41,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-#: Guides whose blocks are run like the README's.
-DOCS = [ROOT / "docs" / "migrating.md", ROOT / "docs" / "metrics.md"]
+#: The documentation site's pages (mkdocs.yml): their blocks are run like the README's.
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+CELERY_DOC = ROOT / "docs" / "celery.md"
+COMPARISON = ROOT / "docs" / "comparison.md"
 EXAMPLE = ROOT / "example_project"
 #: The Redis URL the README uses; the tests substitute their own server's.
 README_REDIS = "redis://127.0.0.1:6379/0"
@@ -93,11 +98,13 @@ def readme_blocks(text: str | None = None, path: Path = README) -> list[Block]:
 WITH_A_WORKER = "with a real Celery worker"
 
 
-def to_run(lang: str) -> list[Block]:
-    """The ``run`` blocks of ``lang`` that run on their own (not the worker example's)."""
+def to_run(lang: str, paths: list[Path] | None = None) -> list[Block]:
+    """The ``run`` blocks of ``lang`` that run on their own (not the worker example's), in
+    ``paths`` (default: the README and every docs page)."""
     return [
         b
-        for b in readme_blocks()
+        for path in (paths if paths is not None else [README, *DOCS])
+        for b in readme_blocks(path=path)
         if b.marker == "run" and b.lang == lang and not b.reason.startswith(WITH_A_WORKER)
     ]
 
@@ -170,14 +177,14 @@ def test_links_and_anchors_resolve() -> None:
 
 def _readme_default(option: str, text: str) -> str:
     row = re.search(rf"^\| `{option}` \| ([^|]*) \|", text, re.M)
-    assert row is not None, f"singleton_task option {option!r} missing from the README table"
+    assert row is not None, f"singleton_task option {option!r} missing from docs/celery.md"
     return row.group(1).strip().strip("`")
 
 
 def test_singleton_task_options_are_documented_with_their_defaults() -> None:
     from task_locks.celery import singleton_task
 
-    text = README.read_text()
+    text = CELERY_DOC.read_text()
     parameters = inspect.signature(singleton_task).parameters.values()
     options = [p for p in parameters if p.kind is p.KEYWORD_ONLY]
     assert len(options) >= 10
@@ -211,13 +218,12 @@ def test_task_locks_reference_block_is_the_defaults() -> None:
 
 
 def test_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
-    blocks = to_run("python")
+    blocks = to_run("python", [README])
     outputs = run_python_blocks(blocks, redis_url, tmp_path)
     printed = "\n".join(outputs.values())
     # What the blocks say they do, they did.
     assert "holding fence" in printed and "got it without waiting" in printed
     assert "refreshed under fence" in printed
-    assert "refused a write with fence" in printed and "A's release refused" in printed
     assert "leading, term" in printed and "one of at most 3 renders" in printed
     assert "building the report under fence" in printed  # the LockedCommand ran
     assert "celery result: SUCCESS" in printed  # the singleton task ran under its lock
@@ -282,9 +288,9 @@ def _sections(path: Path) -> dict[str, list[Block]]:
 
 
 def test_docs_blocks_are_marked_and_parse() -> None:
+    assert len([b for path in DOCS for b in readme_blocks(path=path)]) >= 30
     for path in DOCS:
         blocks = readme_blocks(path=path)
-        assert blocks, path
         unmarked = [b.where for b in blocks if b.marker is None]
         assert not unmarked, f"mark these <!-- run: how --> or <!-- not-run: why -->: {unmarked}"
         for block in blocks:
@@ -308,18 +314,20 @@ def test_migrating_guide_has_a_run_after_block_per_peer() -> None:
 
 
 def test_readme_comparison_links_the_migrating_guide() -> None:
-    comparison = README.read_text().split("## Comparison", 1)[1].split("\n## ", 1)[0]
-    assert "(docs/migrating.md)" in comparison
+    """The comparison (docs/comparison.md) links each peer's section of the guide."""
+    assert "(docs/comparison.md)" in README.read_text()
+    comparison = COMPARISON.read_text()
+    assert "(migrating.md)" in comparison
     # In the table itself: a row whose cells link each peer's section of the guide.
     rows = [line for line in comparison.splitlines() if line.startswith("|")]
     peers = [cell.strip() for cell in rows[0].strip("|").split("|")][2:]
-    guide = [row for row in rows if "](docs/migrating.md" in row]
+    guide = [row for row in rows if "](migrating.md" in row]
     assert len(guide) == 1, guide
     cells = [cell.strip() for cell in guide[0].strip("|").split("|")][2:]
     assert len(cells) == len(peers)
     sections = _sections(MIGRATING)
     for peer, cell in zip(peers, cells, strict=True):
-        anchor = re.fullmatch(r"\[guide\]\(docs/migrating\.md#([\w-]+)\)", cell)
+        anchor = re.fullmatch(r"\[guide\]\(migrating\.md#([\w-]+)\)", cell)
         assert anchor is not None, (peer, cell)
         title = next(t for t in sections if anchor.group(1) in _slugs(f"## {t}"))
         assert title.replace("`", "") == peer.replace("`", ""), (peer, title)
@@ -328,7 +336,7 @@ def test_readme_comparison_links_the_migrating_guide() -> None:
 def test_lock_options_row_names_every_per_call_option() -> None:
     from task_locks.celery.options import PER_CALL
 
-    row = re.search(r"^\| `lock_options` \|.*$", README.read_text(), re.M)
+    row = re.search(r"^\| `lock_options` \|.*$", CELERY_DOC.read_text(), re.M)
     assert row is not None, "lock_options missing from the @singleton_task options table"
     for key in PER_CALL:
         assert f"`{key}`" in row.group(0), key
@@ -351,11 +359,14 @@ def test_docs_links_and_anchors_resolve() -> None:
 
 
 def test_docs_python_blocks_run(redis_url: str, tmp_path: Path) -> None:
-    blocks = [b for path in DOCS for b in readme_blocks(path=path) if b.marker == "run"]
-    assert all(b.lang == "python" for b in blocks)
+    blocks = to_run("python", DOCS)
     outputs = run_python_blocks(blocks, redis_url, tmp_path)
     printed = "\n".join(outputs.values())
-    # What the guide's blocks say they do, they did.
+    # What the pages' blocks say they do, they did.
+    assert "refused a write with fence" in printed and "A's release refused" in printed
+    assert "second acquire refused:" in printed  # docs/locks.md
+    assert "lock service down, the task did not run:" in printed  # docs/celery.md
+    assert "metrics view: task_locks_" in printed  # docs/metrics.md's URLconf, scraped
     # celery-singleton, PeerCheckedTask
     assert printed.count("celery result: SUCCESS") >= 2
     # celery-once: published for real, the second publish is refused and caught
@@ -458,10 +469,12 @@ def _run_blocks(spec: Path, results_file: Path) -> None:
     from celery.result import EagerResult
     from demo_site.celery import app
     from django.core.management import call_command
+    from django.test import RequestFactory
     from django.test.utils import override_settings
 
     from django_app import checks, conf
     from django_app.commands import LockedCommand
+    from django_app.metrics import metrics_view
 
     call_command("migrate", verbosity=0)
     # No worker here: tasks run in-process, through the same __call__ a worker uses.
@@ -503,6 +516,15 @@ def _run_blocks(spec: Path, results_file: Path) -> None:
             assert not problems, f"TASK_LOCKS fails the system checks: {problems}"
         if isinstance(namespace.get("LOGGING"), dict):
             logging.config.dictConfig(namespace["LOGGING"])
+        for pattern in namespace.get("urlpatterns", []):
+            # A URLconf with the metrics view: scraped as Prometheus would.
+            if getattr(pattern, "callback", None) is not metrics_view:
+                continue
+            response = pattern.callback(RequestFactory().get(f"/{pattern.pattern}"))
+            assert response.status_code == 200, (pattern, response.status_code)
+            body = response.content.decode()
+            sample = next(line for line in body.splitlines() if line.startswith("task_locks_"))
+            out.write(f"metrics view: {sample}\n")
         for value in list(namespace.values()):
             if (
                 inspect.isclass(value)

@@ -1,6 +1,6 @@
 """Front ends a cron wrapper and an on-call engineer rely on (issue 14).
 
-Exit statuses (one table in the README), options after the verb, and a configuration
+Exit statuses (one table, in docs/operations.md), options after the verb, and a configuration
 error that names the setting.
 """
 
@@ -91,7 +91,7 @@ def test_the_readme_has_every_exit_status_in_one_table() -> None:
 
     from task_locks import ops
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     documented = dict(re.findall(r"^\| (\d+) \| `(EX_[A-Z_]+)` \|", readme, re.MULTILINE))
     constants = {str(getattr(ops, n)): n for n in dir(ops) if n.startswith("EX_")}
     assert documented == constants
