@@ -408,6 +408,14 @@ def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
     """The plain (non-Django) Celery app as written: ``tasks.py`` in a folder, the README's
     worker command started there, then ``send.py``: one call runs, its duplicate ends
     ``SKIPPED``."""
+    run_plain_celery_app(redis_url, tmp_path, Path(sys.executable).parent, [ROOT])
+
+
+def run_plain_celery_app(
+    redis_url: str, tmp_path: Path, bin_dir: Path, pythonpath: list[Path]
+) -> None:
+    """The README's plain Celery app, its worker and ``send.py``, run with the ``python``
+    and ``celery`` of ``bin_dir`` and ``pythonpath`` besides ``tmp_path``."""
     blocks = [b for b in readme_blocks() if b.reason.startswith(WITH_A_WORKER)]
     assert [b.lang for b in blocks] == ["python", "sh", "python"], [b.where for b in blocks]
     app, worker_command, sender = blocks
@@ -419,8 +427,8 @@ def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
         for k, v in os.environ.items()
         if k != "DJANGO_SETTINGS_MODULE" and not k.startswith(("CELERY_", "TASK_LOCKS"))
     }
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])  # as if pip-installed
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(map(str, [tmp_path, *pythonpath]))
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
         worker = subprocess.Popen(
@@ -434,7 +442,7 @@ def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
     try:
         # send.py waits up to 30 s for both states: enough for the worker to start.
         sent = subprocess.run(
-            [sys.executable, "send.py"],
+            [str(bin_dir / "python"), "send.py"],
             cwd=tmp_path,
             env=env,
             capture_output=True,
