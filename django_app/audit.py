@@ -136,6 +136,7 @@ def _setting_changed(*, setting: str, **kwargs: Any) -> None:
 
 
 def enabled(kind: str) -> bool:
+    """Whether ``TASK_LOCKS["AUDIT"]`` keeps events of ``kind`` as Lock events rows."""
     return kind in conf.audit_kinds()
 
 

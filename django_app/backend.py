@@ -615,6 +615,8 @@ class DjangoBackend(Backend):
 
     @property
     def dialect(self) -> _Dialect:
+        """The SQL the alias's database speaks (PostgreSQL, MySQL/MariaDB, SQLite), found without
+        I/O."""
         if self._dialect is None:
             from django.db import connections
 

@@ -83,6 +83,7 @@ def _probe(backend: Backend) -> str | None:
 
 @checks.register("task_locks")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The system check of ``TASK_LOCKS`` (registered by the app): each problem with its stable id."""
     try:
         merged = conf.merged()
     except ImproperlyConfigured as exc:  # TASK_LOCKS is not a dict

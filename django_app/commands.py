@@ -110,6 +110,8 @@ def render_lock_name(template: str, options: Mapping[str, Any], command: str) ->
 
 
 def add_lock_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--lock-wait``, ``--lock-ttl`` and ``--no-lock`` to a command's parser (what
+    :class:`LockedCommand` does)."""
     group = parser.add_argument_group("distributed lock")
     group.add_argument(
         "--lock-wait",

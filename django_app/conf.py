@@ -110,6 +110,7 @@ def raw() -> dict[str, Any]:
 
 
 def unknown_keys() -> list[str]:
+    """The keys of ``TASK_LOCKS`` this version does not know (typos), sorted."""
     return sorted(set(raw()) - set(DEFAULTS))
 
 
@@ -283,6 +284,8 @@ def lock_settings() -> LockSettings:
 
 
 def audit_kinds() -> frozenset[str]:
+    """The event kinds ``AUDIT`` keeps (the defaults while the setting is invalid: checks report
+    it)."""
     try:
         return lock_settings().audit
     except ImproperlyConfigured:
@@ -352,6 +355,7 @@ def _backend_source() -> str:
 
 
 def default_ttl() -> float:
+    """``DEFAULT_TTL`` in seconds (the default while the setting is invalid: checks report it)."""
     try:
         return lock_settings().default_ttl
     except ImproperlyConfigured:

@@ -231,10 +231,12 @@ class _ElectionBase(Generic[LS]):
 
     @property
     def ttl(self) -> float:
+        """Seconds a dead leader keeps the election (the lock's TTL in force)."""
         return float(self._lock.effective_ttl)
 
     @property
     def backend(self) -> Backend:
+        """The backend the election's lock lives on."""
         backend: Backend = self._lock.backend
         return backend
 
@@ -381,6 +383,8 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
         )
 
     async def campaign(self, timeout: float | Unset | None = UNSET) -> AsyncLeadership:
+        """The asyncio twin of :meth:`Election.campaign`: become leader, waiting up to ``timeout``
+        seconds."""
         current = self._current()
         if current is not None:
             return current
@@ -399,21 +403,26 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
         return leadership
 
     async def try_campaign(self) -> AsyncLeadership | None:
+        """One attempt (one round trip): the term, or ``None`` while someone else leads."""
         try:
             return await self.campaign(timeout=0)
         except LockHeld:
             return None
 
     async def resign(self) -> bool:
+        """Give up this candidate's term, if any; ``False`` if it did not lead."""
         leadership, self.leadership = self.leadership, None
         return await leadership.resign() if leadership is not None else False
 
     async def leader(self) -> LeaderInfo | None:
+        """Who leads now, by the backend (one round trip); ``None`` between terms."""
         return leader_info(await self.backend.aholder(self.lock_name))
 
     async def observe(
         self, interval: float | None = None, timeout: float | None = None
     ) -> AsyncIterator[LeaderInfo | None]:
+        """The asyncio twin of :meth:`Election.observe`: yield the leader now, then each time it
+        changes."""
         pause = self._observe_interval(interval)
         deadline = None if timeout is None else time.monotonic() + timeout
         last: LeaderInfo | Unset | None = UNSET

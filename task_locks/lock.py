@@ -301,6 +301,7 @@ class LeaseBase:
 
     @property
     def remaining(self) -> float:
+        """Seconds left before the lease's local deadline (0 once it passed); no round trip."""
         return max(0.0, self._expires_mono - time.monotonic())
 
     def check(self) -> None:
@@ -634,6 +635,8 @@ class AsyncLease(LeaseBase):
         _spawn(release())
 
     async def release(self) -> None:
+        """The asyncio twin of :meth:`Lease.release`: free the lock if it is still ours;
+        raise :class:`NotOwned` if it was lost."""
         if self._begin_release():
             try:
                 ok = await self.backend.arelease(self.name, self.token)
@@ -712,6 +715,8 @@ class LockBase:
 
     @property
     def backend(self) -> Backend:
+        """The backend this lock uses, checked against ``require``
+        (:class:`MissingCapability` if it lacks one)."""
         backend = resolve_backend(self._backend, name=self.name)
         backend.check_name(self.name)
         if self.require:
@@ -727,6 +732,8 @@ class LockBase:
 
     @property
     def effective_ttl(self) -> float:
+        """The TTL in force: ``ttl`` if given, else the configured default
+        (``configure(default_ttl=...)``)."""
         return self.ttl if self.ttl is not None else default_ttl()
 
     def _timeout(self, timeout: float | Unset | None) -> float | None:
@@ -900,11 +907,32 @@ class LockBase:
 
 
 class Lock(LockBase):
-    """A named distributed lock. ``acquire()`` returns a :class:`Lease`.
+    """A named distributed lock. ``acquire()`` (or ``with``) returns a :class:`Lease`.
 
-    ``ttl`` (seconds) bounds how long a dead holder keeps the lock; live holders are
-    renewed at ttl/3 by the watchdog. ``timeout`` is the default wait of ``acquire()`` and
-    of ``with``: ``None`` waits as long as it takes, ``0`` tries once.
+    Making a ``Lock`` takes nothing and sends nothing; bad arguments are refused here, with
+    :class:`InvalidArgument` naming what was wrong, never at the first acquire.
+
+    :param name: the lock's name, the same lock wherever it is used with the same backend
+        (a non-empty string without control characters; the backend's prefix goes before it).
+    :param ttl: seconds a dead holder keeps the lock (at most one year); live holders are
+        renewed at ttl/3. ``None``: the configured default (``configure(default_ttl=...)``,
+        30 s).
+    :param backend: a backend URL (``redis://...``) or a :class:`Backend`; ``None``: the
+        configured one (``configure(backend=...)``, ``TASK_LOCKS_URL``, or with Django
+        ``TASK_LOCKS["BACKEND"]``), else :class:`NotConfigured` at the first acquire.
+    :param timeout: the default wait of ``acquire()`` and ``with``, in seconds: ``None``
+        waits as long as it takes, ``0`` tries once.
+    :param on_lost: called with the lease when it is lost (renewals did not get through
+        before its local deadline, a force release, ``max_hold``), where the loss is noticed
+        (a background thread, or the lease's event loop: a coroutine it returns is run
+        there); ``lease.lost`` is set either way.
+    :param max_hold: seconds after the acquire at which the lease is marked lost and the
+        lock released at once: a bound on a hung holder. ``None``: no bound.
+    :param renew: ``False`` leaves the lease unrenewed: it ends at its TTL (for a holder
+        that renews itself with ``lease.renew()``, or a test of a paused one).
+    :param require: capabilities the backend must have (``"fencing"``, ``"consensus"``,
+        ``"multiprocess"``, ``"wakeup"``, ``"holders"``, or :class:`Capability` members);
+        an unknown name is refused here, a missing one raises :class:`MissingCapability`.
     """
 
     def acquire(self, timeout: float | Unset | None = UNSET) -> Lease:
@@ -951,6 +979,11 @@ class AsyncLock(LockBase):
     """The asyncio twin of :class:`Lock`: same arguments, same semantics."""
 
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncLease:
+        """Take the lock, waiting up to ``timeout`` seconds; raise :class:`LockHeld` if not.
+
+        In a task that already holds this lock, :class:`LockHeld` is raised at once: the lock
+        is not re-entrant. The lease is renewed by a task of the running event loop.
+        """
         backend = self.backend
         task = asyncio.current_task()
         holder = None if task is None else weakref.ref(task)
@@ -964,12 +997,14 @@ class AsyncLock(LockBase):
         return self._keep(self._lease(AsyncLease, backend, self.name, *granted), holder)
 
     async def try_acquire(self) -> AsyncLease | None:
+        """One attempt: an :class:`AsyncLease`, or ``None`` if someone else holds the lock."""
         try:
             return await self.acquire(timeout=0)
         except LockHeld:
             return None
 
     async def holder(self) -> Holder | None:
+        """Who holds the lock now, if anyone (one round trip)."""
         return await self.backend.aholder(self.name)
 
     async def __aenter__(self) -> AsyncLease:

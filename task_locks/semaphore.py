@@ -247,6 +247,7 @@ class Semaphore(_SemaphoreBase):
         return self._mine(self.backend.holders(self._holder_prefix()))
 
     def info(self) -> SemaphoreInfo:
+        """The semaphore now: its limit and each permit's holder (one round trip)."""
         return self._info(self.backend.holders(self._holder_prefix()))
 
     def __enter__(self) -> Permit:
@@ -265,20 +266,24 @@ class AsyncSemaphore(_SemaphoreBase):
     """The asyncio twin of :class:`Semaphore`: same arguments, same semantics."""
 
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncPermit:
+        """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
         granted = await adrive(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(AsyncPermit, backend, *granted)
 
     async def try_acquire(self) -> AsyncPermit | None:
+        """One pass over the slots: an :class:`AsyncPermit`, or ``None`` if all are taken."""
         try:
             return await self.acquire(timeout=0)
         except LockHeld:
             return None
 
     async def holders(self) -> list[Holder]:
+        """The permits taken now (one round trip)."""
         return self._mine(await self.backend.aholders(self._holder_prefix()))
 
     async def info(self) -> SemaphoreInfo:
+        """The semaphore now: its limit and each permit's holder (one round trip)."""
         return self._info(await self.backend.aholders(self._holder_prefix()))
 
     async def __aenter__(self) -> AsyncPermit:

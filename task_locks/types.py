@@ -33,11 +33,14 @@ class Owner:
     limit: int | None = None
 
     def to_json(self) -> str:
+        """The owner as the JSON stored beside the lock on the server."""
         # Cached: a process acquires with the same few owners over and over.
         return _owner_json(self)
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Owner:
+        """The owner stored as ``raw`` JSON; an empty owner for none, unknown fields ignored (a
+        newer writer's)."""
         if not raw:
             return cls()
         try:
@@ -118,13 +121,17 @@ class Holder:
 
     @property
     def held_for(self) -> float | None:
+        """Seconds since the lock was taken (``None`` when the backend does not know)."""
         return None if self.acquired_at is None else max(0.0, time.time() - self.acquired_at)
 
     @property
     def expires_in(self) -> float | None:
+        """Seconds until the lock expires unless renewed (``None`` when unknown; negative once
+        past)."""
         return None if self.expires_at is None else self.expires_at - time.time()
 
     def describe(self) -> str:
+        """One human line: the owner, its fence and how long it has held the lock."""
         held = f", held for {self.held_for:.1f}s" if self.held_for is not None else ""
         return f"{self.owner.describe()} (fence {self.fence}{held})"
 

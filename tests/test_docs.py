@@ -1,17 +1,93 @@
 """The documentation site's sources beyond their code blocks (those are run by
-tests/test_readme.py, with the README's): the operations page's ``LOGGING`` snippet prints
-each line once under a Celery worker.
+tests/test_readme.py, with the README's): every public name documents itself (the API
+reference pages are generated from these docstrings by mkdocstrings in ``make docs``), and
+the operations page's ``LOGGING`` snippet prints each line once under a Celery worker.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = ROOT / "docs" / "operations.md"
+
+#: Packages whose ``__all__`` is the public API.
+PACKAGES = ["task_locks", "task_locks.celery"]
+#: The Django app's public modules (``django_app.<name>``): each name in their ``__all__``,
+#: or, without one, each class and function they define whose name has no underscore.
+DJANGO_MODULES = ["admin", "audit", "backend", "checks", "commands", "conf", "fencing", "metrics"]
+#: Modules whose classes are Django's hooks (a ModelAdmin's methods are called by the admin,
+#: not by users): their classes need a docstring, their methods do not.
+HOOK_MODULES = {"django_app.admin"}
+
+
+def _ours(value: Any) -> bool:
+    module = getattr(value, "__module__", "") or ""
+    return module.split(".")[0] in {"task_locks", "django_app"}
+
+
+def _public_names(module: ModuleType) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isclass(value) or inspect.isfunction(value))
+        and getattr(value, "__module__", None) == module.__name__
+    ]
+
+
+def _members(cls: type) -> Iterator[tuple[str, Any]]:
+    """The public methods and properties a user calls on ``cls``, wherever in our
+    package's part of its MRO they are defined."""
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if not _ours(klass):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name in seen:
+                continue
+            seen.add(name)
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if inspect.isfunction(value) or isinstance(value, property):
+                yield name, value
+
+
+def _undocumented() -> list[str]:
+    missing: list[str] = []
+    modules = [importlib.import_module(m) for m in PACKAGES]
+    modules += [importlib.import_module(f"django_app.{m}") for m in DJANGO_MODULES]
+    for module in modules:
+        if not (module.__doc__ or "").strip():
+            missing.append(module.__name__)
+        for name in _public_names(module):
+            value = getattr(module, name)
+            where = f"{module.__name__}.{name}"
+            if not (inspect.isclass(value) or callable(value)) or not _ours(value):
+                continue  # constants: documented by a #: comment beside them
+            if not (inspect.getdoc(value) or "").strip():
+                missing.append(where)
+            if inspect.isclass(value) and module.__name__ not in HOOK_MODULES:
+                for member, attribute in _members(value):
+                    if not (inspect.getdoc(attribute) or "").strip():
+                        missing.append(f"{where}.{member}")
+    return sorted(set(missing))
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    missing = _undocumented()
+    assert not missing, f"{len(missing)} public names without a docstring: {missing}"
 
 
 def _logging_block() -> str:
@@ -53,3 +129,13 @@ def test_the_logging_snippet_prints_each_line_once_under_a_celery_worker() -> No
     assert len(_lines_printed(block)) == 1, _lines_printed(block)
     # The snippet's propagate=False is what does it: without it, every line is doubled.
     assert len(_lines_printed(block.replace('"propagate": False', '"propagate": True'))) == 2
+
+
+def test_the_api_reference_pages_name_every_public_name() -> None:
+    """docs/reference/ has a ``::: package.NAME`` entry for each name of each ``__all__``,
+    so a new public name cannot be left out of the generated reference."""
+    text = "\n".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        missing = [n for n in module.__all__ if f"::: {package}.{n}\n" not in text + "\n"]
+        assert not missing, f"docs/reference/ lacks {package}: {missing}"

@@ -369,45 +369,57 @@ class Backend(abc.ABC):
     # -- asyncio: the shared adapter -----------------------------------------------
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        """The asyncio twin of :meth:`acquire` (by default, the sync call in a thread)."""
         return await asyncio.to_thread(self.acquire, name, token, ttl_ms, owner)
 
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
+        """The asyncio twin of :meth:`renew`."""
         return await asyncio.to_thread(self.renew, name, token, ttl_ms)
 
     async def arenew_many(
         self, items: Sequence[RenewItem], timeout: float | None = None
     ) -> list[bool]:
+        """The asyncio twin of :meth:`renew_many`."""
         return await asyncio.to_thread(self.renew_many, items, timeout)
 
     async def arelease(self, name: str, token: str) -> bool:
+        """The asyncio twin of :meth:`release`."""
         return await asyncio.to_thread(self.release, name, token)
 
     async def await_release(self, name: str, timeout: float) -> None:
+        """The asyncio twin of :meth:`wait`: until ``name`` may be free, at most ``timeout`` seconds."""
         await _wait_in_thread(lambda remaining: self.wait(name, remaining), timeout)
 
     async def await_any(self, names: Sequence[str], timeout: float) -> None:
+        """The asyncio twin of :meth:`wait_any`."""
         await _wait_in_thread(lambda remaining: self.wait_any(names, remaining), timeout)
 
     async def aholders(self, prefix: str = "") -> list[Holder]:
+        """The asyncio twin of :meth:`holders`."""
         return await asyncio.to_thread(self.holders, prefix)
 
     async def aenqueue(
         self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
     ) -> AcquireResult:
+        """The asyncio twin of :meth:`enqueue` (the server hand-off)."""
         return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
 
     async def aawait_grant(
         self, name: str, token: str, timeout: float, above: int | None
     ) -> int | None:
+        """The asyncio twin of :meth:`await_grant` (the server hand-off)."""
         return await asyncio.to_thread(self.await_grant, name, token, timeout, above)
 
     async def adequeue(self, name: str, token: str) -> bool:
+        """The asyncio twin of :meth:`dequeue` (the server hand-off)."""
         return await asyncio.to_thread(self.dequeue, name, token)
 
     async def aforce_release(self, name: str, fence: int | None = None) -> bool:
+        """The asyncio twin of :meth:`force_release`."""
         return await asyncio.to_thread(self.force_release, name, fence)
 
     async def aholder(self, name: str) -> Holder | None:
+        """The asyncio twin of :meth:`holder`."""
         return await asyncio.to_thread(self.holder, name)
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook

@@ -210,6 +210,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
+        """Celery's hook when the task is bound to an app: a task that locks at publish installs the
+        app's publish guard."""
         super().on_bound(app)
         if cls.lock_on != "run":
             install_publish_guard(app)
