@@ -355,3 +355,27 @@ def outage_retry_task(self: Any, key: str, log: str) -> str:
 def outage_limited_task(self: Any, key: str, log: str) -> str:
     record(log, event="ran", attempt=self.request.retries)
     return "ran"
+
+
+# gevent and eventlet pools (issue 25, item 2): short TTLs, so a run lasts several renewals.
+@singleton_task(**common, ttl=1, on_conflict="skip")
+def short_ttl_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
+    """Runs for ``seconds`` (> 2 TTLs); records whether its lease was still held at the end."""
+    lease = current_lease()
+    assert lease is not None
+    fields = work(self, log, seconds)
+    record(log + ":kept", task_id=self.request.id, held=lease.held, lost=lease.lost.is_set())
+    return fields
+
+
+@singleton_task(**common, ttl=1, on_conflict="raise")
+def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
+    """One C call (``sum`` over a ``range``) longer than the TTL: under gevent or eventlet it
+    blocks the hub, so the lease's renewal cannot run and the lock expires meanwhile."""
+    lease = current_lease()
+    assert lease is not None
+    record(log, event="started")
+    sum(range(count))
+    held = lease.held
+    record(log, event="call ended", held=held)
+    return held

@@ -2,8 +2,8 @@
 
 One private Redis serves as broker (db 0), result backend (db 1) and lock server (db 2);
 it is never flushed by the shared ``redis_url`` fixture, so workers started once serve
-the whole session. Workers are started on first use (prefork, solo, threads, and one
-with a 5 s visibility timeout) and cold-stopped at the end; their logs are in
+the whole session. Workers are started on first use (prefork, solo, threads, gevent,
+eventlet, and one with a 5 s visibility timeout) and cold-stopped at the end; their logs are in
 ``worker.log`` files printed when a worker fails to start.
 """
 
@@ -162,6 +162,17 @@ def solo_worker(cluster: Cluster) -> Worker:
 @pytest.fixture(scope="session")
 def threads_worker(cluster: Cluster) -> Worker:
     return cluster.start([("threads", ["-P", "threads", "-c", "3", "-Q", "tl_threads"], {})])[0]
+
+
+@pytest.fixture(scope="session")
+def gevent_worker(cluster: Cluster) -> Worker:
+    return cluster.start([("gevent", ["-P", "gevent", "-c", "30", "-Q", "tl_gevent"], {})])[0]
+
+
+@pytest.fixture(scope="session")
+def eventlet_worker(cluster: Cluster) -> Worker:
+    options = ["-P", "eventlet", "-c", "30", "-Q", "tl_eventlet"]
+    return cluster.start([("eventlet", options, {})])[0]
 
 
 @pytest.fixture(scope="session")
