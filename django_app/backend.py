@@ -63,7 +63,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from task_locks.backends.base import Backend, Capability
+from task_locks.backends.base import Backend, Capability, unknown_options
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
 from task_locks.types import AcquireResult, Holder, Owner, RenewItem
@@ -485,10 +485,7 @@ class DjangoBackend(Backend):
         self.timeout = self._number(options, "timeout", DEFAULT_TIMEOUT, positive=True)
         options.pop("timeout", None)
         if options:
-            raise InvalidArgument(
-                f"{self.server}: unknown option(s) {sorted(options)}; the django:// "
-                "backend takes prefix and timeout"
-            )
+            raise InvalidArgument(unknown_options(self.server, options, ("prefix", "timeout")))
         try:
             from django.conf import settings
         except ImportError as exc:  # pragma: no cover - django is an extra

@@ -11,6 +11,9 @@
 ``task_locks.E005``  ``TASK_LOCKS_URL`` is set (the ``task-locks`` CLI locks there) but
                      ``TASK_LOCKS`` locks on another server or in another namespace:
                      one lock name would be two locks
+``task_locks.E006``  the backend answered but refuses the URL: a password required or
+                     wrong, TLS where the server has none (or the reverse), not a Redis
+                     server (what the CLIs exit 78 for)
 ``task_locks.W001``  the backend did not answer (it may be down or unreachable)
 ``task_locks.W002``  ``KEY_PREFIX`` is set but the backend does not use it
 =================  =====================================================================
@@ -29,7 +32,7 @@ from urllib.parse import urlsplit
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from task_locks import Backend, LockError, get_backend
+from task_locks import Backend, BackendMisconfigured, LockError, get_backend
 
 from . import conf
 
@@ -60,25 +63,41 @@ def _warning(id_: str, msg: str, hint: str | None = None) -> checks.CheckMessage
     return checks.Warning(msg, hint=hint, id=f"task_locks.{id_}", obj=conf.SETTING)
 
 
-def _probe(backend: Backend) -> str | None:
-    """``None`` if the backend answered within ``PROBE_TIMEOUT``, else what went wrong."""
-    outcome: list[str | None] = []
+def _probe(backend: Backend) -> checks.CheckMessage | None:
+    """``None`` if the backend answered within ``PROBE_TIMEOUT`` and took the URL, else
+    E006 (it answered and refused the URL) or W001 (no usable answer)."""
+    outcome: list[Exception | None] = []
 
     def run() -> None:
         try:
             backend.holder(_PROBE_NAME)
             outcome.append(None)
-        except LockError as exc:
-            outcome.append(str(exc))
         except Exception as exc:  # a check must report, never crash
-            outcome.append(f"{type(exc).__name__}: {exc}")
+            outcome.append(exc)
 
     thread = threading.Thread(target=run, name="task-locks-check", daemon=True)
     thread.start()
     thread.join(PROBE_TIMEOUT)
+    if outcome and outcome[0] is None:
+        return None
+    if outcome and isinstance(outcome[0], BackendMisconfigured):
+        return _error(
+            "E006",
+            f"the lock backend {backend.server} answered but refuses the URL: {outcome[0]}",
+            hint="Fix the URL in TASK_LOCKS['BACKEND'] (or $TASK_LOCKS_URL): locks fail "
+            "until it matches the server.",
+        )
     if not outcome:
-        return f"no answer within {PROBE_TIMEOUT:g}s"
-    return outcome[0]
+        problem = f"no answer within {PROBE_TIMEOUT:g}s"
+    elif isinstance(outcome[0], LockError):
+        problem = str(outcome[0])
+    else:
+        problem = f"{type(outcome[0]).__name__}: {outcome[0]}"
+    return _warning(
+        "W001",
+        f"the lock backend {backend.server} did not answer: {problem}",
+        hint="Locks will fail with BackendUnavailable until it is reachable.",
+    )
 
 
 @checks.register("task_locks")
@@ -158,15 +177,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     # The database backend's health is Django's own database checks' business (and its
     # table does not exist before the first migrate, when this check also runs).
     if scheme != "django" and not _probe_skipped.get():
-        problem = _probe(backend)
-        if problem is not None:
-            messages.append(
-                _warning(
-                    "W001",
-                    f"the lock backend {backend.server} did not answer: {problem}",
-                    hint="Locks will fail with BackendUnavailable until it is reachable.",
-                )
-            )
+        probed = _probe(backend)
+        if probed is not None:
+            messages.append(probed)
     return messages
 
 

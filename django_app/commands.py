@@ -52,6 +52,7 @@ from task_locks import (
     BackendMisconfigured,
     BackendUnavailable,
     InvalidArgument,
+    Lease,
     Lock,
     LockHeld,
     LockLost,
@@ -66,6 +67,8 @@ from task_locks.ops import (
     EX_UNAVAILABLE,
     conflict_holder,
     conflict_message,
+    positive_seconds,
+    seconds,
 )
 
 from . import audit, checks, conf
@@ -113,16 +116,17 @@ def add_lock_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--lock-wait``, ``--lock-ttl`` and ``--no-lock`` to a command's parser (what
     :class:`LockedCommand` does)."""
     group = parser.add_argument_group("distributed lock")
+    # Bad values exit 2 with the command's usage, as every other bad argument does.
     group.add_argument(
         "--lock-wait",
-        type=float,
+        type=seconds,
         default=0.0,
         metavar="SECONDS",
         help="wait up to SECONDS for the lock if another run holds it (default: 0)",
     )
     group.add_argument(
         "--lock-ttl",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="lock TTL (renewed while the command runs; a crashed run frees it after this)",
@@ -177,14 +181,10 @@ def run_locked(
             f"task-locks: WARNING: {command_name} runs without its lock (--no-lock): another "
             "run may be doing the same work at the same time"
         )
+        command.lease = None  # type: ignore[attr-defined]  # --no-lock: no lease to read
         return handle(*args, **options)
-    if wait < 0:
-        raise CommandError(f"--lock-wait must be >= 0 seconds, got {wait}")
     name = render_lock_name(template, options, command_name)
-    try:
-        ttl = validate_ttl(ttl_option, "--lock-ttl") if ttl_option is not None else ttl
-    except InvalidArgument as exc:
-        raise CommandError(str(exc)) from None
+    ttl = ttl_option if ttl_option is not None else ttl  # --lock-ttl: checked by argparse
     backend = conf.backend()
     described = " ".join(["manage.py", command_name, *map(str, args)])
     stopper = _LossStopper(command, described)
@@ -244,7 +244,7 @@ class _LossStopper:
             return
         self.command.stderr.write(
             f"task-locks: lost lock {lease.name!r} ({lease.lost_reason}); stopping "
-            f"{self.described} (exit status {EX_TEMPFAIL})"
+            f"{self.described} (exit status {EX_LEASE_LOST})"
         )
         if self._interruptible and self._main.ident is not None:
             self.stopped = True
@@ -294,7 +294,7 @@ def _exit_quietly(run_from_argv: Callable[[list[str]], None], argv: list[str]) -
     except (BackendUnavailable, BackendMisconfigured) as exc:
         # Cron tells "cannot lock now" (69) and "fix the URL" (78) from a failed job.
         status = EX_UNAVAILABLE if isinstance(exc, BackendUnavailable) else EX_CONFIG
-        sys.stderr.write(f"task-locks: {exc}; exiting with status {status}\n")
+        sys.stderr.write(f"task-locks: {str(exc).rstrip('.')}; exiting with status {status}\n")
         sys.stderr.flush()
         sys.exit(status)
     except KeyboardInterrupt:
@@ -309,6 +309,9 @@ class LockedCommand(BaseCommand):
     lock_name: str | None = None
     #: Seconds; ``None`` uses ``TASK_LOCKS["DEFAULT_TTL"]``.
     lock_ttl: float | None = None
+    #: While ``handle()`` runs: its lease (pass ``lease.fence`` to what it writes);
+    #: ``None`` under ``--no-lock``.
+    lease: Lease | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -312,7 +312,7 @@ class MisconfiguredBackend(Backend):
         self.problem = problem
 
     def _fail(self, name: str | None = None) -> InvalidArgument:
-        return InvalidArgument(f"task-locks is misconfigured: {self.problem}", name=name)
+        return InvalidArgument(f"the lock settings are misconfigured: {self.problem}", name=name)
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         raise self._fail(name)

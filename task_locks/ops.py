@@ -43,7 +43,7 @@ from types import FrameType
 from typing import Any, Final, Protocol, TextIO
 
 from . import events
-from .backends.base import Backend
+from .backends.base import Backend, reported_by_caller
 from .errors import BackendMisconfigured, BackendUnavailable, LockError, LockHeld, LockLost
 from .listing import (
     Listing,
@@ -68,7 +68,7 @@ from .listing import (
     semaphore_to_dict,
     slot_index,
 )
-from .lock import Lease, Lock
+from .lock import Lease, Lock, validate_name
 from .owner import owner_context
 from .types import Holder, Owner
 
@@ -160,7 +160,8 @@ def conflict_holder(backend: Backend, error: LockHeld) -> Holder | None:
 # -- the parser, shared --------------------------------------------------------------
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0 (``inf``: forever)."""
     try:
         value = float(text)
     except ValueError:
@@ -170,7 +171,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (a TTL)."""
     try:
         value = float(text)
     except ValueError:
@@ -178,6 +180,9 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or math.isinf(value):  # NaN too
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text!r}")
     return value
+
+
+_seconds, _positive_seconds = seconds, positive_seconds  # (their names before)
 
 
 def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
@@ -222,10 +227,10 @@ def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
         epilog=epilog,
     )
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--ttl", type=_positive_seconds, default=None, help="seconds")
+    p.add_argument("--ttl", type=positive_seconds, default=None, help="seconds")
     p.add_argument(
         "--wait",
-        type=_seconds,
+        type=seconds,
         default=0.0,
         metavar="SECONDS",
         help="wait this long for the lock (default 0: try once; inf: forever)",
@@ -272,12 +277,25 @@ def parse_args(
     if "--" in args:
         cut = args.index("--")
         args, program = args[:cut], args[cut + 1 :]
+    # A typo after the verb is that verb's: its usage, not the top-level one, goes with it.
+    known, extras = parser.parse_known_args(args, copy.copy(namespace))
+    if extras:
+        verb_parser = _verb_parsers(parser).get(getattr(known, "verb", None) or "")
+        (verb_parser or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     options = (parse or parser.parse_args)(args, namespace)
     if program:
         if getattr(options, "verb", None) != "run":
             parser.error("only `run` takes a program after --")
         options.command = [*options.command, *program]
     return options
+
+
+def _verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The verbs' own parsers, by verb."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 # -- the verbs -----------------------------------------------------------------------
@@ -296,7 +314,7 @@ def cmd_list(backend: Backend, prefix: str, as_json: bool, out: TextIO) -> int:
 
 
 def cmd_show(backend: Backend, name: str, as_json: bool, out: TextIO, err: TextIO) -> int:
-    holder = backend.holder(name)
+    holder = backend.holder(validate_name(name))  # the names `run` refuses, refused here
     if holder is None:
         err.write(f"lock {name!r} is not held\n")
         return EX_NOT_HELD
@@ -319,9 +337,13 @@ def cmd_show(backend: Backend, name: str, as_json: bool, out: TextIO, err: TextI
     return EX_OK
 
 
+def stdin_is_a_terminal() -> bool:
+    return bool(sys.stdin) and sys.stdin.isatty()
+
+
 def ask(question: str) -> bool:
     """Ask on the terminal; ``False`` when there is no terminal to ask on."""
-    if not sys.stdin or not sys.stdin.isatty():
+    if not stdin_is_a_terminal():
         return False
     try:
         return input(f"{question} [y/N] ").strip().lower() in {"y", "yes"}
@@ -347,19 +369,30 @@ def cmd_release(
             "keep writing: guard resources with fences); pass --force to do it\n"
         )
         return EX_USAGE
-    holder = backend.holder(name)
+    holder = backend.holder(validate_name(name))
     if holder is None:
         err.write(f"lock {name!r} is not held\n")
         return EX_NOT_HELD
     role = describe_role(holder)
     what = f"{name!r} ({role})" if role else repr(name)
+    if not yes and confirm is ask and not stdin_is_a_terminal():
+        # (a piped "y" is no answer: the question was never shown)
+        err.write(
+            f"not released: standard input is not a terminal, so there is nobody to ask "
+            f"whether to force-release {what}, held by {describe_holder(holder)}; pass "
+            "--yes to release without the question\n"
+        )
+        return EX_NOT_HELD
     if not yes and not confirm(f"Force-release {what}, held by {describe_holder(holder)}?"):
         err.write("not released (not confirmed; pass --yes to skip the question)\n")
         return EX_NOT_HELD
     by = f" by {actor}" if actor else ""
     # Only the holder the operator was shown: the lock may have changed hands while the
     # question was on screen, and the backend checks the fence in the same atomic step.
-    if not backend.force_release(name, fence=holder.fence):
+    # The line below says it was released: the backend does not log it a second time.
+    with reported_by_caller():
+        released = backend.force_release(name, fence=holder.fence)
+    if not released:
         return _not_released(backend, holder, err, audit, by)
     audit(
         "forced",
@@ -477,7 +510,11 @@ def cmd_run(
                 return 127
             status = _supervise(child[0], lease, lost, err)
             if status is None:
-                return _status(child[0].returncode)
+                # It ended by itself; a lease found lost now (at the release, or by a
+                # renewal as it ended) was lost while it ran: its work may overlap.
+                stopped = True
+                kept = _release(lease, err, audit)
+                return _status(child[0].returncode) if kept else EX_LEASE_LOST
             stopped = True
             if not lease.lost.is_set():  # stopped before its deadline: not yet reported
                 lease._mark_lost(status)  # one `lost` event, as any lease's (no later one)
@@ -526,7 +563,7 @@ def _stop(proc: subprocess.Popen[bytes], lease: Lease, left: float, err: TextIO)
             f"(fence {lease.fence})"
         )
     err.write(
-        f"task-locks: {why}; stopping {proc.args!r}: SIGTERM now, SIGKILL in {left:.2f}s "
+        f"task-locks: {why}; stopping {_program(proc)}: SIGTERM now, SIGKILL in {left:.2f}s "
         f"at the lease's deadline; exit status {EX_LEASE_LOST}\n"
     )
     err.flush()
@@ -536,21 +573,35 @@ def _stop(proc: subprocess.Popen[bytes], lease: Lease, left: float, err: TextIO)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        err.write(f"task-locks: {proc.args!r} did not stop by the deadline: sent SIGKILL\n")
+        err.write(f"task-locks: {_program(proc)} did not stop by the deadline: sent SIGKILL\n")
     else:
-        err.write(f"task-locks: {proc.args!r} stopped (status {proc.returncode})\n")
+        err.write(f"task-locks: {_program(proc)} stopped (status {proc.returncode})\n")
     return why
 
 
-def _release(lease: Lease, err: TextIO, audit: Audit) -> None:
+def _program(proc: subprocess.Popen[bytes]) -> str:
+    """The program as the operator typed it (a shell line, not a Python list)."""
+    args = proc.args
+    return shlex.join(map(str, args)) if isinstance(args, list | tuple) else repr(args)
+
+
+def _release(lease: Lease, err: TextIO, audit: Audit) -> bool:
+    """Release ``lease``; ``False`` (said on stderr) when it turned out lost before."""
     if lease.lost.is_set():
-        return
+        err.write(
+            f"task-locks: lost lock {lease.name!r} while the program ran "
+            f"({lease.lost_reason}); exit status {EX_LEASE_LOST}\n"
+        )
+        return False
     try:
         lease.release()
     except LockLost as exc:
-        err.write(f"task-locks: {exc}\n")
+        err.write(f"task-locks: {exc}; exit status {EX_LEASE_LOST}\n")
+        return False
     except BackendUnavailable as exc:
+        # Not known lost: the program ran under a lease that was still ours.
         err.write(f"task-locks: could not release {lease.name!r} (it expires by its TTL): {exc}\n")
+    return True
 
 
 def run_verb(
@@ -644,11 +695,14 @@ __all__ = [
     "no_audit",
     "parse_args",
     "permit_to_dict",
+    "positive_seconds",
     "render_elections",
     "render_listing",
     "render_semaphores",
     "render_table",
     "run_verb",
+    "seconds",
     "semaphore_to_dict",
     "slot_index",
+    "stdin_is_a_terminal",
 ]

@@ -296,3 +296,16 @@ def test_follow_ups_of_the_redis_demo_see_its_locks(redis_url: str, tmp_path: Pa
         assert without.returncode == 0, without.stderr
         assert "sync:7" not in without.stdout
     assert "TASK_LOCKS_URL=" in (EXAMPLE / "demo.py").read_text()  # the demo prints it
+
+
+def test_nightly_report_runs_without_its_lock(tmp_path: Path) -> None:
+    """``--no-lock`` on the README's command (it reads ``self.lease``): a warning and a
+    run, never an AttributeError."""
+    assert manage(tmp_path, "migrate", "-v0").returncode == 0
+    run = manage(tmp_path, "nightly_report", "--no-lock", "--seconds", "0")
+    assert run.returncode == 0, run.stderr
+    assert "nightly report done (fence None)" in run.stdout
+    assert "runs without its lock (--no-lock)" in run.stderr
+    locked = manage(tmp_path, "nightly_report", "--seconds", "0")
+    assert locked.returncode == 0, locked.stderr
+    assert re.search(r"nightly report done \(fence \d+\)", locked.stdout), locked.stdout

@@ -18,12 +18,24 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import contextvars
+import difflib
+import logging
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import ClassVar
@@ -33,6 +45,40 @@ from ..errors import InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 
 _claims = threading.Lock()
+_caller_reports: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "task_locks_caller_reports", default=False
+)
+
+
+@contextlib.contextmanager
+def reported_by_caller() -> Iterator[None]:
+    """Within this block a force release is said by the caller (an operator's CLI prints
+    its own line): the backend does not log it too (:func:`log_forced`)."""
+    token = _caller_reports.set(True)
+    try:
+        yield
+    finally:
+        _caller_reports.reset(token)
+
+
+def log_forced(log: logging.Logger, name: str, server: str) -> None:
+    """Log a force release once, at WARNING, unless the caller reports it itself."""
+    if not _caller_reports.get():
+        log.warning("lock %r was force-released at %s (operator override)", name, server)
+
+
+def unknown_options(
+    server: str, unknown: Collection[str], known: Collection[str], also: str = ""
+) -> str:
+    """"unknown option 'prefx' (did you mean 'prefix'?)" for each of ``unknown``, then the
+    ``known`` ones (and ``also``: options too many to list, named as a group)."""
+    said = []
+    for option in sorted(unknown):
+        close = difflib.get_close_matches(option, list(known), n=1)
+        said.append(f"{option!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(said) > 1 else ""
+    listed = ", ".join(sorted(known))
+    return f"{server}: unknown option{plural} {', '.join(said)}; known: {listed}{also}"
 
 
 class DeferredRelease(abc.ABC):
@@ -218,9 +264,7 @@ class Backend(abc.ABC):
         query = dict(parse_qsl(urlsplit(self.url).query, keep_blank_values=True))
         unknown = set(query) - set(known)
         if unknown:
-            raise InvalidArgument(
-                f"{self.server}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}"
-            )
+            raise InvalidArgument(unknown_options(self.server, unknown, known))
         return query
 
     def _number(

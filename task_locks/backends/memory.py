@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import check_ttl_ms
 from ..types import AcquireResult, Holder, Owner
-from .base import Backend, Capability
+from .base import Backend, Capability, log_forced
 
 log = logging.getLogger("task_locks.backends.memory")
 
@@ -91,7 +91,7 @@ class MemoryBackend(Backend):
                 return False  # free, or no longer the holder the operator saw
             del self._locks[name]
             self._cond.notify_all()
-        log.warning("lock %r was force-released at %s (operator override)", name, self.server)
+        log_forced(log, name, self.server)
         return True
 
     def wait(self, name: str, timeout: float) -> None:

@@ -58,7 +58,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError,
 from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend, Capability, DeferredRelease
+from .base import Backend, Capability, DeferredRelease, log_forced, unknown_options
 from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import SCRIPTS, Commands, script_command
@@ -158,12 +158,10 @@ class RedisBackend(Backend):
             self.server,
             self.socket_timeout,
             self.connect_timeout,
+            frozenset(_OUR_OPTIONS),
         )
         if query and self.scheme in ("redis+sentinel", "redis+cluster"):
-            raise InvalidArgument(
-                f"{self.server}: unknown option(s) {sorted(query)}; "
-                f"{self.scheme}:// URLs accept {sorted(_OUR_OPTIONS)}"
-            )
+            raise InvalidArgument(unknown_options(self.server, query, _OUR_OPTIONS))
         self._client_guard = threading.Lock()
         self._sync_client: Any = None
         if self.cluster:
@@ -413,7 +411,7 @@ class RedisBackend(Backend):
 
     def _forced(self, name: str, released: bool) -> bool:
         if released:
-            log.warning("lock %r was force-released at %s (operator override)", name, self.server)
+            log_forced(log, name, self.server)
         return released
 
     # -- sync I/O -----------------------------------------------------------------------

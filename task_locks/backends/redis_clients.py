@@ -4,8 +4,11 @@ and asyncio alike (:class:`ClientFactory`), and the connection classes they need
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import functools
+import inspect
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Final
 from urllib.parse import SplitResult, unquote
 
 import redis
@@ -14,14 +17,77 @@ import redis.asyncio.cluster
 import redis.asyncio.retry
 import redis.asyncio.sentinel
 import redis.cluster
+import redis.connection
 import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from ..errors import InvalidArgument
 from ._redis_compat import get_connection, set_socket_timeout
+from .base import unknown_options
+from .redis_errors import PlainRedisOnTLSURL
+
+#: A TLS handshake not done by then is checked for a plain Redis on the port (a plain
+#: port may never answer a ClientHello: the handshake would wait out socket_timeout).
+TLS_PROBE_AFTER: Final = 0.5
+
+
+def _speaks_plain_redis(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` answers a plain-text ``PING`` the way a Redis server does
+    (``+PONG``, or an error such as ``-NOAUTH``); a TLS server drops it or sends an alert."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as probe:
+            probe.sendall(b"PING\r\n")
+            reply = probe.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+", b"-"))
+
+
+class _TLSConnection(redis.connection.SSLConnection):
+    """redis-py's TLS connection, telling a plain Redis port from a slow TLS server fast.
+
+    A handshake still running after :data:`TLS_PROBE_AFTER` seconds makes a plain-text
+    probe of the port: a Redis answer there fails at once as a configuration error (the
+    URL says rediss:// where the server has no TLS), instead of a timeout seconds later;
+    anything else (a TLS server that is just slow) is connected again with the full
+    timeouts."""
+
+    def _connect(self) -> Any:
+        sock = redis.connection.Connection._connect(self)  # type: ignore[no-untyped-call]  # TCP
+        probe_after = min(TLS_PROBE_AFTER, self.socket_timeout or TLS_PROBE_AFTER)
+        sock.settimeout(probe_after)
+        try:
+            tls = self._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
+        except TimeoutError:
+            sock.close()
+            if _speaks_plain_redis(self.host, self.port, probe_after):
+                raise PlainRedisOnTLSURL(
+                    f"{self.host}:{self.port} answered a plain-text PING: it has no TLS"
+                ) from None
+            return super()._connect()  # type: ignore[no-untyped-call]
+        except (OSError, RedisError):
+            sock.close()
+            raise
+        tls.settimeout(self.socket_timeout)
+        return tls
+
+
+@functools.cache
+def _connection_options(connection_class: type) -> frozenset[str]:
+    """The keyword arguments redis-py's ``connection_class`` takes (its URL options)."""
+    names: set[str] = set()
+    for cls in connection_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            names.update(
+                p.name
+                for p in inspect.signature(init).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+            )
+    return frozenset(names)
 
 
 def _share_tls_context(pool: Any) -> None:
@@ -121,6 +187,8 @@ class ClientFactory:
     server: str
     socket_timeout: float
     connect_timeout: float
+    #: The backend's own URL options (removed from ``client_url``), named in errors.
+    own_options: frozenset[str] = field(default=frozenset())
 
     @property
     def scheme(self) -> str:
@@ -210,6 +278,8 @@ class ClientFactory:
                 f"malformed Redis URL {self.server}: the path must be a database number, "
                 f"got {database!r}"
             )
+        if flavour is SYNC and self.scheme == "rediss":
+            common["connection_class"] = _TLSConnection
         try:
             client = flavour.plain.Redis.from_url(self.client_url, retry=retry, **common)
         except ValueError as exc:
@@ -217,7 +287,19 @@ class ClientFactory:
         pool = client.connection_pool
         if flavour is ASYNC:
             _share_tls_context(pool)
-        try:  # an unknown query option would otherwise fail at the first command
+        # An unknown query option would otherwise fail at the first command, in
+        # redis-py's words (AbstractConnection.__init__() got an unexpected keyword...).
+        unknown = set(pool.connection_kwargs) - _connection_options(pool.connection_class)
+        if unknown:
+            raise InvalidArgument(
+                unknown_options(
+                    self.server,
+                    unknown,
+                    self.own_options,
+                    " and redis-py's connection options (socket_keepalive, ssl_ca_certs...)",
+                )
+            )
+        try:
             pool.connection_class(**pool.connection_kwargs)
         except TypeError as exc:
             raise InvalidArgument(f"unsupported option in Redis URL {self.server}: {exc}") from exc

@@ -27,6 +27,12 @@ from redis.sentinel import MasterNotFoundError
 from ..errors import BackendMisconfigured, BackendUnavailable, LockError
 
 
+class PlainRedisOnTLSURL(RedisError):
+    """A ``rediss://`` URL whose port answered a plain-text PING: a configuration error.
+
+    A :class:`RedisError` but not a connection error: redis-py does not retry it."""
+
+
 def _causes(exc: BaseException) -> list[BaseException]:
     chain: list[BaseException] = []
     seen: BaseException | None = exc
@@ -43,6 +49,11 @@ def _misconfiguration(exc: Exception, server: str) -> str | None:
     the server has none (or the reverse), a server that is not Redis.
     """
     text = str(exc)
+    if any(isinstance(cause, PlainRedisOnTLSURL) for cause in _causes(exc)):
+        return (
+            f"TLS where Redis at {server} has none: the port answers plain Redis, so the URL "
+            "must say redis://, not rediss://"
+        )
     if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
         if not ("invalid username-password" in text or text.startswith("WRONGPASS")):
             # NOAUTH (redis-py drops the word): "Authentication required", "HELLO must be

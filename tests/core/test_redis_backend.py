@@ -97,7 +97,7 @@ def test_noscript_is_handled_after_script_flush(driver: SyncDriver, redis_url: s
 def test_rediss_url_builds_a_tls_client_without_connecting() -> None:
     backend = get_backend("rediss://:s3cret@127.0.0.1:6390/2?socket_timeout=1.5&prefix=app:")
     pool = backend.client.connection_pool
-    assert pool.connection_class is redis.connection.SSLConnection
+    assert issubclass(pool.connection_class, redis.connection.SSLConnection)
     assert pool.connection_kwargs["db"] == 2
     assert pool.connection_kwargs["socket_timeout"] == 1.5
     assert backend.prefix == "app:"

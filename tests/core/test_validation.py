@@ -36,7 +36,7 @@ LOCK_CASES: list[tuple[dict[str, Any], str]] = [
     ({"backend": "redis://[::1/0"}, "malformed backend URL"),
     ({"backend": "redis://127.0.0.1:6379/0?socket_timeout=soon"}, "socket_timeout='soon'"),
     ({"backend": "redis://127.0.0.1:6379/0?socket_timeout=0"}, "socket_timeout must be > 0"),
-    ({"backend": "redis://127.0.0.1:6379/0?colour=blue"}, "unsupported option"),
+    ({"backend": "redis://127.0.0.1:6379/0?colour=blue"}, "unknown option 'colour'"),
     ({"backend": "redis+sentinel://127.0.0.1:26379"}, "service_name"),
     ({"backend": "redis+sentinel://127.0.0.1:26379/m/x"}, "malformed sentinel URL"),
     ({"backend": "redis+cluster://"}, "no host:port"),

@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from django.core import checks
 from django.core.management import call_command
 from django_helpers import ROOT, finish, manage
 from servers import free_port
@@ -37,6 +39,26 @@ def test_check_ids(settings: object, redis_url: str) -> None:
     down = f"redis://127.0.0.1:{free_port()}/0"
     assert ids(settings, {"BACKEND": down}) == ["task_locks.W001"]
     assert ids(settings, {"BACKEND": "memory://", "KEY_PREFIX": "app:"}) == ["task_locks.W002"]
+
+
+def test_a_typo_in_a_url_option_is_named_by_the_check(settings: object, redis_url: str) -> None:
+    settings.TASK_LOCKS = {"BACKEND": f"{redis_url}?prefx=shop:"}  # type: ignore[attr-defined]
+    [message] = check_settings()
+    assert message.id == "task_locks.E001"
+    assert "unknown option 'prefx' (did you mean 'prefix'?)" in message.msg, message.msg
+
+
+def test_a_refused_password_is_a_configuration_error_not_silence(
+    settings: object, redis_factory: Any
+) -> None:
+    """The server answered, and refused the URL: not W001's "did not answer" (an outage
+    a retry may fix) but E006 (the URL is wrong: what the CLIs exit 78 for)."""
+    server = redis_factory(extra=["--requirepass", "s3cret"])
+    settings.TASK_LOCKS = {"BACKEND": f"redis://:wrong@127.0.0.1:{server.port}/0"}  # type: ignore[attr-defined]
+    [message] = check_settings()
+    assert message.id == "task_locks.E006" and message.level == checks.ERROR
+    assert "did not answer" not in message.msg and "refuses the URL" in message.msg
+    assert "wrong@" not in message.msg  # the password stays out of it
 
 
 def test_a_bad_setting_fails_loudly_at_use_not_silently_elsewhere(settings: object) -> None:

@@ -221,9 +221,30 @@ def test_a_command_is_stopped_at_its_lease_deadline_when_renewals_hang(
         assert last_beat < blackholed_at + ttl + 0.1, "handle() worked past the deadline"
         assert status == 79, err  # EX_LEASE_LOST
         assert "lost lock 'sleepy:a'" in err and "stopping manage.py locked_sleep" in err, err
+        assert "(exit status 79)" in err and "exit status 75" not in err, err  # as it exits
         status, _, err = finish(second)
         assert status == 0, err
         assert int(second_ran.read_text()) > int(first_ran.read_text())
         assert second_ran.stat().st_mtime > last_beat, "the two runs worked at once"
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize("option", [["--lock-ttl", "-5"], ["--lock-ttl", "0"], ["--lock-wait", "-1"]])
+def test_a_bad_lock_option_exits_2_with_the_commands_usage(
+    redis_url: str, option: list[str]
+) -> None:
+    """As every bad argument does (``--lock-wait abc``, ``locks run --ttl -5``): 2, the
+    command's usage, never 1 through a CommandError raised once the command ran."""
+    status, _, err = finish(manage("locked_sleep", *option, backend_url=redis_url))
+    assert status == 2, err
+    assert "usage: manage.py locked_sleep" in err and f"argument {option[0]}" in err, err
+
+
+def test_an_unreachable_backend_is_one_sentence(tmp_path: Path) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    status, _, err = finish(manage("locked_sleep", backend_url=f"redis://127.0.0.1:{port}/0"))
+    assert status == 69, err
+    assert ".;" not in err and "; exiting with status 69" in err, err

@@ -41,4 +41,5 @@ class Command(LockedCommand):
             time.sleep(0.05)
         run.ended = time.time()
         run.save(update_fields=["ended"])
-        self.stdout.write("nightly report done")
+        fence = self.lease.fence if self.lease else None  # None under --no-lock
+        self.stdout.write(f"nightly report done (fence {fence})")
