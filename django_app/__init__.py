@@ -6,3 +6,7 @@ start-up, provides :class:`~django_app.commands.LockedCommand`, ``manage.py lock
 ``django://ALIAS`` database backend, the admin's **Lock holders** and **Lock events**
 pages and the fence table behind ``django_app.fencing``.
 """
+
+#: Tells task-locks' app from a project's own ``django_app`` package that would hide it
+#: (:mod:`task_locks._django_app`).
+__task_locks_app__ = True

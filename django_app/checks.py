@@ -16,6 +16,14 @@
                      server (what the CLIs exit 78 for)
 ``task_locks.W001``  the backend did not answer (it may be down or unreachable)
 ``task_locks.W002``  ``KEY_PREFIX`` is set but the backend does not use it
+``task_locks.W003``  outside ``DEBUG``, the locks live in SQLite (``django://`` on a SQLite
+                     database, the default when nothing names a backend): they exclude
+                     only the processes of one machine
+``task_locks.W004``  outside ``DEBUG``, the backend is ``memory://``: locks exclude only
+                     the threads of one process
+``task_locks.E007``  the import name ``django_app`` is not task-locks' app (a package of
+                     the project by that name hides it); also warned at ``import
+                     task_locks`` in a Django project, when this check cannot run at all
 =================  =====================================================================
 """
 
@@ -33,6 +41,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from task_locks import Backend, BackendMisconfigured, LockError, get_backend
+from task_locks._django_app import problem as django_app_problem
 
 from . import conf
 
@@ -98,6 +107,43 @@ def _probe(backend: Backend) -> checks.CheckMessage | None:
         f"the lock backend {backend.server} did not answer: {problem}",
         hint="Locks will fail with BackendUnavailable until it is reachable.",
     )
+
+
+def _one_machine(scheme: str, backend: Backend) -> list[checks.CheckMessage]:
+    """W003/W004: a backend that cannot exclude other machines, outside DEBUG."""
+    if conf.debug():
+        return []
+    if scheme == "memory":
+        return [
+            _warning(
+                "W004",
+                f"locks on {backend.server} exclude only the threads of this one process: "
+                "another worker, web process or host takes the same lock at the same time",
+                hint="Set TASK_LOCKS['BACKEND'] (or $TASK_LOCKS_URL) to a shared server, "
+                "e.g. redis://host:6379/0; memory:// is for tests and DEBUG.",
+            )
+        ]
+    alias = getattr(backend, "alias", None)
+    if scheme == "django" and alias is not None and conf.database_vendor(alias) == "sqlite":
+        default = "BACKEND" not in conf.raw() and not conf.env_url()
+        given = " (the default: no BACKEND nor $TASK_LOCKS_URL names one)" if default else ""
+        return [
+            _warning(
+                "W003",
+                f"locks on {backend.server}{given} live in a SQLite file: they exclude only "
+                "processes of this one machine, and other hosts lock on their own copy",
+                hint="Set TASK_LOCKS['BACKEND'] (or $TASK_LOCKS_URL) to a server all hosts "
+                "share: redis://..., etcd://..., or django://ALIAS on PostgreSQL/MySQL.",
+            )
+        ]
+    return []
+
+
+@checks.register("task_locks")
+def check_app_import_name(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """E007: ``django_app`` resolves to task-locks' app (the marker it carries)."""
+    hidden = django_app_problem()
+    return [] if hidden is None else [_error("E007", hidden)]
 
 
 @checks.register("task_locks")
@@ -174,6 +220,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 hint="Remove KEY_PREFIX, or use a Redis backend URL.",
             )
         )
+    messages += _one_machine(scheme, backend)
     # The database backend's health is Django's own database checks' business (and its
     # table does not exist before the first migrate, when this check also runs).
     if scheme != "django" and not _probe_skipped.get():

@@ -362,6 +362,18 @@ def default_ttl() -> float:
         return float(DEFAULTS["DEFAULT_TTL"])
 
 
+def debug() -> bool:
+    """``settings.DEBUG``: a development site, where a one-machine lock backend is fine."""
+    return bool(getattr(settings, "DEBUG", False))
+
+
+def database_vendor(alias: str) -> str | None:
+    """The vendor (``sqlite``, ``postgresql``...) of ``DATABASES[alias]``, if it exists."""
+    from django.db import connections
+
+    return connections[alias].vendor if alias in connections.settings else None
+
+
 def apply() -> None:
     """Make the settings the process-wide task-locks defaults (called from ``ready()``)."""
     task_locks.configure(backend=backend(), default_ttl=default_ttl())
@@ -384,6 +396,8 @@ __all__ = [
     "apply",
     "audit_kinds",
     "backend",
+    "database_vendor",
+    "debug",
     "default_ttl",
     "env_url",
     "lock_settings",

@@ -29,6 +29,25 @@ from .types import Holder, Owner
 
 __version__ = "0.1.0"
 
+
+def _warn_if_our_django_app_is_hidden() -> None:
+    """In a Django project, say at once when its own ``django_app`` package hides ours
+    (Django would load it silently: see :mod:`task_locks._django_app`)."""
+    import os
+
+    if not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return
+    from . import _django_app
+
+    hidden = _django_app.problem()
+    if hidden:
+        import warnings
+
+        warnings.warn(hidden, RuntimeWarning, stacklevel=3)
+
+
+_warn_if_our_django_app_is_hidden()
+
 __all__ = [
     "AsyncElection",
     "AsyncLease",

@@ -162,15 +162,15 @@ def test_deploy_check_warns_exactly_where_the_demo_must_differ(
     assert warning_ids(deploy.stderr + deploy.stdout) == set(allowlist), deploy.stderr
 
 
-def test_https_mode_passes_the_deploy_check_clean(tmp_path: Path) -> None:
-    """The production switches are real: with them on, `check --deploy` has nothing to say."""
-    deploy = manage(
-        tmp_path,
-        "check",
-        "--deploy",
-        DJANGO_HTTPS="1",
-        DJANGO_SECRET_KEY=secrets.token_urlsafe(50),
-    )
+def test_https_mode_passes_the_deploy_check_clean(tmp_path: Path, redis_url: str) -> None:
+    """The production switches are real: with them on, `check --deploy` has nothing to say
+    but that the embedded default locks in one machine's SQLite (task_locks.W003), and
+    nothing at all once the locks live on a shared server."""
+    production = {"DJANGO_HTTPS": "1", "DJANGO_SECRET_KEY": secrets.token_urlsafe(50)}
+    deploy = manage(tmp_path, "check", "--deploy", **production)
+    assert deploy.returncode == 0, deploy.stderr
+    assert warning_ids(deploy.stderr + deploy.stdout) == {"task_locks.W003"}, deploy.stderr
+    deploy = manage(tmp_path, "check", "--deploy", TASK_LOCKS_URL=redis_url, **production)
     assert deploy.returncode == 0, deploy.stderr
     assert warning_ids(deploy.stderr + deploy.stdout) == set(), deploy.stderr
     assert "System check identified no issues" in deploy.stdout

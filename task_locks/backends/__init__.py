@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
+from .._django_app import problem as django_app_problem
 from ..errors import InvalidArgument
 from .base import CAPABILITIES, Backend, Capability, redact_url
 
@@ -77,6 +78,9 @@ def _load(scheme: str) -> type[Backend]:
         raise InvalidArgument(f"unknown lock backend scheme {scheme + '://'!r}; known: {known}")
     if isinstance(target, str):
         module_name, _, class_name = target.partition(":")
+        hidden = module_name.startswith("django_app.") and django_app_problem()
+        if hidden:
+            raise InvalidArgument(f"the {scheme}:// backend cannot load: {hidden}")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings as django_settings
 from django.core import checks
 from django.core.management import call_command
 from django_helpers import ROOT, finish, manage
 from servers import free_port
 
 from django_app import conf
-from django_app.checks import check_settings
+from django_app.checks import check_app_import_name, check_settings
 from django_app.conf import MisconfiguredBackend
 from task_locks import InvalidArgument, Lock
 
@@ -38,7 +39,50 @@ def test_check_ids(settings: object, redis_url: str) -> None:
     assert ids(settings, "redis://x") == ["task_locks.E004"]
     down = f"redis://127.0.0.1:{free_port()}/0"
     assert ids(settings, {"BACKEND": down}) == ["task_locks.W001"]
-    assert ids(settings, {"BACKEND": "memory://", "KEY_PREFIX": "app:"}) == ["task_locks.W002"]
+    assert ids(settings, {"BACKEND": "memory://", "KEY_PREFIX": "app:"}) == [
+        "task_locks.W002",
+        "task_locks.W004",  # DEBUG is off here
+    ]
+
+
+def test_one_machine_backends_are_warned_outside_debug(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite (also the silent default, django://default) and memory:// lock one machine
+    or one process; said outside DEBUG, where several hosts may run."""
+    monkeypatch.delenv("TASK_LOCKS_URL", raising=False)
+    settings.DEBUG = False
+    assert ids(settings, {"BACKEND": "memory://"}) == ["task_locks.W004"]
+    assert ids(settings, {"BACKEND": "django://default"}) == ["task_locks.W003"]
+    del settings.TASK_LOCKS
+    [default] = check_settings()
+    assert default.id == "task_locks.W003" and "the default" in default.msg, default.msg
+    if "pg" in django_settings.DATABASES:  # a shared database is no warning
+        assert ids(settings, {"BACKEND": "django://pg"}) == []
+    settings.DEBUG = True
+    assert ids(settings, {"BACKEND": "memory://"}) == []
+    assert ids(settings, {"BACKEND": "django://default"}) == []
+
+
+def test_a_project_package_named_django_app_fails_loudly(tmp_path: Path) -> None:
+    """A project's own django_app/ hides task-locks' app (same import name): nothing of
+    ours loads, so it is said where task-locks runs: a RuntimeWarning at import in a
+    Django project, and the django:// backend refuses to load, both with the fix."""
+    (tmp_path / "django_app").mkdir()
+    (tmp_path / "django_app" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "DJANGO_SETTINGS_MODULE": "nosuch"}
+    code = "import task_locks; task_locks.get_backend('django://default')"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert "RuntimeWarning: the import name 'django_app' is not task-locks' Django app" in (
+        run.stderr
+    ), run.stderr
+    assert str(tmp_path / "django_app") in run.stderr and "Rename your" in run.stderr
+    assert "InvalidArgument: the django:// backend cannot load" in run.stderr
+    # Ours carries the marker: no word about it here.
+    assert check_app_import_name() == []
 
 
 def test_a_typo_in_a_url_option_is_named_by_the_check(settings: object, redis_url: str) -> None:
