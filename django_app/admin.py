@@ -19,6 +19,7 @@ force-released as one (ending that term, or freeing that permit).
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 from urllib.parse import unquote, urlencode
 
@@ -28,7 +29,8 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django.utils.translation import gettext, gettext_lazy
 
 from task_locks import LockError
@@ -313,17 +315,46 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         return f"{request.user.get_username()} (admin)"  # type: ignore[union-attr]
 
 
+#: What a conflict's policy made the caller do: the admin's outcome column.
+POLICY_OUTCOMES = {
+    "skip": gettext_lazy("skipped"),
+    "retry": gettext_lazy("retried later"),
+    "wait": gettext_lazy("gave up waiting"),
+    "raise": gettext_lazy("raised LockHeld"),
+    "exit": gettext_lazy("exited with status 75"),
+}
+
+
 @admin.register(LockEvent)
 class LockEventAdmin(_ReadOnlyAdmin):
-    """Read-only history: nobody edits the audit trail from the admin."""
+    """Read-only history: nobody edits the audit trail from the admin.
 
-    list_display = ("when", "kind", "name", "fence", "holder", "actor")
-    list_filter = ("kind", "created_at")
+    Each row says what the caller did (the policy and its outcome: a skip, a wait given
+    up and a command's exit 75 are all conflicts, and read differently), and repeats of one
+    conflict against one holder are one row with their count (see :mod:`django_app.audit`).
+    """
+
+    list_display = ("when", "kind", "outcome", "name", "repeats", "fence", "holder", "actor")
+    list_filter = ("kind", "policy", "created_at")
     search_fields = ("name", "actor", "detail")
     date_hierarchy = "created_at"
     ordering = ("-created_at", "-id")
-    readonly_fields = ("when", "kind", "name", "fence", "holder", "actor", "detail")
+    readonly_fields = (
+        "when", "kind", "outcome", "name", "repeats", "fence", "holder", "actor", "detail",
+    )  # fmt: skip
     fields = readonly_fields
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        context = {
+            "title": gettext("Lock events"),
+            "events_intro": gettext(
+                "What happened to the locks: conflicts, lost leases, force releases. "
+                "Kept for %(days)s days."
+            )
+            % {"days": f"{conf.lock_settings().event_retention_days:g}"},
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, extra_context=context)
 
     @admin.display(description=gettext_lazy("time"), ordering="created_at")
     def when(self, event: LockEvent) -> str:
@@ -331,14 +362,58 @@ class LockEventAdmin(_ReadOnlyAdmin):
 
         The date and the time each stay on one line, so a narrow column wraps between them.
         """
-        local = timezone.localtime(event.created_at)
+        return _local_time(event.created_at)
+
+    @admin.display(description=gettext_lazy("outcome"), ordering="policy")
+    def outcome(self, event: LockEvent) -> str:
+        """What the caller did: ``skip: skipped``, ``exit: exited with status 75``..."""
+        if event.kind == LockEvent.Kind.DUPLICATE:
+            return format_html("<b>{}</b>: {}", "enqueue", gettext("not queued"))
+        if event.kind != LockEvent.Kind.CONFLICT:
+            return "-"
+        if not event.policy:
+            return gettext("held elsewhere")
+        said = POLICY_OUTCOMES.get(event.policy, event.policy)
+        return format_html("<b>{}</b>: {}", event.policy, said)
+
+    @admin.display(description=gettext_lazy("count"), ordering="count")
+    def repeats(self, event: LockEvent) -> str:
+        """How many times it happened (repeats folded into the row), and when it last did."""
+        if event.count <= 1 or event.last_at is None:
+            return "1"
+        last = timezone.localtime(event.last_at)
         return format_html(
-            '<span class="lock-time" style="white-space: nowrap">{}</span> '
-            '<span class="lock-time" style="white-space: nowrap">{}</span>',
-            local.strftime("%Y-%m-%d"),
-            local.strftime("%H:%M:%S %Z"),
+            '{}<br><span class="lock-last" title="{}">{} {}</span>',
+            event.count,
+            last.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            gettext("last"),
+            last.strftime("%H:%M:%S"),  # within an hour of the row's own time
         )
 
     @admin.display(description=gettext_lazy("holder"))
     def holder(self, event: LockEvent) -> str:
-        return Owner.from_json(event.owner).describe() if event.owner_data else "-"
+        return _breakable(Owner.from_json(event.owner).describe() if event.owner_data else "-")
+
+    @admin.display(description=gettext_lazy("actor"), ordering="actor")
+    def actor(self, event: LockEvent) -> str:
+        return _breakable(event.actor or "-")
+
+
+#: Where a long host or job name may wrap: after its dots, dashes, brackets...
+_BREAK_AFTER = re.compile(r"(?<=[.@\-_/\[(:])")
+
+
+def _breakable(text: str) -> str:
+    """``text`` with line-break opportunities after its separators, so a long host name
+    wraps at a dot instead of widening the table (or being cut at a random letter)."""
+    return format_html_join(mark_safe("<wbr>"), "{}", ((part,) for part in _BREAK_AFTER.split(text)))
+
+
+def _local_time(at: dt.datetime) -> str:
+    local = timezone.localtime(at)
+    return format_html(
+        '<span class="lock-time" style="white-space: nowrap">{}</span> '
+        '<span class="lock-time" style="white-space: nowrap">{}</span>',
+        local.strftime("%Y-%m-%d"),
+        local.strftime("%H:%M:%S %Z"),
+    )

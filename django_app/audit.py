@@ -9,6 +9,15 @@ never waits for the audit table, and a database hiccup costs events, never locks
 row has the job, host and pid (the holder as JSON in ``owner``; the process that saw it
 in ``actor`` when nobody is named) and the fence.
 
+**Repeats are counted, not listed.** A ``conflict`` or ``duplicate`` like one already
+written (same lock, policy, holder and its fence) within :data:`REPEAT_WINDOW` of that
+row's first is folded into it: its ``count`` goes up and ``last_at`` moves on. A storm of
+skipped duplicates against one running task is one row saying how many, and the next
+holder starts a row of its own.
+
+:func:`prune` deletes rows older than ``TASK_LOCKS["EVENT_RETENTION_DAYS"]`` (``manage.py
+locks prune``, or the ``task_locks.prune_lock_events`` Celery task on a beat schedule).
+
 :func:`record` is how the Django front ends report (it emits into the stream, so metrics
 and log subscribers see the same events). Operator actions pass ``sync=True``: their row
 is written in the caller's thread before the admin or the command says "done", and the
@@ -49,6 +58,10 @@ _written_guard = threading.Lock()
 _subscription: events.Subscription | None = None
 _install_guard = threading.Lock()
 _here = f"{socket.gethostname()} pid {{pid}}"
+#: Kinds whose repeats fold into one row (see the module's docstring).
+REPEATED_KINDS = frozenset({"conflict", "duplicate"})
+#: How long after a row's first event a repeat still folds into it.
+REPEAT_WINDOW = dt.timedelta(hours=1)
 
 
 def _rounded(seconds: float) -> str:
@@ -82,6 +95,7 @@ def _row(event: StreamEvent, pid: int) -> Any:
         # Written in the process that saw it (a forked worker has its own dispatcher).
         actor=(event.actor or _here.format(pid=pid))[:255],
         detail=_detail(event),
+        policy=event.policy[:16],
     )
     # When it happened, not when the batch was written.
     row.created_at = dt.datetime.fromtimestamp(event.at, tz=dt.UTC)
@@ -102,12 +116,74 @@ def _write(batch: Sequence[StreamEvent]) -> None:
         return
     pid = os.getpid()
     try:
-        LockEvent.objects.bulk_create([_row(e, pid) for e in fresh], batch_size=500)
+        rows = _fold_repeats([_row(e, pid) for e in fresh])
+        LockEvent.objects.bulk_create(rows, batch_size=500)
     except Exception as exc:  # audit must never break locking
         log.warning("could not write %d lock event(s): %s", len(fresh), exc)
     finally:
         # The dispatcher thread may end when idle: never leave its connection behind.
         connection.close()
+
+
+def _repeat_key(row: Any) -> tuple[str, str, str, int | None, str] | None:
+    if row.kind not in REPEATED_KINDS:
+        return None
+    return (row.kind, row.name, row.policy, row.fence, row.owner)
+
+
+def _fold_repeats(rows: list[Any]) -> list[Any]:
+    """Fold repeats into one row each: within the batch, then into the newest matching
+    row already written (an ``UPDATE`` of its count). The rows still to insert."""
+    from django.db.models import F, Value
+    from django.db.models.functions import Coalesce, Greatest
+
+    from .models import LockEvent
+
+    firsts: dict[tuple[Any, ...], Any] = {}
+    kept = []
+    for row in sorted(rows, key=lambda r: r.created_at):
+        key = _repeat_key(row)
+        first = firsts.get(key) if key is not None else None
+        if first is not None and row.created_at - first.created_at <= REPEAT_WINDOW:
+            first.count += 1
+            first.last_at = row.created_at
+            continue
+        if key is not None:
+            firsts[key] = row
+        kept.append(row)
+    for key, row in firsts.items():
+        kind, name, policy, fence, owner = key
+        earlier = (
+            LockEvent.objects.filter(kind=kind, name=name, policy=policy, fence=fence, owner=owner)
+            .filter(created_at__gte=row.created_at - REPEAT_WINDOW, created_at__lte=row.created_at)
+            .order_by("-created_at")
+            .values_list("pk", flat=True)
+            .first()
+        )
+        if earlier is not None:
+            # Batches of several processes come in any order: last_at never goes back.
+            last = Greatest(Coalesce("last_at", "created_at"), Value(row.last_at or row.created_at))
+            LockEvent.objects.filter(pk=earlier).update(count=F("count") + row.count, last_at=last)
+            kept.remove(row)
+    return kept
+
+
+def prune(days: float | None = None) -> int:
+    """Delete the lock events older than ``days`` (default: ``EVENT_RETENTION_DAYS``), a
+    folded row by its last repeat; how many rows went."""
+    from django.db.models import Q
+    from django.utils import timezone
+
+    from .models import LockEvent
+
+    if days is None:
+        days = conf.lock_settings().event_retention_days
+    if not days >= 0:
+        raise ValueError(f"days must be >= 0, got {days}")
+    cutoff = timezone.now() - dt.timedelta(days=days)
+    old = Q(last_at__lt=cutoff) | Q(last_at__isnull=True, created_at__lt=cutoff)
+    deleted, _ = LockEvent.objects.filter(old).delete()
+    return deleted
 
 
 def install() -> None:
@@ -182,4 +258,4 @@ def flush(timeout: float = 5.0) -> bool:
     return events.flush(timeout)
 
 
-__all__ = ["enabled", "flush", "install", "record"]
+__all__ = ["REPEATED_KINDS", "REPEAT_WINDOW", "enabled", "flush", "install", "prune", "record"]

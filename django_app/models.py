@@ -108,6 +108,21 @@ class LockEvent(models.Model):
         help_text=_("Who caused it (operator, process)."),
     )
     detail = models.TextField(_("detail"), blank=True, default="")
+    #: A conflict's (and a duplicate's) policy: what the front end did about the holder.
+    policy = models.CharField(
+        _("policy"),
+        max_length=16,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text=_("What the caller did about the holder: skip, retry, wait, raise, exit."),
+    )
+    #: Repeats folded into this row: the same kind, lock, policy and holder within
+    #: :data:`django_app.audit.REPEAT_WINDOW` of the first (a storm of skipped duplicates
+    #: is one row with its count, not a page of identical rows).
+    count = models.PositiveIntegerField(_("count"), default=1)
+    #: When the last repeat happened (``None``: no repeat).
+    last_at = models.DateTimeField(_("last repeat"), null=True, blank=True)
 
     class Meta:
         db_table = "task_locks_event"

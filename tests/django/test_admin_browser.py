@@ -5,7 +5,9 @@ Python package (the ``test`` extra); Playwright never downloads a browser of its
 Screenshots are saved to ``tests/artifacts/*.png`` for a person to look at:
 ``holders.png`` (every table), ``holders-paused.png`` (auto-refresh paused, a lock taken
 meanwhile not shown yet), ``holders-filtered.png`` (filters by kind and host),
-``events.png`` (the Lock events page) and ``jobruns.png`` (the example project's Job runs).
+``events.png`` (the Lock events page), ``events-grouped.png`` (conflicts of every policy,
+repeats counted, a long actor) and ``events-by-policy.png`` (filtered by policy), and
+``jobruns.png`` (the example project's Job runs).
 Each page must fit its window: no table wider than the page, no column cut off.
 """
 
@@ -28,7 +30,7 @@ from django.contrib.auth.models import User
 from servers import free_port, wait_until
 
 from django_app import audit
-from task_locks import Election, Lock, Semaphore, owner_context
+from task_locks import Election, Lock, Owner, Semaphore, events, owner_context
 from task_locks.owner import current_owner
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -75,6 +77,16 @@ def held(shop_url: str) -> Iterator[dict[str, Any]]:
             stack.enter_context(exports.acquire())
             stack.enter_context(exports.acquire())
         yield {"report": report, "stack": stack}
+
+
+def _logged_in(browser: Any, base: str, then: str) -> Any:
+    """A 1400 px wide page, logged in as the superuser ``admin``, on its way to ``then``."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{base}/admin/login/?next={then}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "secret-pw")
+    page.click("input[type=submit]")
+    return page
 
 
 def _rows(page: Any, table: str) -> int:
@@ -132,11 +144,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(f"{base}/admin/login/?next=/admin/")
-            page.fill("#id_username", "admin")
-            page.fill("#id_password", "secret-pw")
-            page.click("input[type=submit]")
+            page = _logged_in(browser, base, "/admin/")
             page.wait_for_selector("#content-main")
             page.click("text=Lock holders")
             page.wait_for_selector("#result_list")
@@ -229,6 +237,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             # Lock events: times to the second with the zone, kinds named as in AUDIT.
             page.goto(f"{base}/admin/task_locks/lockevent/")
             page.wait_for_selector("#result_list")
+            page.screenshot(path=str(shots["events"]), full_page=True)  # kept on failure
             kinds = page.locator("#result_list td.field-kind").all_inner_texts()
             assert "forced" in kinds and "renewal_failed" in kinds, kinds
             assert "force-released" not in page.content()
@@ -238,6 +247,89 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             _assert_fits(page)
             _one_line_each(page, "#result_list .field-when span")
             page.screenshot(path=str(shots["events"]), full_page=True)
+        finally:
+            browser.close()
+    for shot in shots.values():
+        assert shot.stat().st_size > 10_000, shot
+
+
+#: A worker's actor as the audit writes it: long, and every part of it matters.
+LONG_ACTOR = "celery@worker-7.eu-west-1.compute.internal pid 4242 (ForkPoolWorker-12)"
+
+
+def _record_policies() -> None:
+    """Conflicts as each front end reports them: five skips against one running task (one
+    row, counted), a wait given up, a command's exit 75, a retry, a duplicate publish."""
+    task = Owner(task_name="shop.sync_account", task_id="abc-1", host="worker-2", pid=4242)
+    command = Owner(command="manage.py nightly_report", host="web-1", pid=77)
+    for batch in (3, 2):  # two batches: a repeat folds into the row already written
+        for _ in range(batch):
+            events.emit("conflict", "sync:42", fence=17, owner=task, policy="skip", actor=LONG_ACTOR)
+        assert audit.flush(timeout=10)
+    events.emit("conflict", "search-index", fence=3, owner=task, policy="wait", actor=LONG_ACTOR)
+    events.emit("conflict", "nightly-report", fence=9, owner=command, policy="exit")
+    events.emit("conflict", "mail:1", fence=4, owner=task, policy="retry", actor=LONG_ACTOR)
+    events.emit("duplicate", "sync:9", fence=5, owner=task, actor=LONG_ACTOR)
+    events.emit("lost", "rates", fence=2, owner=task, reason="deadline", actor=LONG_ACTOR)
+    assert audit.flush(timeout=10)
+
+
+def _cell(page: Any, name: str, column: str) -> str:
+    row = page.locator("#result_list tbody tr", has=page.locator(f'td.field-name:text-is("{name}")'))
+    assert row.count() == 1, (name, row.count())
+    return str(row.locator(f"td.field-{column}").inner_text())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lock_events_page_in_chromium(live_server: object, settings: Any) -> None:
+    """The Lock events page at 1400 px: its own title, each conflict's policy and outcome,
+    repeats as one counted row, a filter by policy, and the actor column whole."""
+    from playwright.sync_api import sync_playwright
+
+    settings.TASK_LOCKS = {"BACKEND": "memory://events-page", "AUDIT": True}
+    User.objects.create_superuser("admin", "admin@example.com", "secret-pw")
+    _record_policies()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shots = {n: ARTIFACTS / f"{n}.png" for n in ("events-grouped", "events-by-policy")}
+    for shot in shots.values():
+        shot.unlink(missing_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = _logged_in(browser, str(live_server), "/admin/task_locks/lockevent/")
+            page.wait_for_selector("#result_list")
+            page.screenshot(path=str(shots["events-grouped"]), full_page=True)  # kept on failure
+            assert page.locator("#content h1").first.inner_text() == "Lock events"
+            assert page.title().startswith("Lock events"), page.title()
+            assert "Select lock event" not in page.content()
+            # One row per (lock, holder, policy): the five skips are one row counted 5.
+            assert page.locator('#result_list td.field-name:text-is("sync:42")').count() == 1
+            assert re.fullmatch(r"5\nlast \d\d:\d\d:\d\d", _cell(page, "sync:42", "repeats")), _cell(
+                page, "sync:42", "repeats"
+            )
+            assert _cell(page, "sync:42", "outcome") == "skip: skipped"
+            assert _cell(page, "search-index", "outcome") == "wait: gave up waiting"
+            assert _cell(page, "nightly-report", "outcome") == "exit: exited with status 75"
+            assert _cell(page, "mail:1", "outcome") == "retry: retried later"
+            assert _cell(page, "sync:9", "outcome") == "enqueue: not queued"
+            assert _cell(page, "rates", "outcome") == "-"
+            # The actor is whole: every word of it on the page, nothing cut at the cell edge.
+            actors = page.locator("#result_list td.field-actor")
+            assert LONG_ACTOR in [a.replace("\n", " ") for a in actors.all_inner_texts()]
+            clipped = actors.evaluate_all(
+                "cells => cells.filter(c => c.scrollWidth > c.clientWidth).length"
+            )
+            assert clipped == 0
+            _assert_fits(page)
+            page.screenshot(path=str(shots["events-grouped"]), full_page=True)
+
+            # Filter by policy: only that policy's conflicts.
+            link = page.locator("#changelist-filter a", has_text="exit").first
+            page.goto(f"{live_server}/admin/task_locks/lockevent/{link.get_attribute('href')}")
+            names = page.locator("#result_list td.field-name").all_inner_texts()
+            assert names == ["nightly-report"], names
+            _assert_fits(page)
+            page.screenshot(path=str(shots["events-by-policy"]), full_page=True)
         finally:
             browser.close()
     for shot in shots.values():

@@ -20,17 +20,14 @@ from __future__ import annotations
 import getpass
 import os
 import socket
-from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils import timezone
 
 from task_locks import ops
 from task_locks.types import Owner
 
 from ... import audit, conf
-from ...models import LockEvent
 
 
 def _audit(
@@ -112,6 +109,5 @@ class Command(BaseCommand):
             days = conf.lock_settings().event_retention_days
         if days < 0:
             raise CommandError(f"--days must be >= 0, got {days}")
-        cutoff = timezone.now() - timedelta(days=days)
-        deleted, _ = LockEvent.objects.filter(created_at__lt=cutoff).delete()
+        deleted = audit.prune(days)
         self.stdout.write(f"deleted {deleted} lock event(s) older than {days:g} day(s)")
