@@ -139,3 +139,30 @@ def test_the_api_reference_pages_name_every_public_name() -> None:
         module = importlib.import_module(package)
         missing = [n for n in module.__all__ if f"::: {package}.{n}\n" not in text + "\n"]
         assert not missing, f"docs/reference/ lacks {package}: {missing}"
+
+
+def test_troubleshooting_has_an_entry_per_error_exit_status_and_check() -> None:
+    """docs/troubleshooting.md: a heading for every exception a user can catch, every exit
+    status the CLIs and commands use, and every system check id."""
+    import re
+
+    import task_locks
+    from django_app import checks
+    from task_locks import ops
+    from task_locks.celery import DuplicateTask
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    headings = "\n".join(re.findall(r"^#{2,4} (.+)$", text, re.M))
+    errors = [
+        value.__name__
+        for name in task_locks.__all__
+        if inspect.isclass(value := getattr(task_locks, name))
+        and issubclass(value, task_locks.LockError)
+    ] + [DuplicateTask.__name__, "RenewalUndecided"]
+    missing = [e for e in errors if f"`{e}`" not in text]
+    statuses = {str(getattr(ops, n)) for n in dir(ops) if n.startswith("EX_")}
+    missing += [f"exit {s}" for s in sorted(statuses) if f"\n### {s}\n" not in f"\n{text}"]
+    ids = set(re.findall(r"task_locks\.[EW]\d{3}", checks.__doc__ or ""))
+    missing += [i for i in sorted(ids) if f"`{i}`" not in headings]
+    assert len(ids) >= 7 and len(statuses) >= 8
+    assert not missing, f"docs/troubleshooting.md has no entry for {missing}"
