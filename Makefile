@@ -15,6 +15,9 @@ help:
 	@echo "make matrix - the support matrix (noxfile.py): every pinned Django/Celery/redis-py set"
 	@echo "make chaos  - the long fault-injection suite and the full fault matrix, with their reports"
 	@echo "make bench  - benchmarks against the peers (bench/results.md, bench/results.png)"
+	@echo "make sim    - the deterministic simulation's long form (SEEDS=1000000, SIM_JOBS=2);"
+	@echo "              make sim SEED=<n> replays one seed and prints its story"
+	@echo "make sim-mutants - bring back each fixed bug (tests/sim/mutants) and show the sim failing"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +71,19 @@ test: install servers lint package docs matrix-short
 
 chaos: install servers
 	$(PY) -m pytest -p no:cacheprovider tests/chaos tests/conformance/faults -m chaos --chaos-long $(PYTEST_ARGS)
+
+# The deterministic simulation (tests/sim/): the real lock code on virtual time, network
+# and Redis. SEED=<n> replays one schedule as a story; otherwise SEEDS schedules in
+# SIM_JOBS processes, printing schedules per second and the shrunk story of any failure.
+SEEDS ?= 1000000
+SIM_JOBS ?= 2
+MUTANT_SEEDS ?= 3000
+
+sim: install
+	$(PY) -m tests.sim.run $(if $(SEED),--seed $(SEED),--seeds $(SEEDS) --jobs $(SIM_JOBS))
+
+sim-mutants: install
+	$(PY) -m tests.sim.mutate --seeds $(MUTANT_SEEDS)
 
 demo: $(DEMO_STAMP)
 	$(PY) example_project/demo.py

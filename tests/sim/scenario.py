@@ -1,0 +1,707 @@
+"""Seeded schedules of the real lock code, a Jepsen-style checker, replay and shrinking.
+
+``generate(seed)`` derives everything from ``random.Random(seed)``: the protocol (Redis
+with the client or the server hand-off), the clients' programs (acquire with a TTL and
+a timeout, hold while writing to a fenced register, maybe ``renew(ttl=...)``, release),
+message delays, and the faults (a request or reply lost, delayed, or its connection reset
+before or after the server applied it, which makes redis-py resend it; partitions; client
+pauses; clients killed; monotonic clock rates and forward jumps; wall clock jumps; the
+server's clock stepped back; a restart without persistence; operator force releases).
+
+``run(scenario)`` plays it in the simulated world (:mod:`tests.sim.world`) and checks
+after every step:
+
+- *lease agrees with server*: a lease that says ``held`` has its token on the server,
+  with a server expiry no earlier than the lease's local deadline;
+- *exclusion*: never two clients whose leases of one name both say ``held``;
+- *fences*: each grant's fence is above the previous grant's for that name; the fenced
+  register never accepts a write of an older grant after a newer one's;
+- *reports*: a release that returned normally removed its token on the server (by this
+  client's call), one that raised ``NotOwned`` did not; a force release that said "freed"
+  freed the holder the operator saw, one that said "changed hands" freed nothing;
+- *expiry*: no key without a TTL;
+- *liveness* (schedules without faults): a waiter that gave up had not seen its lock free
+  for longer than a wake-up bound while it waited.
+
+Leases the server lost for documented reasons are exempt from the first two: a restart
+without persistence, and an operator's force release of that token (the fenced register
+still guards those). Faults kept out of every schedule, because the README's safety
+table assumes they do not happen: a server clock stepped forward, a client monotonic
+clock running slow, and a backward server clock step together with a restart.
+
+``shrink(scenario)`` removes faults greedily while the run still fails; ``story``
+replays a scenario with every client and server step written out with its time.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import threading
+import time as real_time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import greenlet
+
+from task_locks.backends.redis import RedisBackend
+from task_locks.errors import BackendUnavailable, LockError, LockHeld, LockLost, NotOwned
+from task_locks.lock import Lock
+
+from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation
+
+PROTOCOLS = ("redis", "redis-handoff")
+NAMES = ("job", "report")
+#: Free time at the server a waiter may sleep through before it must have the lock:
+#: the longest pause (the unknown-TTL poll), a server tick, and round trips.
+LIVENESS_SLACK = 0.75
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    client: int = 0
+    at: float = 0.0
+    amount: float = 0.0
+    detail: str = ""
+
+    def describe(self) -> str:
+        who = "operator" if self.client < 0 else f"client{self.client}"
+        if self.kind == "msg":
+            return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
+        if self.kind in ("restart", "clock_step"):
+            return f"server {self.kind} at {self.at * 1000:.0f} ms ({self.amount:g})"
+        return f"{who} {self.kind} at {self.at * 1000:.0f} ms ({self.amount:g}) {self.detail}"
+
+
+@dataclass(frozen=True)
+class Iteration:
+    name: str
+    ttl: float
+    timeout: float
+    hold: float
+    writes: int
+    renew_at: float | None  # fraction of the hold, or None
+    renew_ttl: float | None
+    release: bool
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    protocol: str
+    programs: tuple[tuple[Iteration, ...], ...]
+    rates: tuple[float, ...]
+    faults: tuple[Fault, ...]
+    delay: tuple[float, float]
+    socket_timeout: float
+
+    @property
+    def fair(self) -> bool:
+        return not self.faults
+
+
+#: Issue 23 item 1 (open while this was written): ``renew(ttl=LONGER)`` raced by a renewal
+#: of the old TTL already in flight leaves the local deadline past the server's expiry
+#: (seeds 209 and 1033 show it). Schedules call ``renew(ttl=...)`` only with this set,
+#: until the lease's fix lands: ``make sim`` and the pytest short form leave it out,
+#: ``test_simulation.py`` keeps the finding as an expected failure.
+RENEW_WITH_TTL = False
+
+
+def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = None) -> Scenario:
+    rng = random.Random(seed)
+    with_ttl = RENEW_WITH_TTL if renew_ttl is None else renew_ttl
+    protocol = protocol or PROTOCOLS[seed % len(PROTOCOLS)]
+    clients = rng.choice((2, 2, 3, 3, 4))
+    names = NAMES[: rng.choice((1, 1, 2))]
+    programs = []
+    for _ in range(clients):
+        program = []
+        for _ in range(rng.choice((1, 2, 2, 3))):
+            ttl = rng.choice((0.3, 0.5, 1.0, 2.0))
+            renew = rng.random() < 0.3
+            program.append(
+                Iteration(
+                    name=rng.choice(names),
+                    ttl=ttl,
+                    timeout=rng.choice((0.0, 0.2, 1.0, 3.0, 6.0)),
+                    hold=rng.choice((0.0, 0.05, 0.3, 1.0)) * ttl * rng.choice((1, 2, 4)),
+                    writes=rng.choice((0, 1, 3)),
+                    renew_at=rng.random() if renew else None,
+                    # whole milliseconds: see KNOWN_FINDINGS (a TTL is sent truncated to ms)
+                    renew_ttl=_renew_ttl(rng, ttl) if renew and with_ttl else None,
+                    release=rng.random() < 0.9,
+                )
+            )
+        programs.append(tuple(program))
+    rates = tuple(1.0 + rng.choice((0.0, 0.0, 1e-4, 1e-3)) for _ in range(clients))
+    faults: list[Fault] = []
+    horizon = 3.0
+    if rng.random() < 0.8:
+        for _ in range(rng.choice((1, 2, 3, 5))):
+            faults.append(_fault(rng, clients, names, horizon))
+    kinds = {f.kind for f in faults}
+    if "restart" in kinds and "clock_step" in kinds:  # see the module docstring
+        faults = [f for f in faults if f.kind != "clock_step"]
+    delay = rng.choice(((0.0001, 0.001), (0.0005, 0.005), (0.001, 0.05)))
+    return Scenario(
+        seed=seed,
+        protocol=protocol,
+        programs=tuple(programs),
+        rates=rates,
+        faults=tuple(faults),
+        delay=delay,
+        socket_timeout=rng.choice((0.5, 1.0, 5.0)),
+    )
+
+
+def _renew_ttl(rng: random.Random, ttl: float) -> float | None:
+    # Whole milliseconds: a TTL is sent truncated to ms while the lease counts with the
+    # float (a finding: ttl=0.3/3 is sent as 99 ms and counted as 99.99 ms).
+    return rng.choice((None, round(ttl / 3, 3), round(ttl * 3, 3)))
+
+
+def _fault(rng: random.Random, clients: int, names: tuple[str, ...], horizon: float) -> Fault:
+    kind = rng.choice(
+        ("msg", "msg", "msg", "msg", "pause", "partition", "kill", "jump", "wall_jump",
+         "restart", "clock_step", "force", "force")
+    )  # fmt: skip
+    client = rng.randrange(clients)
+    at = rng.random() * horizon
+    if kind == "msg":
+        detail = rng.choice(
+            ("drop_request", "drop_reply", "reset_before", "reset_after", "delay_request",
+             "delay_reply")
+        )  # fmt: skip
+        amount = rng.choice((0.05, 0.3, 1.0, 3.0)) if detail.startswith("delay") else 0.0
+        return Fault("msg", client, float(rng.randrange(1, 30)), amount, detail)
+    if kind in ("pause", "partition"):
+        return Fault(kind, client, at, rng.choice((0.05, 0.3, 1.0, 2.5)))
+    if kind == "jump":
+        return Fault(kind, client, at, rng.choice((0.1, 1.0, 5.0)))
+    if kind == "wall_jump":
+        return Fault(kind, client, at, rng.choice((-30.0, -1.0, 1.0, 30.0)))
+    if kind == "restart":
+        return Fault(kind, 0, at, rng.choice((0.0, 0.1, 1.0)))
+    if kind == "clock_step":
+        return Fault(kind, 0, at, -rng.choice((0.001, 0.5, 5.0)))
+    if kind == "force":  # an operator forcing the name free, once or again and again
+        return Fault(kind, -1, at, rng.choice((1.0, 3.0, 10.0)), rng.choice(names))
+    return Fault(kind, client, at)
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+@dataclass
+class Grant:
+    name: str
+    token: str
+    fence: int
+    order: int
+    epoch: int
+
+
+@dataclass
+class Held:
+    client: Client
+    lease: Any
+    grant_epoch: int
+
+
+@dataclass
+class Outcome:
+    violation: str | None
+    steps: int
+    story: list[str] = field(default_factory=list)
+
+
+class Checker:
+    def __init__(self, sim: Sim, server: Server, backend: RedisBackend, fair: bool) -> None:
+        self.sim = sim
+        self.server = server
+        self.backend = backend
+        self.fair = fair
+        self.keys = {name: backend._key(name) for name in NAMES}
+        self.current: dict[str, str | None] = dict.fromkeys(NAMES)
+        self.grants: dict[tuple[str, str], Grant] = {}
+        self.last_fence: dict[str, int] = {}
+        self.order = 0
+        self.removed_by: dict[str, str] = {}  # token -> who removed it (client name)
+        self.forced: set[str] = set()
+        self.releasing: set[str] = set()
+        self.expiry: dict[str, float | None] = {}  # the holder's server expiry (sim time)
+        self.leases: list[Held] = []
+        self.register_fence = -1
+        self.register_order = -1
+        # held intervals per name, for liveness: [start, end]
+        self.held_since: dict[str, float | None] = dict.fromkeys(NAMES)
+        self.free_since: dict[str, float] = dict.fromkeys(NAMES, 0.0)
+        self.free_windows: dict[str, list[tuple[float, float]]] = {n: [] for n in NAMES}
+
+    def fail(self, text: str) -> None:
+        raise Violation(f"at {self.sim.now * 1000:.3f} ms: {text}")
+
+    # after every server command ---------------------------------------------------------
+    def observe(self, conn: Any) -> None:
+        model = self.server.model
+        who = "restart" if conn is None else conn.client.name
+        for name, key in self.keys.items():
+            fields = model.get_value(key)
+            token = fields.get("token") if isinstance(fields, dict) else None
+            before = self.current[name]
+            if token == before:
+                if token is not None:
+                    self.expiry[name] = self._expiry_sim(key)
+                continue
+            self.current[name] = token
+            if before is not None:
+                expiry = self.expiry.get(name)
+                gone = "expiry" if expiry is not None and expiry <= self.sim.now else who
+                self.removed_by.setdefault(before, gone)
+                if who.startswith("operator"):
+                    self.forced.add(before)
+                self._free(name)
+            if token is not None:
+                fence = int(fields["fence"])
+                last = self.last_fence.get(name)
+                if last is not None and fence <= last:
+                    self.fail(f"{name!r}: fence {fence} granted after fence {last}")
+                self.last_fence[name] = fence
+                self.order += 1
+                self.removed_by.pop(token, None)  # a token granted again (a retried acquire)
+                self.forced.discard(token)
+                self.grants[(name, token)] = Grant(
+                    name, token, fence, self.order, self.server.epoch
+                )
+                self.expiry[name] = self._expiry_sim(key)
+                self._taken(name)
+        for key in model.data:
+            if key not in model.expires:
+                self.fail(f"key {key!r} has no expiry")
+
+    def _free(self, name: str) -> None:
+        self.held_since[name] = None
+        self.free_since[name] = self.sim.now
+
+    def _taken(self, name: str) -> None:
+        start = self.free_since[name]
+        self.free_windows[name].append((start, self.sim.now))
+        self.held_since[name] = self.sim.now
+
+    def _expiry_sim(self, key: str) -> float | None:
+        when = self.server.model.expires.get(key)
+        if when is None:
+            return None
+        # Gone once the server's millisecond clock passes ``when``: at when + 1 ms.
+        return ((when + 1) * 1000 - 1_700_000_000_000_000 - self.server.clock_offset_us) / 1e6
+
+    # after every step ------------------------------------------------------------------
+    def step(self) -> None:
+        # lazily expired keys: let the checker see expiry as Redis would at this moment
+        model = self.server.model
+        for name, key in self.keys.items():
+            token = self.current[name]
+            if token is not None and not model._alive(key):
+                self.current[name] = None
+                self.removed_by.setdefault(token, "expiry")
+                self._free(name)
+        holders: dict[str, Held] = {}
+        sim = self.sim
+        done = False
+        for held in self.leases:
+            client = held.client
+            lease = held.lease
+            if client.dead or lease._released or lease.lost._set:
+                done = True  # never held again
+                continue
+            previous, sim.active = sim.active, client
+            try:
+                alive = held.lease.held
+                deadline = client.sim_time_of(held.lease._expires_mono)
+            finally:
+                sim.active = previous
+            if not alive:
+                continue
+            if held.grant_epoch != self.server.epoch or lease.token in self.forced:
+                continue  # lost by the server for a documented reason
+            if lease.token in self.releasing:
+                continue  # its holder stopped acting on it when it called release()
+            name = lease.name
+            if self.current[name] != lease.token:
+                self.fail(
+                    f"{client.name}'s lease of {name!r} (fence {lease.fence}) says held, but "
+                    f"the server's holder is {self._who(name)}"
+                )
+            expiry = self._expiry_sim(self.keys[name])
+            if expiry is not None and deadline > expiry + 1e-6:
+                self.fail(
+                    f"{client.name}'s lease of {name!r} counts until {deadline * 1000:.3f} ms, "
+                    f"the server expires it at {expiry * 1000:.3f} ms"
+                )
+            other = holders.get(name)
+            if other is not None:
+                self.fail(f"two holders of {name!r}: {other.client.name} and {client.name}")
+            holders[name] = held
+        if done:
+            self.leases = [
+                h
+                for h in self.leases
+                if not (h.client.dead or h.lease._released or h.lease.lost._set)
+            ]
+
+    def _who(self, name: str) -> str:
+        token = self.current[name]
+        if token is None:
+            return "nobody"
+        for held in self.leases:
+            if held.lease.token == token:
+                return f"{held.client.name} (fence {held.lease.fence})"
+        return f"token {token[:8]}"
+
+    # client reports ---------------------------------------------------------------------
+    def granted(self, client: Client, lease: Any) -> None:
+        grant = self.grants.get((lease.name, lease.token))
+        epoch = grant.epoch if grant else -1
+        if grant is None:
+            self.fail(f"{client.name} got a lease of {lease.name!r} the server never granted")
+        if grant.fence != lease.fence:
+            self.fail(f"{client.name}'s lease has fence {lease.fence}, the grant {grant.fence}")
+        self.leases.append(Held(client, lease, epoch))
+
+    def write(self, client: Client, lease: Any) -> None:
+        grant = self.grants[(lease.name, lease.token)]
+        if lease.fence < self.register_fence:
+            return  # refused: stale
+        if grant.order < self.register_order and lease.name == "job":
+            self.fail(
+                f"the fenced register accepted {client.name}'s write (fence {lease.fence}, "
+                f"grant #{grant.order}) after grant #{self.register_order}'s"
+            )
+        if lease.name == "job":
+            self.register_fence, self.register_order = lease.fence, grant.order
+        self.sim.say(client.name, f"writes the fenced register with fence {lease.fence}")
+
+    def released(self, client: Client, lease: Any, ok: bool) -> None:
+        grant = self.grants.get((lease.name, lease.token))
+        if grant is not None and grant.epoch != self.server.epoch:
+            return  # the server restarted since: its tombstone of the release is gone too
+        by = self.removed_by.get(lease.token)
+        if ok and by != client.name and lease.token not in self.forced:
+            self.fail(f"{client.name}'s release of {lease.name!r} said released; {by} removed it")
+        if not ok and by == client.name:
+            self.fail(f"{client.name}'s release of {lease.name!r} said not owned; it removed it")
+
+    def forced_release(self, operator: Client, token: str, ok: bool) -> None:
+        by = self.removed_by.get(token)
+        if ok and by != operator.name:
+            self.fail(
+                f"{operator.name}'s force release said it freed the holder it saw; {by} removed it"
+            )
+        if not ok and by == operator.name:
+            self.fail(
+                f"{operator.name}'s force release said the lock changed hands, but it freed the holder"
+            )
+
+    def gave_up(self, client: Client, name: str, start: float) -> None:
+        if not self.fair:
+            return
+        now = self.sim.now
+        windows = list(self.free_windows[name])
+        if self.held_since[name] is None:
+            windows.append((self.free_since[name], now))
+        for a, b in windows:
+            free = min(b, now) - max(a, start)
+            if free > LIVENESS_SLACK:
+                self.fail(
+                    f"{client.name} gave up on {name!r} although it was free for "
+                    f"{free * 1000:.0f} ms of its wait"
+                )
+
+
+def _url(scenario: Scenario) -> str:
+    hand = "&handoff=server" if scenario.protocol == "redis-handoff" else ""
+    return f"redis://sim:6379/0?socket_timeout={scenario.socket_timeout}{hand}"
+
+
+_prototypes: dict[str, RedisBackend] = {}
+
+
+def _backend(url: str, client: Client, server: Server, net: Net, timeout: float) -> RedisBackend:
+    """A client's own ``RedisBackend`` for ``url`` over the simulated network.
+
+    Copied from one made per URL (making a redis-py client reads package metadata, a
+    large share of a short run), with its own riders and the simulated client."""
+    prototype = _prototypes.get(url)
+    if prototype is None:
+        prototype = _prototypes[url] = RedisBackend(url)
+    backend = copy.copy(prototype)
+    backend._riders = []
+    backend._riders_guard = threading.Lock()
+    backend._client_guard = threading.Lock()
+    backend._sync_client = SimRedis(client, server, net, timeout)
+    return backend
+
+
+_patches = Patches()
+
+
+def run(scenario: Scenario, record: bool = False) -> Outcome:
+    sim = Sim(scenario.seed, record)
+    _patches.install(sim)
+    # The lock's warnings (late renewals, lost leases) are the story's, not the log's.
+    logging.disable(logging.WARNING)
+    try:
+        return _run(sim, scenario)
+    finally:
+        logging.disable(logging.NOTSET)
+        _patches.uninstall()
+
+
+def _run(sim: Sim, scenario: Scenario) -> Outcome:
+    server = Server(sim)
+    net = Net(sim, scenario.delay)
+    url = _url(scenario)
+    clients = [Client(sim, i, rate) for i, rate in enumerate(scenario.rates)]
+    operators = [Client(sim, -1 - i) for i in range(len(scenario.faults))]
+    operator = operators[0] if operators else Client(sim, -1)
+    probe = _backend(url, operator, server, net, 5.0)
+    checker = Checker(sim, server, probe, scenario.fair)
+    server.observe = checker.observe
+    violation: list[str] = []
+
+    for fault, operator_n in zip(scenario.faults, operators, strict=True):
+        _plan_fault(sim, server, net, clients, operator_n, fault, url, checker)
+    for client, program in zip(clients, scenario.programs, strict=True):
+        backend = _backend(url, client, server, net, scenario.socket_timeout)
+        client.spawn(lambda c=client, b=backend, p=program: _worker(c, b, p, checker))
+
+    def after_step() -> None:
+        checker.step()
+
+    sim.after_step = after_step
+    try:
+        sim.run(until=60.0)
+    except Violation as exc:
+        violation.append(str(exc))
+    finally:
+        for client in (*clients, *operators):
+            client.dead = True
+    if violation:
+        sim.say("checker", "VIOLATION " + violation[0])
+    return Outcome(violation[0] if violation else None, sim.steps, sim.story)
+
+
+def _plan_fault(
+    sim: Sim,
+    server: Server,
+    net: Net,
+    clients: list[Client],
+    operator: Client,
+    fault: Fault,
+    url: str,
+    checker: Checker,
+) -> None:
+    kind = fault.kind
+    target = clients[fault.client] if 0 <= fault.client < len(clients) else None
+    if kind == "msg":
+        net.faults[(fault.client, int(fault.at))] = (fault.detail, fault.amount)
+    elif kind == "partition":
+        net.partitions.setdefault(fault.client, []).append((fault.at, fault.at + fault.amount))
+        sim.at(
+            fault.at, lambda: sim.say(f"client{fault.client}", f"partitioned for {fault.amount} s")
+        )
+    elif kind == "pause" and target is not None:
+
+        def pause() -> None:
+            sim.say(target.name, f"paused (SIGSTOP/GC) for {fault.amount * 1000:.0f} ms")
+            target.paused_until = max(target.paused_until, sim.now + fault.amount)
+
+        sim.at(fault.at, pause)
+    elif kind == "kill" and target is not None:
+
+        def kill() -> None:
+            sim.say(target.name, "killed")
+            target.dead = True
+
+        sim.at(fault.at, kill)
+    elif kind == "jump" and target is not None:
+
+        def jump() -> None:
+            sim.say(target.name, f"monotonic clock jumps {fault.amount:+g} s")
+            target.mono_offset += fault.amount
+
+        sim.at(fault.at, jump)
+    elif kind == "wall_jump" and target is not None:
+
+        def wall_jump() -> None:
+            sim.say(target.name, f"wall clock jumps {fault.amount:+g} s")
+            target.wall_offset += fault.amount
+
+        sim.at(fault.at, wall_jump)
+    elif kind == "restart":
+        sim.at(fault.at, lambda: server.restart(fault.amount))
+    elif kind == "clock_step":
+        sim.at(fault.at, lambda: server.step_clock(int(fault.amount * 1_000_000)))
+    elif kind == "force":
+        backend = _backend(url, operator, server, net, 5.0)
+        times = max(1, int(fault.amount))
+        operator.spawn(
+            lambda: _operator(operator, backend, fault.detail, checker, times), when=fault.at
+        )
+
+
+def _operator(
+    client: Client, backend: RedisBackend, name: str, checker: Checker, times: int
+) -> None:
+    for _ in range(times):
+        _force_once(client, backend, name, checker)
+        client.sleep(0.02 + 0.08 * client.rng.random())
+
+
+def _force_once(client: Client, backend: RedisBackend, name: str, checker: Checker) -> None:
+    try:
+        holder = backend.holder(name)
+        if holder is None:
+            client.sim.say(client.name, f"sees {name!r} free")
+            return
+        client.sim.say(client.name, f"sees {name!r} held (fence {holder.fence}); force-releases")
+        ok = backend.force_release(name, fence=holder.fence)
+    except LockError as exc:
+        client.sim.say(client.name, f"force release failed: {exc}")
+        return
+    client.sim.say(client.name, "freed it" if ok else "the lock changed hands: nothing freed")
+    checker.forced_release(client, holder.token, ok)
+
+
+def _worker(client: Client, backend: RedisBackend, program: Any, checker: Checker) -> None:
+    sim = client.sim
+    for step in program:
+        lock = Lock(step.name, step.ttl, backend=backend, timeout=step.timeout)
+        start = sim.now
+        sim.say(client.name, f"acquire {step.name!r} ttl {step.ttl} timeout {step.timeout}")
+        try:
+            lease = lock.acquire()
+        except LockHeld:
+            sim.say(client.name, "gave up (LockHeld)")
+            checker.gave_up(client, step.name, start)
+            continue
+        except LockError as exc:
+            sim.say(client.name, f"acquire failed: {type(exc).__name__}")
+            continue
+        sim.say(client.name, f"holds {step.name!r} fence {lease.fence}")
+        checker.granted(client, lease)
+        _hold(client, lease, step, checker)
+        if not step.release:
+            continue
+        checker.releasing.add(lease.token)
+        try:
+            lease.release()
+        except NotOwned:
+            sim.say(client.name, "release: NotOwned")
+            checker.released(client, lease, False)
+        except BackendUnavailable as exc:
+            sim.say(client.name, f"release unknown: {exc.__class__.__name__}")
+        except LockLost:
+            sim.say(client.name, "release: LockLost")
+        else:
+            if lease._released:
+                sim.say(client.name, "released")
+                checker.released(client, lease, True)
+
+
+def _hold(client: Client, lease: Any, step: Iteration, checker: Checker) -> None:
+    sim = client.sim
+    pieces = max(1, step.writes)
+    renew_piece = None if step.renew_at is None else int(step.renew_at * pieces)
+    for piece in range(pieces):
+        client.sleep(step.hold / pieces)
+        if renew_piece == piece:
+            sim.say(client.name, f"renew(ttl={step.renew_ttl})")
+            try:
+                lease.renew(ttl=step.renew_ttl)
+            except LockError as exc:
+                sim.say(client.name, f"renew: {type(exc).__name__}")
+        if step.writes:
+            try:
+                lease.check()
+            except LockLost:
+                sim.say(client.name, "check(): lost")
+                return
+            checker.write(client, lease)
+
+
+# -- replay, shrink, many seeds -----------------------------------------------------------
+
+
+def _smaller(scenario: Scenario) -> Iterator[Scenario]:
+    """Each schedule one choice smaller: a fault fewer, then an iteration fewer."""
+    faults = scenario.faults
+    for index in range(len(faults)):
+        yield replace(scenario, faults=faults[:index] + faults[index + 1 :])
+    for who, program in enumerate(scenario.programs):
+        for index in range(len(program) if len(program) > 1 else 0):
+            programs = list(scenario.programs)
+            programs[who] = program[:index] + program[index + 1 :]
+            yield replace(scenario, programs=tuple(programs))
+
+
+def shrink(scenario: Scenario, budget: int = 200) -> Scenario:
+    """Greedy delta debugging: take the first smaller schedule that still fails, again
+    and again, until none does (or the budget of runs is spent)."""
+    tries = 0
+    while tries < budget:
+        for candidate in _smaller(scenario):
+            tries += 1
+            if run(candidate).violation:
+                scenario = candidate
+                break
+            if tries >= budget:
+                return scenario
+        else:
+            return scenario
+    return scenario
+
+
+def describe(scenario: Scenario) -> list[str]:
+    lines = [
+        f"seed {scenario.seed}: {scenario.protocol}, {len(scenario.programs)} clients, "
+        f"delays {scenario.delay[0] * 1000:g}-{scenario.delay[1] * 1000:g} ms, "
+        f"socket_timeout {scenario.socket_timeout} s"
+    ]
+    for who, program in enumerate(scenario.programs):
+        rate = scenario.rates[who]
+        steps = "; ".join(
+            f"{s.name} ttl {s.ttl} timeout {s.timeout} hold {s.hold:.3g}"
+            + (f" renew(ttl={s.renew_ttl})" if s.renew_at is not None else "")
+            + ("" if s.release else " no release")
+            for s in program
+        )
+        lines.append(f"  client{who} (clock rate {rate:g}): {steps}")
+    for fault in scenario.faults:
+        lines.append(f"  fault: {fault.describe()}")
+    return lines
+
+
+def story(scenario: Scenario) -> tuple[str | None, list[str]]:
+    outcome = run(scenario, record=True)
+    return outcome.violation, [*describe(scenario), "", *outcome.story]
+
+
+def explore(seeds: range, protocol: str | None = None) -> tuple[list[int], int, float]:
+    """Run every seed; the failing ones, the steps run, the seconds taken."""
+    failing: list[int] = []
+    steps = 0
+    start = real_time.perf_counter()
+    for seed in seeds:
+        outcome = run(generate(seed, protocol))
+        steps += outcome.steps
+        if outcome.violation:
+            failing.append(seed)
+    return failing, steps, real_time.perf_counter() - start
+
+
+assert greenlet  # imported for its side effect on the world's tasks
