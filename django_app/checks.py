@@ -187,7 +187,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     _error(
                         "E004",
                         f"{conf.SETTING}['METRICS'] is True but prometheus_client is not installed",
-                        hint="pip install 'task-locks[metrics]', or set METRICS to False.",
+                        hint="Install task-locks with its metrics extra (from a checkout, the only "
+                        "way today: pip install -e '.[metrics]'), or set METRICS to False.",
                     )
                 )
 

@@ -154,7 +154,8 @@ def install(registry: Any = None) -> None:
         import prometheus_client
     except ImportError as exc:  # pragma: no cover - the extra is missing
         raise ImportError(
-            "task_locks.metrics needs prometheus_client: pip install 'task-locks[metrics]'"
+            "task_locks.metrics needs prometheus_client: install task-locks with its metrics "
+            "extra (from a checkout, the only way today: pip install -e '.[metrics]')"
         ) from exc
     registry = prometheus_client.REGISTRY if registry is None else registry
     with _guard:

@@ -86,7 +86,8 @@ def _load(scheme: str) -> type[Backend]:
         except ImportError as exc:
             raise InvalidArgument(
                 f"the {scheme}:// backend needs {module_name!r}, which failed to import: {exc}"
-                " (install task-locks with the matching extra, e.g. task-locks[etcd])"
+                " (install task-locks with the matching extra: from a checkout, the only way "
+                "today, pip install -e '.[etcd]' for etcd://)"
             ) from exc
         target = getattr(module, class_name)
         _registry[scheme] = target
