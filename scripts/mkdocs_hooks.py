@@ -6,7 +6,9 @@
   links made relative to the site, so the site has them without a second copy.
 - The docstrings are written for Sphinx-style readers (``:class:`Lease```); mkdocstrings
   renders the role's text as it is, so ":class:" would be printed before every name. The
-  role is dropped and a ``~`` (Sphinx's "show the last part") is honoured.
+  role is dropped and a ``~`` (Sphinx's "show the last part") is honoured, and a
+  reStructuredText literal-block marker (a paragraph ``::``, or one ending in ``::``)
+  reads as the colon it stands for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|const):<code>(~?)([^<]*)</code>")
+LITERAL_MARKER = re.compile(r"(?<=\S)::</p>")
 INCLUDE = re.compile(r"^<!-- include README: (#+ .+?) -->$", re.M)
 
 
@@ -50,4 +53,5 @@ def on_page_markdown(markdown: str, config: Any, **kwargs: Any) -> str:
 
 
 def on_page_content(html: str, **kwargs: Any) -> str:
-    return ROLE.sub(_name, html)
+    html = ROLE.sub(_name, html).replace("<p>::</p>", "")
+    return LITERAL_MARKER.sub(":</p>", html)

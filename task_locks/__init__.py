@@ -1,7 +1,7 @@
 """task-locks: named distributed locks that stay correct when holders crash or pause.
 
 Every lock has a TTL, a unique token, a fencing token, renewal tied to the holder's life
-and token-checked release. See ``README.md`` for the guarantees each backend gives.
+and token-checked release. docs/backends/index.md says what each backend guarantees.
 """
 
 from .backends import close_all, get_backend, register_backend

@@ -22,8 +22,8 @@ finds no holder or a release is not confirmed, 3 (``EX_CHANGED_HANDS``) when ``r
 found the lock in other hands than the ones it showed (nothing is released: the backend
 frees only the holder with the fence the operator saw, in one atomic step); ``run``
 passes the program's own status through (128 + N when it died of signal N), except 79
-(``EX_LEASE_LOST``) when it stopped the program because the lease was lost. The README
-has them in one table.
+(``EX_LEASE_LOST``) when it stopped the program because the lease was lost. docs/operations.md
+has them in one table, docs/troubleshooting.md what to do about each.
 """
 
 from __future__ import annotations

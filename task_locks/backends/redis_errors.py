@@ -125,7 +125,7 @@ def _access_refused(what: str, server: str, prefix: str, exc: Exception) -> str:
         return f"{what}: Redis at {server} refused user {user!r}: check the user and password"
     return (
         f"{what}: Redis at {server} refused user {user!r}: {exc}; its ACL must allow the keys "
-        f"{prefix + '*'!r} (prefix {prefix!r}) and the commands of the README's lock-user ACL"
+        f"{prefix + '*'!r} (prefix {prefix!r}) and the commands of the lock-user ACL in docs/security.md"
     )
 
 

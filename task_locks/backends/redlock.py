@@ -37,7 +37,7 @@ Capabilities: ``fencing`` (with ``fence_sync``, see above and below), ``multipro
 ``wakeup``, ``holders``; not ``consensus``: a majority of masters is no consensus
 protocol, so ``Lock(..., require={"consensus"})`` refuses this backend.
 
-Limits (also in the README's safety table):
+Limits (also in the safety table, README and docs/backends/):
 
 - Safety assumes the masters' clocks run at about the same rate: a master whose clock
   jumps forward expires a lock early. ``drift_factor`` covers only bounded drift.

@@ -772,7 +772,8 @@ def singleton_task(
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
 ) -> Any:
-    """Register a Celery task whose runs hold the lock ``key`` (see ``README``).
+    """Register a Celery task whose runs hold the lock ``key`` (each option and its default:
+    the "@singleton_task options" table of docs/celery.md).
 
     ``limit=N`` allows up to N runs of one key at once (a :class:`~task_locks.Semaphore`
     named by the key; ``on_conflict`` applies when all N permits are taken).
