@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -166,3 +169,39 @@ def test_troubleshooting_has_an_entry_per_error_exit_status_and_check() -> None:
     missing += [i for i in sorted(ids) if f"`{i}`" not in headings]
     assert len(ids) >= 7 and len(statuses) >= 8
     assert not missing, f"docs/troubleshooting.md has no entry for {missing}"
+
+
+#: The broker of docs/celery.md's RabbitMQ app (the machine's RabbitMQ, default user).
+RABBITMQ = ("127.0.0.1", 5672)
+
+
+def test_the_plain_celery_app_runs_on_rabbitmq(redis_url: str, tmp_path: Path) -> None:
+    """docs/celery.md's RabbitMQ app with the quick start's worker command and send.py: one
+    call runs, its duplicate ends SKIPPED, as on the Redis broker."""
+    import socket
+
+    from tests.test_readme import WITH_A_WORKER, readme_blocks, run_plain_celery_app
+
+    try:
+        socket.create_connection(RABBITMQ, timeout=2).close()
+    except OSError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"no RabbitMQ on {RABBITMQ}: {exc}")
+    blocks = [
+        b
+        for b in readme_blocks(path=ROOT / "docs" / "celery.md")
+        if b.reason.startswith(f"{WITH_A_WORKER} on RabbitMQ")
+    ]
+    assert len(blocks) == 1 and "amqp://" in blocks[0].code, blocks
+    # A queue of this run's own on the machine's RabbitMQ: nobody else's leftovers or
+    # parallel runs in it; deleted afterwards.
+    queue = f"docs-rabbitmq-{os.getpid()}"
+    app = blocks[0].code + f"\napp.conf.task_default_queue = {queue!r}\n"
+    try:
+        run_plain_celery_app(redis_url, tmp_path, Path(sys.executable).parent, [ROOT], app_code=app)
+    finally:
+        from kombu import Connection
+
+        with Connection("amqp://guest:guest@{}:{}//".format(*RABBITMQ)) as connection:
+            connection.default_channel.queue_delete(queue)

@@ -412,15 +412,20 @@ def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
 
 
 def run_plain_celery_app(
-    redis_url: str, tmp_path: Path, bin_dir: Path, pythonpath: list[Path]
+    redis_url: str,
+    tmp_path: Path,
+    bin_dir: Path,
+    pythonpath: list[Path],
+    app_code: str | None = None,
 ) -> None:
     """The README's plain Celery app, its worker and ``send.py``, run with the ``python``
-    and ``celery`` of ``bin_dir`` and ``pythonpath`` besides ``tmp_path``."""
+    and ``celery`` of ``bin_dir`` and ``pythonpath`` besides ``tmp_path``; ``app_code``
+    replaces its ``tasks.py`` (the same app on another broker)."""
     blocks = [b for b in readme_blocks() if b.reason.startswith(WITH_A_WORKER)]
     assert [b.lang for b in blocks] == ["python", "sh", "python"], [b.where for b in blocks]
     app, worker_command, sender = blocks
     assert app.code.startswith("# tasks.py") and sender.code.startswith("# send.py")
-    (tmp_path / "tasks.py").write_text(localised(app.code, redis_url))
+    (tmp_path / "tasks.py").write_text(localised(app_code or app.code, redis_url))
     (tmp_path / "send.py").write_text(localised(sender.code, redis_url))
     env = {
         k: v
