@@ -159,11 +159,14 @@ def parse_audit(value: object) -> frozenset[str]:
 
 
 def parse_retention(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    """``EVENT_RETENTION_DAYS``: a finite number of days > 0 (NaN or infinity would make
+    every prune fail: no date is that many days ago)."""
+    days = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if days is None or not math.isfinite(days) or days <= 0:
         raise ImproperlyConfigured(
             f"{SETTING}['EVENT_RETENTION_DAYS'] must be a number of days > 0, got {value!r}"
         )
-    return float(value)
+    return float(days)
 
 
 def with_prefix(url: str, prefix: str) -> str:

@@ -109,3 +109,15 @@ def test_the_celery_task_the_docs_schedule_prunes(settings: Any) -> None:
     _aged(8), _aged(1)
     assert prune_lock_events.apply().get() == 1
     assert LockEvent.objects.count() == 1
+
+
+@pytest.mark.parametrize("days", [0, -3, "thirty", float("nan"), float("inf")])
+def test_a_bad_retention_is_a_system_check_error(settings: Any, days: object) -> None:
+    from django_app import checks
+
+    settings.TASK_LOCKS = {"BACKEND": "memory://retention", "EVENT_RETENTION_DAYS": days}
+    with checks.without_backend_probe():
+        problems = checks.check_settings()
+    errors = [p for p in problems if p.is_serious()]  # memory:// outside DEBUG also warns
+    assert [p.id for p in errors] == ["task_locks.E004"], problems
+    assert f"EVENT_RETENTION_DAYS'] must be a number of days > 0, got {days!r}" in errors[0].msg
