@@ -77,7 +77,7 @@ chaos: install servers
 # SIM_JOBS processes, printing schedules per second and the shrunk story of any failure.
 SEEDS ?= 1000000
 SIM_JOBS ?= 2
-MUTANT_SEEDS ?= 3000
+MUTANT_SEEDS ?= 5000
 
 sim: install
 	$(PY) -m tests.sim.run $(if $(SEED),--seed $(SEED),--seeds $(SEEDS) --jobs $(SIM_JOBS))

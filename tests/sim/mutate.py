@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = Path(__file__).resolve().parent / "mutants"
-BUDGET = 3000
+BUDGET = 5000
 
 
 def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:

@@ -130,6 +130,48 @@ end
 """
 
 
+class _Lua:
+    """One Lua runtime for every model (a runtime and its compiled scripts cost more than
+    a short simulated run): scripts call back into the model running them (``active``).
+    Globals a script leaves behind are reset for each call (KEYS, ARGV); our scripts
+    write no others (Redis refuses that too)."""
+
+    active: RedisModel | None = None
+
+    def __init__(self) -> None:
+        self.runtime = lua51.LuaRuntime(encoding="utf-8", unpack_returned_tuples=True)
+        self.run = self.runtime.execute(_PRELUDE, self._dispatch)
+        self.compile = self.runtime.eval(
+            "function(source) local f, e = loadstring(source, '@user_script') return f, e end"
+        )
+        self.compiled: dict[str, Any] = {}
+
+    @staticmethod
+    def _dispatch(*args: Any) -> tuple[bool, Any]:
+        model = _Lua.active
+        assert model is not None
+        return model._dispatch(*args)
+
+
+_shared: list[_Lua] = []
+
+
+def _lua() -> _Lua:
+    if not _shared:
+        _shared.append(_Lua())
+    return _shared[0]
+
+
+_shas: dict[str, str] = {}
+
+
+def _sha(source: str) -> str:
+    sha = _shas.get(source)
+    if sha is None:
+        sha = _shas[source] = hashlib.sha1(source.encode()).hexdigest()
+    return sha
+
+
 class RedisModel:
     """One Redis server's keyspace and script cache (see the module docstring)."""
 
@@ -140,13 +182,11 @@ class RedisModel:
         #: Lists pushed to since the server last served its blocked clients.
         self.pushed: set[str] = set()
         self._frozen_ms: int | None = None
-        self._lua = lua51.LuaRuntime(encoding="utf-8", unpack_returned_tuples=True)
-        self._run = self._lua.execute(_PRELUDE, self._dispatch)
-        self._compile = self._lua.eval(
-            "function(source) local f, e = loadstring(source, '@user_script') return f, e end"
-        )
-        self._table = self._lua.table_from
+        lua = _lua()
+        self._run, self._compile, self._table = lua.run, lua.compile, lua.runtime.table_from
+        self._compiled = lua.compiled
         self._lua_type = lua51.lua_type
+        #: The script cache (SHA -> compiled function): what EVALSHA finds.
         self.scripts: dict[str, Any] = {}
         self._commands: dict[str, Callable[[list[str]], Any]] = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")
@@ -230,7 +270,7 @@ class RedisModel:
     def _dispatch(self, *args: Any) -> tuple[bool, Any]:
         """``redis.call`` from a script: ``(True, reply as Lua)`` or ``(False, message)``."""
         try:
-            words = [_arg(a) for a in args]
+            words = [a if type(a) is str else _arg(a) for a in args]
         except CommandError as exc:
             return False, str(exc)
         if not words:
@@ -287,12 +327,15 @@ class RedisModel:
             index += 1
 
     def _script(self, source: str) -> tuple[str, Any]:
-        sha = hashlib.sha1(source.encode()).hexdigest()
+        sha = _sha(source)
         function = self.scripts.get(sha)
         if function is None:
-            function, error = self._compile(source)
+            function = self._compiled.get(sha)
             if function is None:
-                raise CommandError(f"ERR Error compiling script (new function): {error}")
+                function, error = self._compile(source)
+                if function is None:
+                    raise CommandError(f"ERR Error compiling script (new function): {error}")
+                self._compiled[sha] = function
             self.scripts[sha] = function
         return sha, function
 
@@ -302,6 +345,7 @@ class RedisModel:
             raise CommandError("ERR Number of keys can't be greater than number of args")
         keys, argv = args[1 : 1 + count], args[1 + count :]
         self._frozen_ms = self.now_us() // 1000  # expiry judged at the script's start
+        _Lua.active = self
         try:
             ok, reply = self._run(function, self._table(keys), self._table(argv))
         finally:

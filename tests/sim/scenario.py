@@ -40,23 +40,33 @@ import logging
 import random
 import threading
 import time as real_time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import greenlet
 
 from task_locks.backends.redis import RedisBackend
+from task_locks.election import Election
+from task_locks.election import lock_name as election_lock_name
 from task_locks.errors import BackendUnavailable, LockError, LockHeld, LockLost, NotOwned
 from task_locks.lock import Lock
+from task_locks.semaphore import Semaphore
+from task_locks.types import slot_name
 
 from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation
 
-PROTOCOLS = ("redis", "redis-handoff")
+#: redis / redis-handoff: ``Lock`` with the client / server hand-off; semaphore:
+#: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence).
+PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election")
 NAMES = ("job", "report")
+SEMAPHORE = "pool"
+ELECTION = "leader"
 #: Free time at the server a waiter may sleep through before it must have the lock:
 #: the longest pause (the unknown-TTL poll), a server tick, and round trips.
 LIVENESS_SLACK = 0.75
+#: How long a run goes on after the last program ended (leases left held stay checked).
+TAIL = 1.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,12 @@ class Scenario:
     faults: tuple[Fault, ...]
     delay: tuple[float, float]
     socket_timeout: float
+    limit: int = 1
+
+    @property
+    def lock_names(self) -> tuple[str, ...]:
+        """The names of the locks the front end takes (a semaphore's slots...)."""
+        return lock_names(self.protocol, self.limit)
 
     @property
     def fair(self) -> bool:
@@ -111,12 +127,26 @@ class Scenario:
 RENEW_WITH_TTL = False
 
 
+def lock_names(protocol: str, limit: int) -> tuple[str, ...]:
+    if protocol == "semaphore":
+        return tuple(slot_name(SEMAPHORE, i) for i in range(limit))
+    if protocol == "election":
+        return (election_lock_name(ELECTION),)
+    return NAMES
+
+
 def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = None) -> Scenario:
     rng = random.Random(seed)
     with_ttl = RENEW_WITH_TTL if renew_ttl is None else renew_ttl
     protocol = protocol or PROTOCOLS[seed % len(PROTOCOLS)]
     clients = rng.choice((2, 2, 3, 3, 4))
-    names = NAMES[: rng.choice((1, 1, 2))]
+    limit = rng.choice((1, 2, 3)) if protocol == "semaphore" else 1
+    if protocol == "semaphore":
+        names: tuple[str, ...] = (SEMAPHORE,)
+    elif protocol == "election":
+        names = (ELECTION,)
+    else:
+        names = NAMES[: rng.choice((1, 1, 2))]
     programs = []
     for _ in range(clients):
         program = []
@@ -142,7 +172,7 @@ def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = No
     horizon = 3.0
     if rng.random() < 0.8:
         for _ in range(rng.choice((1, 2, 3, 5))):
-            faults.append(_fault(rng, clients, names, horizon))
+            faults.append(_fault(rng, clients, lock_names(protocol, limit), horizon))
     kinds = {f.kind for f in faults}
     if "restart" in kinds and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -155,6 +185,7 @@ def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = No
         faults=tuple(faults),
         delay=delay,
         socket_timeout=rng.choice((0.5, 1.0, 5.0)),
+        limit=limit,
     )
 
 
@@ -189,7 +220,7 @@ def _fault(rng: random.Random, clients: int, names: tuple[str, ...], horizon: fl
     if kind == "clock_step":
         return Fault(kind, 0, at, -rng.choice((0.001, 0.5, 5.0)))
     if kind == "force":  # an operator forcing the name free, once or again and again
-        return Fault(kind, -1, at, rng.choice((1.0, 3.0, 10.0)), rng.choice(names))
+        return Fault(kind, -1, at, rng.choice((1.0, 3.0, 10.0, 30.0)), rng.choice(names))
     return Fault(kind, client, at)
 
 
@@ -220,13 +251,18 @@ class Outcome:
 
 
 class Checker:
-    def __init__(self, sim: Sim, server: Server, backend: RedisBackend, fair: bool) -> None:
+    def __init__(self, sim: Sim, server: Server, backend: RedisBackend, scenario: Scenario) -> None:
         self.sim = sim
         self.server = server
         self.backend = backend
-        self.fair = fair
-        self.keys = {name: backend._key(name) for name in NAMES}
-        self.current: dict[str, str | None] = dict.fromkeys(NAMES)
+        self.fair = scenario.fair
+        names = scenario.lock_names
+        self.limit = scenario.limit if scenario.protocol == "semaphore" else len(names)
+        names = scenario.lock_names
+        self.keys = {name: backend._key(name) for name in names}
+        self.current: dict[str, str | None] = dict.fromkeys(names)
+        self.current_fence: dict[str, str | None] = {}
+        self.terms: dict[tuple[str, int], str] = {}  # (name, term) -> the one it made leader
         self.grants: dict[tuple[str, str], Grant] = {}
         self.last_fence: dict[str, int] = {}
         self.order = 0
@@ -234,13 +270,15 @@ class Checker:
         self.forced: set[str] = set()
         self.releasing: set[str] = set()
         self.expiry: dict[str, float | None] = {}  # the holder's server expiry (sim time)
+        self.finished: Callable[[Client], None] = lambda client: None
         self.leases: list[Held] = []
+        self.register = names[0]  # the fenced register guards the first name
         self.register_fence = -1
         self.register_order = -1
         # held intervals per name, for liveness: [start, end]
-        self.held_since: dict[str, float | None] = dict.fromkeys(NAMES)
-        self.free_since: dict[str, float] = dict.fromkeys(NAMES, 0.0)
-        self.free_windows: dict[str, list[tuple[float, float]]] = {n: [] for n in NAMES}
+        self.held_since: dict[str, float | None] = dict.fromkeys(names)
+        self.free_since: dict[str, float] = dict.fromkeys(names, 0.0)
+        self.free_windows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
 
     def fail(self, text: str) -> None:
         raise Violation(f"at {self.sim.now * 1000:.3f} ms: {text}")
@@ -252,19 +290,22 @@ class Checker:
         for name, key in self.keys.items():
             fields = model.get_value(key)
             token = fields.get("token") if isinstance(fields, dict) else None
+            fence_text = fields.get("fence") if token is not None else None
             before = self.current[name]
-            if token == before:
+            # The same token with a new fence is a new grant (its first one expired).
+            if token == before and fence_text == self.current_fence.get(name):
                 if token is not None:
                     self.expiry[name] = self._expiry_sim(key)
                 continue
             self.current[name] = token
+            self.current_fence[name] = fence_text
             if before is not None:
                 expiry = self.expiry.get(name)
-                gone = "expiry" if expiry is not None and expiry <= self.sim.now else who
-                self.removed_by.setdefault(before, gone)
+                expired = expiry is not None and expiry <= self.sim.now
+                self.removed_by.setdefault(before, "expiry" if expired else who)
                 if who.startswith("operator"):
                     self.forced.add(before)
-                self._free(name)
+                self._free(name, expiry if expired else None)
             if token is not None:
                 fence = int(fields["fence"])
                 last = self.last_fence.get(name)
@@ -283,9 +324,9 @@ class Checker:
             if key not in model.expires:
                 self.fail(f"key {key!r} has no expiry")
 
-    def _free(self, name: str) -> None:
+    def _free(self, name: str, since: float | None = None) -> None:
         self.held_since[name] = None
-        self.free_since[name] = self.sim.now
+        self.free_since[name] = self.sim.now if since is None else since
 
     def _taken(self, name: str) -> None:
         start = self.free_since[name]
@@ -301,6 +342,8 @@ class Checker:
 
     # after every step ------------------------------------------------------------------
     def step(self) -> None:
+        if not self.leases:
+            return
         # lazily expired keys: let the checker see expiry as Redis would at this moment
         model = self.server.model
         for name, key in self.keys.items():
@@ -346,6 +389,8 @@ class Checker:
             if other is not None:
                 self.fail(f"two holders of {name!r}: {other.client.name} and {client.name}")
             holders[name] = held
+        if len(holders) > self.limit:
+            self.fail(f"{len(holders)} permits held at once, the limit is {self.limit}")
         if done:
             self.leases = [
                 h
@@ -370,18 +415,23 @@ class Checker:
             self.fail(f"{client.name} got a lease of {lease.name!r} the server never granted")
         if grant.fence != lease.fence:
             self.fail(f"{client.name}'s lease has fence {lease.fence}, the grant {grant.fence}")
+        leader = self.terms.setdefault((lease.name, lease.fence), client.name)
+        if leader != client.name:
+            self.fail(
+                f"term {lease.fence} of {lease.name!r} has two leaders: {leader}, {client.name}"
+            )
         self.leases.append(Held(client, lease, epoch))
 
     def write(self, client: Client, lease: Any) -> None:
         grant = self.grants[(lease.name, lease.token)]
         if lease.fence < self.register_fence:
             return  # refused: stale
-        if grant.order < self.register_order and lease.name == "job":
+        if grant.order < self.register_order and lease.name == self.register:
             self.fail(
                 f"the fenced register accepted {client.name}'s write (fence {lease.fence}, "
                 f"grant #{grant.order}) after grant #{self.register_order}'s"
             )
-        if lease.name == "job":
+        if lease.name == self.register:
             self.register_fence, self.register_order = lease.fence, grant.order
         self.sim.say(client.name, f"writes the fenced register with fence {lease.fence}")
 
@@ -423,7 +473,8 @@ class Checker:
 
 
 def _url(scenario: Scenario) -> str:
-    hand = "&handoff=server" if scenario.protocol == "redis-handoff" else ""
+    # An election's lock goes through the server hand-off (its queue and grants).
+    hand = "&handoff=server" if scenario.protocol in ("redis-handoff", "election") else ""
     return f"redis://sim:6379/0?socket_timeout={scenario.socket_timeout}{hand}"
 
 
@@ -469,15 +520,30 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
     operators = [Client(sim, -1 - i) for i in range(len(scenario.faults))]
     operator = operators[0] if operators else Client(sim, -1)
     probe = _backend(url, operator, server, net, 5.0)
-    checker = Checker(sim, server, probe, scenario.fair)
+    checker = Checker(sim, server, probe, scenario)
     server.observe = checker.observe
     violation: list[str] = []
 
     for fault, operator_n in zip(scenario.faults, operators, strict=True):
         _plan_fault(sim, server, net, clients, operator_n, fault, url, checker)
+    running = set(clients)
+
+    def finished(client: Client) -> None:
+        running.discard(client)
+        if not running:  # the leases left unreleased are checked a while longer
+            sim.stop_at = min(sim.stop_at, sim.now + TAIL)
+
+    def worker(client: Client, backend: RedisBackend, program: Any, scenario: Scenario) -> None:
+        try:
+            _worker(client, backend, program, checker, scenario)
+        finally:
+            finished(client)
+
+    checker.finished = finished
+
     for client, program in zip(clients, scenario.programs, strict=True):
         backend = _backend(url, client, server, net, scenario.socket_timeout)
-        client.spawn(lambda c=client, b=backend, p=program: _worker(c, b, p, checker))
+        client.spawn(lambda c=client, b=backend, p=program: worker(c, b, p, scenario))
 
     def after_step() -> None:
         checker.step()
@@ -526,6 +592,7 @@ def _plan_fault(
         def kill() -> None:
             sim.say(target.name, "killed")
             target.dead = True
+            checker.finished(target)
 
         sim.at(fault.at, kill)
     elif kind == "jump" and target is not None:
@@ -559,7 +626,7 @@ def _operator(
 ) -> None:
     for _ in range(times):
         _force_once(client, backend, name, checker)
-        client.sleep(0.02 + 0.08 * client.rng.random())
+        client.sleep(0.005 + 0.045 * client.rng.random())
 
 
 def _force_once(client: Client, backend: RedisBackend, name: str, checker: Checker) -> None:
@@ -577,22 +644,45 @@ def _force_once(client: Client, backend: RedisBackend, name: str, checker: Check
     checker.forced_release(client, holder.token, ok)
 
 
-def _worker(client: Client, backend: RedisBackend, program: Any, checker: Checker) -> None:
+def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scenario) -> Any:
+    """The front end's acquire: a lock's lease, a semaphore's permit, a leader's lease."""
+    if scenario.protocol == "semaphore":
+        semaphore = Semaphore(
+            step.name, scenario.limit, step.ttl, backend=backend, timeout=step.timeout
+        )
+        return semaphore.acquire()
+    if scenario.protocol == "election":
+        election = Election(
+            step.name, step.ttl, backend=backend, identity=client.name, timeout=step.timeout
+        )
+        return election.campaign().lease
+    return Lock(step.name, step.ttl, backend=backend, timeout=step.timeout).acquire()
+
+
+def _worker(
+    client: Client, backend: RedisBackend, program: Any, checker: Checker, scenario: Scenario
+) -> None:
     sim = client.sim
     for step in program:
-        lock = Lock(step.name, step.ttl, backend=backend, timeout=step.timeout)
         start = sim.now
         sim.say(client.name, f"acquire {step.name!r} ttl {step.ttl} timeout {step.timeout}")
         try:
-            lease = lock.acquire()
+            lease = _take(client, backend, step, scenario)
         except LockHeld:
             sim.say(client.name, "gave up (LockHeld)")
-            checker.gave_up(client, step.name, start)
+            if scenario.protocol != "semaphore":  # (a free slot is not a free semaphore)
+                checker.gave_up(
+                    client,
+                    lock_names(scenario.protocol, 1)[0]
+                    if scenario.protocol == "election"
+                    else step.name,
+                    start,
+                )
             continue
         except LockError as exc:
             sim.say(client.name, f"acquire failed: {type(exc).__name__}")
             continue
-        sim.say(client.name, f"holds {step.name!r} fence {lease.fence}")
+        sim.say(client.name, f"holds {lease.name!r} fence {lease.fence}")
         checker.granted(client, lease)
         _hold(client, lease, step, checker)
         if not step.release:

@@ -73,6 +73,7 @@ class Sim:
         self.record = record
         self.story: list[str] = []
         self.steps = 0
+        self.stop_at = float("inf")
         self.after_step: Callable[[], None] | None = None
 
     def say(self, who: str, text: str) -> None:
@@ -85,12 +86,14 @@ class Sim:
         return event
 
     def run(self, until: float) -> None:
+        """Run events in time order until ``until`` (or :attr:`stop_at`, if sooner)."""
         heap = self._heap
+        self.stop_at = until
         while heap:
             when, _, event = heapq.heappop(heap)
             if event.cancelled:
                 continue
-            if when > until:
+            if when > self.stop_at:
                 break
             self.now = when
             event.action()
@@ -212,27 +215,33 @@ class SimSecrets:
         return f"{rng.getrandbits(nbytes * 8):0{nbytes * 2}x}"
 
 
+class SimRandom:
+    """Stands in for ``random`` (a semaphore's slot order): the active client's stream."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def __getattr__(self, name: str) -> Any:
+        client = self.sim.active
+        rng = client.rng if client is not None else random.Random(self.sim.seed)
+        return getattr(rng, name)
+
+
 class Patches:
     """Swap ``time``, ``secrets`` and the lease's thread factories inside ``task_locks``."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self._seen = 0
+        self._found: list[tuple[Any, str, Any]] = []
 
     def install(self, sim: Sim) -> None:
         import task_locks.lock as lock_module
 
-        fake_time, fake_secrets = SimTime(sim), SimSecrets(sim)
-        for name, module in list(sys.modules.items()):
-            if not name.startswith("task_locks") or module is None:
-                continue
-            for attribute, fake, real in (
-                ("time", fake_time, real_time),
-                ("secrets", fake_secrets, sys.modules["secrets"]),
-            ):
-                current = getattr(module, attribute, None)
-                if current is real or isinstance(current, SimTime | SimSecrets):
-                    self._saved.append((module, attribute, real))
-                    setattr(module, attribute, fake)
+        fakes = {"time": SimTime(sim), "secrets": SimSecrets(sim), "random": SimRandom(sim)}
+        for module, attribute, real in self._targets():
+            self._saved.append((module, attribute, real))
+            setattr(module, attribute, fakes[attribute])
 
         def renewer() -> Any:
             assert sim.active is not None
@@ -245,6 +254,25 @@ class Patches:
         for attribute, fake in (("thread_renewer", renewer), ("deadline_watch", watch)):
             self._saved.append((lock_module, attribute, getattr(lock_module, attribute)))
             setattr(lock_module, attribute, fake)
+
+    def _targets(self) -> list[tuple[Any, str, Any]]:
+        """Each ``task_locks`` module's ``time`` and ``secrets`` (looked up again only
+        when modules were imported since)."""
+        if self._seen != len(sys.modules):
+            self._seen = len(sys.modules)
+            reals = (
+                ("time", real_time),
+                ("secrets", sys.modules["secrets"]),
+                ("random", sys.modules["random"]),
+            )
+            self._found = [
+                (module, attribute, real)
+                for name, module in list(sys.modules.items())
+                if name.startswith("task_locks") and module is not None
+                for attribute, real in reals
+                if getattr(module, attribute, None) is real
+            ]
+        return self._found
 
     def uninstall(self) -> None:
         while self._saved:

@@ -1,0 +1,262 @@
+"""Write ``tests/sim/mutants/*.diff`` anew from the edits below (run it when production
+code moved and a mutant no longer applies: ``python tests/sim/mutants/refresh.py``).
+
+Each mutant is a list of (file hint, old text, new text): the old text is looked for in
+the hinted file first, then in every module of ``task_locks`` (code moves between
+modules; the snippet is what brings the bug back).
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+OUT = pathlib.Path(__file__).resolve().parent
+
+
+def _find(hint: str, old: str, texts: dict[str, tuple[str, str]]) -> str:
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "task_locks").rglob("*.py"))
+    candidates = [hint, *modules]
+    for path in candidates:
+        if not (ROOT / path).exists():
+            continue
+        current = texts[path][1] if path in texts else (ROOT / path).read_text()
+        if old in current:
+            return path
+    raise SystemExit(f"no module holds {old[:60]!r}: update this mutant")
+
+
+def mutant(name: str, why: str, edits: list[tuple[str, str, str]]) -> None:
+    texts: dict[str, tuple[str, str]] = {}
+    for hint, old, new in edits:
+        path = _find(hint, old, texts)
+        original, current = texts.get(path, ((ROOT / path).read_text(),) * 2)
+        texts[path] = (original, current.replace(old, new, 1))
+    chunks = [
+        "".join(
+            difflib.unified_diff(
+                original.splitlines(True), changed.splitlines(True), f"a/{path}", f"b/{path}", n=2
+            )
+        )
+        for path, (original, changed) in sorted(texts.items())
+    ]
+    header = "".join(f"# {line}\n".replace("# \n", "#\n") for line in why.strip().splitlines())
+    (OUT / f"{name}.diff").write_text(header + "".join(chunks))
+
+
+mutant(
+    "force_release_frees_a_new_holder",
+    """
+Issue 12 item 2: an operator's force release frees whoever holds the lock now, not the
+holder the operator saw (the fence condition is gone from the release script).
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
+  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[3])""",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then
+  local tombstone = redis.call('get', KEYS[3])""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
+  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[5])""",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then
+  local tombstone = redis.call('get', KEYS[5])""",
+        ),
+    ],
+)
+
+mutant(
+    "lease_lost_only_when_a_call_returns",
+    """
+Issue 12 item 3: a lease counts as lost only when a renewal call returns; behind a lost
+request or reply it says held past its local deadline (no deadline in `held`/`lost`,
+no deadline watch).
+""",
+    [
+        (
+            "task_locks/lock.py",
+            """        return self._set or time.monotonic() >= self._deadline""",
+            """        return self._set""",
+        ),
+        (
+            "task_locks/lock.py",
+            """            and time.monotonic() < self._expires_mono
+""",
+            """""",
+        ),
+        (
+            "task_locks/lock.py",
+            """    def _watch(self) -> None:
+        self._watched = True
+        deadline_watch().add(self)
+""",
+            """    def _watch(self) -> None:
+        self._watched = False
+""",
+        ),
+    ],
+)
+
+mutant(
+    "retried_release_reports_not_owned",
+    """
+Issue 12, matrix M2: a release that redis-py resent after its first reply was lost
+answers "not ours" although the first attempt freed the lock (no tombstone check).
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  local tombstone = redis.call('get', KEYS[3])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+""",
+            """""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  local tombstone = redis.call('get', KEYS[5])
+  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
+  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+if ARGV[1] == '' then""",
+            """  return 0
+end
+redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
+if ARGV[1] == '' then""",
+        ),
+    ],
+)
+
+mutant(
+    "stale_handoff_grant_after_force_release",
+    """
+Hand-off hardening (CHANGELOG): after an operator force-released a lock granted to a
+waiter that had not popped its grant yet, the waiter pops the stale grant as the lock
+while another process holds it (the force release keeps the grant, and the pop takes
+any fence).
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  -- later as the lock while someone else holds it. A holder's own release has no grant
+  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
+  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
+""",
+            """  -- later as the lock while someone else holds it. A holder's own release has no grant
+  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
+""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """        if reply is None or above is None:
+            return None
+        fence = int(reply)
+        return fence if fence > above else None""",
+            """        if reply is None:
+            return None
+        return int(reply)""",
+        ),
+    ],
+)
+
+mutant(
+    "lease_counts_from_the_reply",
+    """
+The classic mistake (distributed-lock card): a lease counted from when the acquire's
+reply arrived, not from when its request left; a slow reply makes the local deadline
+later than the server's expiry.
+""",
+    [
+        (
+            "task_locks/lock.py",
+            """                    return token, result.fence, sent_at""",
+            """                    return token, result.fence, now""",
+        )
+    ],
+)
+
+mutant(
+    "renewal_counts_from_the_reply",
+    """
+The watchdog counting a renewal from its reply's arrival instead of its send: a slow
+reply moves the local deadline past the server's expiry.
+""",
+    [
+        (
+            "task_locks/watchdog.py",
+            """            if lease._renewed(sent_at):""",
+            """            if lease._renewed(now):""",
+        )
+    ],
+)
+
+mutant(
+    "fence_from_the_counter_only",
+    """
+Fences across a restart without persistence (DESIGN: fence = max(counter + 1, server
+TIME)): from the counter alone, the first fence after a restart repeats an old one.
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  local last = tonumber(redis.call('get', KEYS[2]) or '0')
+  if last >= next_fence then next_fence = last + 1 end""",
+            """  local last = tonumber(redis.call('get', KEYS[2]) or '0')
+  next_fence = last + 1""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  last = tonumber(last or redis.call('get', counter) or '0')
+  if last >= next_fence then next_fence = last + 1 end""",
+            """  last = tonumber(last or redis.call('get', counter) or '0')
+  next_fence = last + 1""",
+        ),
+    ],
+)
+
+mutant(
+    "handoff_grant_counts_from_the_pop",
+    """
+Server hand-off: a grant lands any time after the try that queued the waiter was sent,
+and the lease must count from that send; counted from the pop that brought it, the local
+deadline is later than the server's expiry.
+""",
+    [
+        (
+            "task_locks/lock.py",
+            """                result, granted = AcquireResult(granted), None""",
+            """                result, granted = AcquireResult(granted), None
+                sent_at = time.monotonic()""",
+        )
+    ],
+)
+
+mutant(
+    "release_without_token_check",
+    """
+The classic mistake: a release that deletes the lock whoever holds it (no token check),
+so a holder whose lease ran out frees the next holder's lock.
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
+  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[3])""",
+            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
+if not held[1] or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
+  local tombstone = redis.call('get', KEYS[3])""",
+        )
+    ],
+)
