@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import task_locks.backends.redlock  # noqa: F401  (registers its bump_fence script)
@@ -261,7 +261,11 @@ def _server_us(client: redis.Redis) -> int:
 @settings(
     max_examples=40,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.filter_too_much,
+    ],
 )
 @given(st.lists(operations, min_size=1, max_size=25))
 def test_model_answers_as_redis_does(real: redis.Redis, ops: list[tuple[Any, ...]]) -> None:
@@ -288,16 +292,29 @@ def test_model_answers_as_redis_does(real: redis.Redis, ops: list[tuple[Any, ...
         for side, batch in zip(sides, commands, strict=True):
             replies.append([side.run(command) for command in batch])
         history.append(f"{op} -> model {replies[0]!r} / real {replies[1]!r}")
+        began, clock[0] = clock[0], _server_us(real)
         for mine, theirs in zip(*replies, strict=True):
-            assert _reply_same(op, mine, theirs), "\n".join(history)
+            if not _reply_same(op, mine, theirs):
+                _reject_if_ambiguous(model, began, clock[0])
+                raise AssertionError("\n".join(history))
         for side, batch_replies in zip(sides, replies, strict=True):
             if op[0] in ("acquire", "enqueue"):
                 side.note(op[1], batch_replies[0])
-        clock[0] = _server_us(real)
         model_keys, real_keys = model.snapshot(), real_keyspace(real)
-        assert keyspaces_same(model_keys, real_keys), (
-            "\n".join(history) + f"\nmodel: {model_keys}\nreal:  {real_keys}"
-        )
+        if not keyspaces_same(model_keys, real_keys):
+            _reject_if_ambiguous(model, began, _server_us(real))
+            raise AssertionError("\n".join(history) + f"\nmodel: {model_keys}\nreal: {real_keys}")
+
+
+def _reject_if_ambiguous(model: RedisModel, began_us: int, ended_us: int) -> None:
+    """A loaded machine can stretch one step past the guard: if some key's expiry fell
+    within the step (the server ran it at an unknown moment inside it), the comparison
+    says nothing, and Hypothesis draws another example instead."""
+    low, high = began_us // 1000 - TTL_TOLERANCE, ended_us // 1000 + TTL_TOLERANCE
+    if ended_us - began_us > TTL_TOLERANCE * 500 or any(
+        low <= when <= high for when in model.expires.values()
+    ):
+        reject()
 
 
 def _run_real(client: redis.Redis, args: list[Any]) -> Any:

@@ -58,8 +58,9 @@ def test_a_thousand_operations_take_milliseconds() -> None:
     outcome = sim.run(scenario)
     seconds = time.perf_counter() - began
     assert outcome.violation is None
-    # Generous for a loaded 2-CPU machine: about 1 ms per 100 steps when idle.
-    assert seconds < outcome.steps / 1000 * 0.2, (seconds, outcome.steps)
+    # About 1 ms per 100 steps on an idle machine; generous for a loaded one.
+    assert outcome.steps >= 100
+    assert seconds < 0.5, (seconds, outcome.steps)
 
 
 def test_the_checker_catches_a_lease_counted_from_its_reply(
