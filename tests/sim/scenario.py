@@ -54,7 +54,7 @@ from task_locks.lock import Lock
 from task_locks.semaphore import Semaphore
 from task_locks.types import slot_name
 
-from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation
+from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasing_module
 
 #: redis / redis-handoff: ``Lock`` with the client / server hand-off; semaphore:
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence).
@@ -241,6 +241,9 @@ class Held:
     client: Client
     lease: Any
     grant_epoch: int
+    #: Its grant was popped after an operator had force-released it: a lease handed out
+    #: for a lock already taken back must never say held (no exemption for it).
+    forced_before: bool = False
 
 
 @dataclass
@@ -268,6 +271,7 @@ class Checker:
         self.order = 0
         self.removed_by: dict[str, str] = {}  # token -> who removed it (client name)
         self.forced: set[str] = set()
+        self.stale: set[str] = set()
         self.releasing: set[str] = set()
         self.expiry: dict[str, float | None] = {}  # the holder's server expiry (sim time)
         self.finished: Callable[[Client], None] = lambda client: None
@@ -284,9 +288,13 @@ class Checker:
         raise Violation(f"at {self.sim.now * 1000:.3f} ms: {text}")
 
     # after every server command ---------------------------------------------------------
-    def observe(self, conn: Any) -> None:
+    def observe(self, conn: Any, command: tuple[Any, ...]) -> None:
         model = self.server.model
         who = "restart" if conn is None else conn.client.name
+        if str(command[0]).upper() in ("LPOP", "BLPOP") and ":grant:" in str(command[1]):
+            token = str(command[1]).rsplit(":grant:", 1)[1]
+            if token in self.forced:  # a grant popped after its lock was taken back
+                self.stale.add(token)
         for name, key in self.keys.items():
             fields = model.get_value(key)
             token = fields.get("token") if isinstance(fields, dict) else None
@@ -315,6 +323,7 @@ class Checker:
                 self.order += 1
                 self.removed_by.pop(token, None)  # a token granted again (a retried acquire)
                 self.forced.discard(token)
+                self.stale.discard(token)
                 self.grants[(name, token)] = Grant(
                     name, token, fence, self.order, self.server.epoch
                 )
@@ -369,7 +378,9 @@ class Checker:
                 sim.active = previous
             if not alive:
                 continue
-            if held.grant_epoch != self.server.epoch or lease.token in self.forced:
+            if held.grant_epoch != self.server.epoch or (
+                lease.token in self.forced and not held.forced_before
+            ):
                 continue  # lost by the server for a documented reason
             if lease.token in self.releasing:
                 continue  # its holder stopped acting on it when it called release()
@@ -420,7 +431,7 @@ class Checker:
             self.fail(
                 f"term {lease.fence} of {lease.name!r} has two leaders: {leader}, {client.name}"
             )
-        self.leases.append(Held(client, lease, epoch))
+        self.leases.append(Held(client, lease, epoch, lease.token in self.stale))
 
     def write(self, client: Client, lease: Any) -> None:
         grant = self.grants[(lease.name, lease.token)]
@@ -445,7 +456,9 @@ class Checker:
         if not ok and by == client.name:
             self.fail(f"{client.name}'s release of {lease.name!r} said not owned; it removed it")
 
-    def forced_release(self, operator: Client, token: str, ok: bool) -> None:
+    def forced_release(self, operator: Client, token: str, ok: bool, epoch: int) -> None:
+        if epoch != self.server.epoch:
+            return  # the server restarted during the call: its tombstone is gone too
         by = self.removed_by.get(token)
         if ok and by != operator.name:
             self.fail(
@@ -533,9 +546,15 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
         if not running:  # the leases left unreleased are checked a while longer
             sim.stop_at = min(sim.stop_at, sim.now + TAIL)
 
+    leasing = leasing_module()
+
     def worker(client: Client, backend: RedisBackend, program: Any, scenario: Scenario) -> None:
         try:
-            _worker(client, backend, program, checker, scenario)
+            if leasing is None:  # the lease before its injected runtime: patched threads
+                _worker(client, backend, program, checker, scenario)
+            else:
+                with leasing.use_runtime(client.runtime):  # type: ignore[attr-defined]
+                    _worker(client, backend, program, checker, scenario)
         finally:
             finished(client)
 
@@ -636,12 +655,13 @@ def _force_once(client: Client, backend: RedisBackend, name: str, checker: Check
             client.sim.say(client.name, f"sees {name!r} free")
             return
         client.sim.say(client.name, f"sees {name!r} held (fence {holder.fence}); force-releases")
+        epoch = checker.server.epoch
         ok = backend.force_release(name, fence=holder.fence)
     except LockError as exc:
         client.sim.say(client.name, f"force release failed: {exc}")
         return
     client.sim.say(client.name, "freed it" if ok else "the lock changed hands: nothing freed")
-    checker.forced_release(client, holder.token, ok)
+    checker.forced_release(client, holder.token, ok, epoch)
 
 
 def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scenario) -> Any:

@@ -252,8 +252,9 @@ class Patches:
             return sim.active.watch
 
         for attribute, fake in (("thread_renewer", renewer), ("deadline_watch", watch)):
-            self._saved.append((lock_module, attribute, getattr(lock_module, attribute)))
-            setattr(lock_module, attribute, fake)
+            if hasattr(lock_module, attribute):  # the lease before its runtime (leasing)
+                self._saved.append((lock_module, attribute, getattr(lock_module, attribute)))
+                setattr(lock_module, attribute, fake)
 
     def _targets(self) -> list[tuple[Any, str, Any]]:
         """Each ``task_locks`` module's ``time`` and ``secrets`` (looked up again only
@@ -365,6 +366,113 @@ class SimWatch:
         pass  # the event finds the lease unwatched
 
 
+class SimRuntime:
+    """A client's ``task_locks.leasing.LeaseRuntime``: its clock, one renewal lane driven
+    by the production ``RenewalQueue``, the deadline watch by ``DeadlineHeap``, and user
+    callbacks in greenlets of their own (never on the lane or the watch)."""
+
+    key = None
+
+    def __init__(self, client: Client) -> None:
+        from task_locks import leasing
+
+        self.leasing = leasing
+        self.client = client
+        self.clock = client
+        self.queue = leasing.RenewalQueue(client, wake=self._wake_lane)
+        self.heap = leasing.DeadlineHeap(wake=self._wake_watch)
+        self._lane: greenlet.greenlet | None = None
+        self._lane_timer: Event | None = None
+        self._lane_busy = False
+        self._watch_timer: Event | None = None
+        self._watch_at = float("inf")
+
+    # LeaseRuntime
+    def schedule(self, lease: Any, asynchronous: bool) -> SimRuntime:
+        self.queue.add(lease)
+        if self._lane is None:
+            self._lane = greenlet.greenlet(self._lane_loop, parent=self.client.sim.root)
+            self.client.resume_at(self.client.sim.now, self._lane, None)
+        return self
+
+    def watch(self, lease: Any) -> None:
+        self.heap.add(lease)
+
+    def unwatch(self, lease: Any) -> None:
+        self.heap.remove(lease)
+
+    def run_callback(self, lease: Any, callback: Callable[[], object]) -> None:
+        self.client.spawn(callback)
+
+    # Lane
+    def add(self, lease: Any, due: float | None = None, earlier_only: bool = False) -> None:
+        self.queue.add(lease, due, earlier_only)
+
+    def remove(self, lease: Any) -> None:
+        self.queue.remove(lease)
+
+    def idle(self) -> bool:
+        return not len(self.queue)
+
+    # the lane: the thread lane's loop, on virtual time
+    def _wake_lane(self, due: float) -> None:
+        if self._lane is None or self._lane_busy or self._lane.dead:
+            return
+        if self._lane_timer is not None:
+            self._lane_timer.cancelled = True
+        self._lane_timer = self.client.resume_at(self.client.sim_time_of(due), self._lane, None)
+
+    def _lane_loop(self, _: Any = None) -> None:
+        self.leasing.mark_driver()
+        client = self.client
+        while not client.dead:
+            now = client.monotonic()
+            due = self.queue.next_due()
+            if due is None or due > now:
+                if due is not None:
+                    self._wake_lane(due)
+                client.park()
+                continue
+            self._lane_busy = True
+            try:
+                for backend, leases in self.queue.take_due(now).items():
+                    batch = self.queue.start(backend, leases)
+                    if batch is None:
+                        continue
+                    results: Any
+                    try:
+                        results = backend.renew_many(batch.items, timeout=batch.timeout)
+                    except Exception as exc:
+                        results = exc
+                    self.queue.complete(batch, results)
+            finally:
+                self._lane_busy = False
+
+    # the deadline watch
+    def _wake_watch(self, when: float) -> None:
+        if when >= self._watch_at:
+            return
+        if self._watch_timer is not None:
+            self._watch_timer.cancelled = True
+        self._watch_at = when
+        self._watch_timer = self.client.sim.at(self.client.sim_time_of(when), self._look)
+
+    def _look(self) -> None:
+        self._watch_at, self._watch_timer = float("inf"), None
+        expired = self.heap.expired(self.client.monotonic())
+        if expired:
+
+            def mark() -> None:
+                self.leasing.mark_driver()
+                for lease in expired:
+                    lease._deadline_passed()
+
+            self.client.spawn(mark)
+        following = self.heap.next_deadline()
+        if following is not None:
+            self._wake_watch(following)
+
+
 def _client_renewer(self: Client) -> Any:
     if self.lane is None:
         self.lane = SimLane(self)
@@ -381,6 +489,26 @@ class _Renewer:
 
 
 Client.renewer = _client_renewer  # type: ignore[attr-defined]
+
+
+def _client_runtime(self: Client) -> SimRuntime:
+    runtime = self.__dict__.get("_runtime")
+    if runtime is None:
+        runtime = self.__dict__["_runtime"] = SimRuntime(self)
+    return runtime
+
+
+Client.runtime = property(_client_runtime)  # type: ignore[attr-defined]
+Client.time = Client.wall  # type: ignore[attr-defined]  (a leasing.Clock)
+
+
+def leasing_module() -> Any:
+    """``task_locks.leasing`` where the lease takes an injected runtime, else ``None``."""
+    try:
+        from task_locks import leasing
+    except ImportError:
+        return None
+    return leasing if hasattr(leasing, "use_runtime") else None
 
 
 # -- the network and the server --------------------------------------------------------
@@ -416,7 +544,7 @@ class Server:
         self.epoch = 0  # restarts so far
         self.down_until = -1.0
         self.blocked: deque[tuple[Conn, list[str], float, int]] = deque()
-        self.observe: Callable[[Conn | None], None] | None = None
+        self.observe: Callable[[Conn | None, tuple[Any, ...]], None] | None = None
         self._tick_event: Event | None = None
         self.conns: list[Conn] = []
 
@@ -436,7 +564,7 @@ class Server:
         for conn in conns:
             conn._reset()
         if self.observe is not None:
-            self.observe(None)
+            self.observe(None, ("RESTART",))
 
     def step_clock(self, delta_us: int) -> None:
         self.sim.say(self.name, f"clock steps {delta_us / 1000:+.1f} ms")
@@ -447,7 +575,7 @@ class Server:
         if self.sim.record:
             self.sim.say(self.name, f"{_describe(command)} -> {_short(reply)}")
         if self.observe is not None:
-            self.observe(conn)
+            self.observe(conn, command)
         if self.model.pushed:
             self._serve_blocked()
         return reply
@@ -473,7 +601,7 @@ class Server:
                     if value is not None:
                         self.blocked.remove(entry)
                         if self.observe is not None:
-                            self.observe(conn)
+                            self.observe(conn, ("BLPOP", key))
                         conn.server_reply([key, value])
                         break
 
