@@ -64,6 +64,7 @@ from .beat import (
 from .keys import KeySpec, TaskKey
 from .options import call_options, for_this_call, with_lock_options
 from .publish import install_publish_guard
+from .redelivery import HolderOf, Pause, redelivered, watch
 from .registry import live_leases
 from .releaser import releaser
 from .unavailable import check_lock_unavailable, on_unavailable
@@ -431,20 +432,31 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     ) -> Generator[_Step, Any, AnyLease | None]:
         """Acquire as ``on_conflict`` says (the run guard if ``guard``); ``None``: return
         without running."""
-        timeouts = self._attempts()
-        try:
-            return (
-                yield from take(
-                    functools.partial(_Acquire, self, name, token, guard),
-                    timeouts,
-                    self.on_conflict,
-                    f"task {self.name}",
-                    lambda held, number: self._conflict(name, held, timeouts, number),
+        watched = False
+        while True:
+            timeouts = self._attempts()
+            try:
+                return (
+                    yield from take(
+                        functools.partial(_Acquire, self, name, token, guard),
+                        timeouts,
+                        self.on_conflict,
+                        f"task {self.name}",
+                        functools.partial(self._on_held, name, timeouts, not watched),
+                    )
                 )
-            )
-        except BackendUnavailable as exc:
-            on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
-            raise
+            except BackendUnavailable as exc:
+                on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
+                raise
+            except _OwnCopy as copy:  # a redelivery met its own task id: alive or dead?
+                watched = True
+                if (yield from watch(self._lock_backend(), copy.held.name, copy.held)):
+                    self._dead_holder(copy.held)
+
+    def _on_held(
+        self, name: str, timeouts: list[float | None], watch: bool, held: LockHeld, number: int
+    ) -> bool:
+        return self._conflict(name, held, timeouts, number, watch=watch)
 
     def _release_guard(
         self, guard: AnyLease | None, task_id: str | None, later: str | None = None
@@ -473,6 +485,16 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             self._release_failed(lease, exc, failing=failing)
         finally:
             live_leases.discard(task_id, lease)
+
+    def _dead_holder(self, holder: Holder) -> None:
+        log.warning(
+            "task %s[%s]: redelivered, and lock %r of this task id expired unrenewed (%s): "
+            "the run that held it is gone; running this delivery",
+            self.name,
+            self.request.id,
+            holder.name,
+            holder.describe(),
+        )
 
     def _parked(self, lease: AnyLease, kept: bool) -> None:
         if kept:
@@ -578,7 +600,13 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     # -- conflicts (no I/O except Celery's own) ------------------------------------------
 
     def _conflict(
-        self, name: str, held: LockHeld, attempts: list[float | None], number: int
+        self,
+        name: str,
+        held: LockHeld,
+        attempts: list[float | None],
+        number: int,
+        *,
+        watch: bool = False,
     ) -> bool:
         """Act on a held lock: ``True`` to return without running; raise to end the run.
 
@@ -598,6 +626,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             if request.retries and number == 1:
                 attempts.insert(1, RETRY_HANDOVER_WAIT)
                 return False
+            if watch and held.holder is not None and redelivered(request):
+                raise _OwnCopy(held.holder)  # is its holder alive? (task_locks.celery.redelivery)
             # Record nothing: the id's state belongs to the run in progress.
             log.info(
                 "task %s[%s]: already running (%s); ignoring this duplicate delivery",
@@ -666,6 +696,15 @@ class _Acquire(NamedTuple):
         lock = run_lock(self.name)
         lock._token = self.token
         return lock
+
+
+class _OwnCopy(Exception):
+    """A redelivered copy met its own task id on the key (:mod:`.redelivery`): a signal
+    inside the run's plan, never raised out of it."""
+
+    def __init__(self, held: Holder) -> None:
+        super().__init__(held.name)
+        self.held = held
 
 
 class _Late(NamedTuple):
@@ -744,7 +783,17 @@ class _ClaimHolds(NamedTuple):
         return await aclaim_holds(self.app, self.tick)
 
 
-_Step = _Acquire | Call | _Release | _Renew | _DropQueued | _ElectionHolder | _ClaimHolds
+_Step = (
+    _Acquire
+    | Call
+    | _Release
+    | _Renew
+    | _DropQueued
+    | _ElectionHolder
+    | _ClaimHolds
+    | HolderOf
+    | Pause
+)
 
 
 def _late_release_failed(task_name: str, task_id: str | None, lease: Lease, exc: LockError) -> None:

@@ -379,3 +379,28 @@ def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
     held = lease.held
     record(log, event="call ended", held=held)
     return held
+
+
+# Redeliveries and recycled children (issue 25, item 5).
+def _first_delivery(self: Any, log: str) -> bool:
+    """Record this delivery's start; ``True`` for the message's first one."""
+    entry = {"pid": os.getpid(), "event": "started", "task_id": self.request.id, "at": time.time()}
+    return int(store.rpush(log, json.dumps(entry))) == 1
+
+
+@singleton_task(**common, ttl=60, on_conflict="raise", acks_late=True, reject_on_worker_lost=True)
+def reject_on_lost_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """The first delivery holds the key ``seconds`` (long: its child is killed); the
+    message comes back (``reject_on_worker_lost``) and the redelivery returns at once."""
+    if _first_delivery(self, log):
+        time.sleep(seconds)
+    return "finished"
+
+
+@singleton_task(**common, ttl=3, on_conflict="raise", acks_late=True)
+def crash_task(self: Any, key: str, log: str, seconds: float) -> str:
+    """``acks_late``, ttl=3: the whole worker running the first delivery is killed (no
+    main process is left to release); the broker redelivers the message elsewhere."""
+    if _first_delivery(self, log):
+        time.sleep(seconds)
+    return "finished"

@@ -71,8 +71,12 @@ class Cluster:
         self.broker = redis.Redis(port=server.port, db=0)
         self.workers: dict[str, Worker] = {}
 
-    def start(self, specs: list[tuple[str, list[str], dict[str, str]]]) -> list[Worker]:
-        """Start workers ``(name, celery worker options, extra env)`` together; wait for all."""
+    def start(
+        self, specs: list[tuple[str, list[str], dict[str, str]]], broker: str | None = None
+    ) -> list[Worker]:
+        """Start workers ``(name, celery worker options, extra env)`` together; wait for all
+        (``broker``: they use another broker than the cluster's; read their logs instead
+        of pinging them)."""
         started = []
         for name, options, extra in specs:
             hostname = f"{name}-{uuid.uuid4().hex[:6]}@tltest"
@@ -103,14 +107,16 @@ class Cluster:
             self.workers[name] = worker
             started.append(worker)
         for worker in started:
-            self.wait_ready(worker)
+            self.wait_ready(worker, broker=broker)
         return started
 
-    def wait_ready(self, worker: Worker, timeout: float = 30.0) -> None:
+    def wait_ready(self, worker: Worker, timeout: float = 30.0, broker: str | None = None) -> None:
         def ready() -> bool:
             if worker.proc.poll() is not None:
                 stderr = (self.tmp / f"{worker.name}.stderr").read_text(errors="replace")
                 raise RuntimeError(f"worker {worker.name} exited:\n{stderr}\n{worker.tail()}")
+            if broker is not None:  # the app's control commands go to its own broker
+                return f"{worker.hostname} ready." in worker.tail()
             replies = self.app.control.ping(destination=[worker.hostname], timeout=0.5)
             return any(worker.hostname in reply for reply in replies)
 

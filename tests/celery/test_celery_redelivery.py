@@ -1,0 +1,138 @@
+"""Redeliveries and recycled children (issue 25, item 5): real prefork workers on the
+Redis broker and on RabbitMQ (127.0.0.1:5672, guest/guest).
+
+What is documented (docs/celery.md, "Redeliveries and copies"):
+
+- ``acks_late=True`` + ``task_reject_on_worker_lost=True``, the child killed mid-run: the
+  worker's main process releases the run's lock before the message goes back to the
+  queue, so the redelivery takes the key and runs (it is not refused as a copy).
+- the whole worker killed mid-run (no main process left), ``acks_late``: the broker
+  redelivers the message (RabbitMQ as the connection drops, Redis after its visibility
+  timeout) while the dead run's lock still names the message's task id. The copy waits
+  for that lock (at most one TTL: nobody renews it) and runs: the message is never lost
+  with the lock (refused as "already running" and acknowledged).
+- ``worker_max_tasks_per_child`` / ``worker_max_memory_per_child``: a child that exits
+  after a run sends that run's release first, so the next run of the key, in the next
+  child, finds it free.
+- a hard time limit: the main process releases the lock (``test_celery_acceptance``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from servers import wait_until
+
+from task_locks import get_backend
+
+pytestmark = pytest.mark.slow
+
+AMQP = os.environ.get("TL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: One queue per session on the shared RabbitMQ, so runs never meet another's messages.
+AMQP_QUEUE = f"tl_amqp_{uuid.uuid4().hex[:8]}"
+
+
+def holder(cluster: Any, name: str) -> Any:
+    return get_backend(cluster.locks_url).holder(name)
+
+
+@pytest.fixture(scope="module")
+def acks_worker(cluster: Any) -> Any:
+    return cluster.start([("acks", ["-P", "prefork", "-c", "2", "-Q", "tl_acks"], {})])[0]
+
+
+@pytest.fixture(scope="module")
+def amqp_workers(cluster: Any) -> list[Any]:
+    """Two workers on RabbitMQ, one process each (one is killed whole by a test)."""
+    options = ["-P", "prefork", "-c", "1", "-Q", AMQP_QUEUE]
+    env = {"TL_CELERY_BROKER": AMQP}
+    return cluster.start([("amqp-a", options, env), ("amqp-b", options, env)], broker=AMQP)
+
+
+@contextmanager
+def publishing(cluster: Any, broker: str) -> Iterator[dict[str, Any]]:
+    """``apply_async`` options that publish to ``broker`` ("redis" or "amqp")."""
+    if broker == "redis":
+        yield {"queue": "tl_acks"}
+        return
+    with cluster.app.connection_for_write(AMQP) as connection:
+        yield {"queue": AMQP_QUEUE, "connection": connection}
+
+
+def started(intervals: Any, log: str, count: int) -> list[dict[str, Any]]:
+    return wait_until(
+        lambda: len(found := intervals(log)) >= count and found, 20, f"{count} deliveries"
+    )
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_reject_on_worker_lost_redelivers_and_the_copy_takes_the_key(
+    cluster: Any, request: pytest.FixtureRequest, broker: str, key: str, intervals: Any
+) -> None:
+    request.getfixturevalue("acks_worker" if broker == "redis" else "amqp_workers")
+    log, name = f"log:{key}", f"t:{key}"
+    with publishing(cluster, broker) as options:
+        result = cluster.tasks.reject_on_lost_task.apply_async((key, log, 30), **options)
+    first = started(intervals, log, 1)[0]
+    wait_until(lambda: holder(cluster, name), 10, "the first delivery to hold the key")
+    os.kill(first["pid"], signal.SIGKILL)
+    assert result.get(timeout=30) == "finished"  # the message came back and ran (ttl=60)
+    runs = intervals(log)
+    assert [r["task_id"] for r in runs] == [result.id] * 2 and runs[1]["pid"] != first["pid"]
+    wait_until(lambda: holder(cluster, name) is None, 5, "the key to be free")
+
+
+def test_a_whole_worker_killed_mid_run_loses_neither_the_message_nor_the_key(
+    cluster: Any, amqp_workers: list[Any], key: str, intervals: Any
+) -> None:
+    """RabbitMQ redelivers an unacknowledged message as soon as the dead worker's
+    connection drops, to the other worker, while the dead run's lock (ttl=3, its
+    renewals gone with it) still names the same task id."""
+    log, name = f"log:{key}", f"t:{key}"
+    with publishing(cluster, "amqp") as options:
+        result = cluster.tasks.crash_task.apply_async((key, log, 30), **options)
+    first = started(intervals, log, 1)[0]
+    wait_until(lambda: holder(cluster, name), 10, "the first delivery to hold the key")
+    victim = next(w for w in amqp_workers if _in_group(first["pid"], w.proc.pid))
+    killed = time.monotonic()
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    assert result.get(timeout=30) == "finished"
+    ran_after = time.monotonic() - killed
+    runs = intervals(log)
+    assert [r["task_id"] for r in runs] == [result.id] * 2
+    assert ran_after < 3 + 5, f"the copy ran {ran_after:.1f}s after the kill (ttl=3)"
+    wait_until(lambda: holder(cluster, name) is None, 5, "the key to be free")
+
+
+def _in_group(pid: int, leader: int) -> bool:
+    try:
+        return os.getpgid(pid) == os.getpgid(leader)
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "recycle", ["--max-tasks-per-child=1", "--max-memory-per-child=1"], ids=["tasks", "memory"]
+)
+def test_a_recycled_child_sends_its_runs_release_before_it_exits(
+    cluster: Any, recycle: str, key: str, intervals: Any
+) -> None:
+    """Each run in a fresh child (the limit is one task, or 1 KiB of memory: every child
+    is over it after its first task); results not stored, so each release follows its
+    run. ``on_conflict="raise"`` refuses a run that finds the key taken: all three run."""
+    queue = f"tl_recycle_{recycle.split('-')[3]}"
+    cluster.start([(queue, ["-P", "prefork", "-c", "1", recycle, "-Q", queue], {})])
+    log = f"log:{key}"
+    for _ in range(3):
+        cluster.tasks.fire_and_forget_task.apply_async((key, log), queue=queue)
+    wait_until(lambda: len(intervals(log)) >= 3, 30, "three runs")
+    assert len({r["pid"] for r in intervals(log)}) == 3  # three children: one run each
+    wait_until(lambda: holder(cluster, f"t:{key}") is None, 5, "the key to be free")
