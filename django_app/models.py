@@ -136,6 +136,8 @@ class LockEvent(models.Model):
 
     @property
     def owner_data(self) -> dict[str, Any]:
+        """The holder as a dict (from the ``owner`` JSON); empty when there is none or it does not
+        parse."""
         try:
             data = json.loads(self.owner) if self.owner else {}
         except ValueError:

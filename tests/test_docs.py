@@ -26,10 +26,13 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 PACKAGES = ["task_locks", "task_locks.celery"]
 #: The Django app's public modules (``django_app.<name>``): each name in their ``__all__``,
 #: or, without one, each class and function they define whose name has no underscore.
-DJANGO_MODULES = ["admin", "audit", "backend", "checks", "commands", "conf", "fencing", "metrics"]
+DJANGO_MODULES = [
+    "admin", "apps", "audit", "backend", "checks", "commands", "conf", "fencing", "metrics",
+    "models", "tasks",
+]  # fmt: skip
 #: Modules whose classes are Django's hooks (a ModelAdmin's methods are called by the admin,
 #: not by users): their classes need a docstring, their methods do not.
-HOOK_MODULES = {"django_app.admin"}
+HOOK_MODULES = {"django_app.admin", "django_app.apps"}
 
 
 def _ours(value: Any) -> bool:
