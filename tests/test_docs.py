@@ -208,3 +208,23 @@ def test_the_plain_celery_app_runs_on_rabbitmq(redis_url: str, tmp_path: Path) -
 
         with Connection("amqp://guest:guest@{}:{}//".format(*RABBITMQ)) as connection:
             connection.default_channel.queue_delete(queue)
+
+
+def test_make_test_builds_the_site_strictly_with_its_links_checked() -> None:
+    """``make test`` runs ``make docs``, a strict build in which every internal link,
+    anchor and nav entry that does not resolve is a warning, so it fails the build."""
+    import re
+
+    yaml = pytest.importorskip("yaml")  # mkdocs's own dependency (the docs extra)
+
+    makefile = (ROOT / "Makefile").read_text()
+    prerequisites = re.search(r"^test: (.*)$", makefile, re.M)
+    assert prerequisites is not None and "docs" in prerequisites.group(1).split()
+    assert "mkdocs build --strict" in makefile.split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert config["strict"] is True
+    checks = {f"{group}.{key}": value for group in ("nav", "links")
+              for key, value in config["validation"][group].items()}  # fmt: skip
+    assert checks and set(checks.values()) == {"warn"}, checks
+    assert {"links.not_found", "links.anchors", "nav.not_found"} <= set(checks)
