@@ -20,8 +20,9 @@ after every step:
   client's call), one that raised ``NotOwned`` did not; a force release that said "freed"
   freed the holder the operator saw, one that said "changed hands" freed nothing;
 - *expiry*: no key without a TTL;
-- *liveness* (schedules without faults): a waiter that gave up had not seen its lock free
-  for longer than a wake-up bound while it waited.
+- *liveness* (schedules without faults): a lock that became free while clients waited
+  for it is taken within a wake-up bound, and no waiter gives up on a lock that was free
+  longer than that during its wait.
 
 Leases the server lost for documented reasons are exempt from the first two: a restart
 without persistence, and an operator's force release of that token (the fenced register
@@ -283,6 +284,8 @@ class Checker:
         self.held_since: dict[str, float | None] = dict.fromkeys(names)
         self.free_since: dict[str, float] = dict.fromkeys(names, 0.0)
         self.free_windows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        self.waiting: dict[str, set[Client]] = {n: set() for n in names}
+        self.free_waiters: dict[str, set[Client]] = {n: set() for n in names}
 
     def fail(self, text: str) -> None:
         raise Violation(f"at {self.sim.now * 1000:.3f} ms: {text}")
@@ -336,11 +339,29 @@ class Checker:
     def _free(self, name: str, since: float | None = None) -> None:
         self.held_since[name] = None
         self.free_since[name] = self.sim.now if since is None else since
+        self.free_waiters[name] = set(self.waiting[name])
 
     def _taken(self, name: str) -> None:
         start = self.free_since[name]
         self.free_windows[name].append((start, self.sim.now))
         self.held_since[name] = self.sim.now
+        self._starved(name)
+        self.free_waiters[name] = set()
+
+    def _starved(self, name: str) -> None:
+        """Fair schedules: a lock that became free while clients waited for it is taken
+        within :data:`LIVENESS_SLACK` (by one of them, or anyone)."""
+        if not self.fair:
+            return
+        waited = self.free_waiters[name] & self.waiting[name]
+        free = self.sim.now - self.free_since[name]
+        if waited and free > LIVENESS_SLACK:
+            who = ", ".join(sorted(c.name for c in waited))
+            self.fail(f"{name!r} was free for {free * 1000:.0f} ms while {who} waited for it")
+
+    def waits(self, client: Client, names: tuple[str, ...], waiting: bool) -> None:
+        for name in names:
+            (self.waiting[name].add if waiting else self.waiting[name].discard)(client)
 
     def _expiry_sim(self, key: str) -> float | None:
         when = self.server.model.expires.get(key)
@@ -351,6 +372,10 @@ class Checker:
 
     # after every step ------------------------------------------------------------------
     def step(self) -> None:
+        if self.fair:
+            for name, since in self.held_since.items():
+                if since is None and self.free_waiters[name]:
+                    self._starved(name)
         if not self.leases:
             return
         # lazily expired keys: let the checker see expiry as Redis would at this moment
@@ -679,6 +704,13 @@ def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scen
     return Lock(step.name, step.ttl, backend=backend, timeout=step.timeout).acquire()
 
 
+def _names_of(scenario: Scenario, name: str) -> tuple[str, ...]:
+    """The lock names an acquire of ``name`` waits for (a semaphore: every slot)."""
+    if scenario.protocol in ("semaphore", "election"):
+        return scenario.lock_names
+    return (name,)
+
+
 def _worker(
     client: Client, backend: RedisBackend, program: Any, checker: Checker, scenario: Scenario
 ) -> None:
@@ -686,22 +718,20 @@ def _worker(
     for step in program:
         start = sim.now
         sim.say(client.name, f"acquire {step.name!r} ttl {step.ttl} timeout {step.timeout}")
+        names = _names_of(scenario, step.name)
+        checker.waits(client, names, True)
         try:
             lease = _take(client, backend, step, scenario)
         except LockHeld:
             sim.say(client.name, "gave up (LockHeld)")
             if scenario.protocol != "semaphore":  # (a free slot is not a free semaphore)
-                checker.gave_up(
-                    client,
-                    lock_names(scenario.protocol, 1)[0]
-                    if scenario.protocol == "election"
-                    else step.name,
-                    start,
-                )
+                checker.gave_up(client, names[0], start)
             continue
         except LockError as exc:
             sim.say(client.name, f"acquire failed: {type(exc).__name__}")
             continue
+        finally:
+            checker.waits(client, names, False)
         sim.say(client.name, f"holds {lease.name!r} fence {lease.fence}")
         checker.granted(client, lease)
         _hold(client, lease, step, checker)

@@ -260,3 +260,23 @@ if not held[1] or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
         )
     ],
 )
+
+mutant(
+    "release_wakes_no_waiter",
+    """
+Waiters are woken by the release (README: "Redis ... wake a waiter at the release"):
+without the signal a waiter sleeps until the holder's TTL would have ended, and gives up
+on a lock that has been free most of its wait (the liveness check, on fair schedules).
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """if redis.call('exists', KEYS[2]) == 0 then
+  redis.call('rpush', KEYS[2], '1')
+  redis.call('pexpire', KEYS[2], held[2] or 60000)
+end
+return 1""",
+            """return 1""",
+        )
+    ],
+)
