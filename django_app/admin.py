@@ -33,7 +33,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django.utils.translation import gettext, gettext_lazy
 
-from task_locks import LockError
+from task_locks import LockError, events
 from task_locks.election import LeaderInfo
 from task_locks.listing import (
     KINDS,
@@ -48,6 +48,7 @@ from task_locks.listing import (
     holder_job,
     lock_role,
     slot_index,
+    visible,
 )
 from task_locks.semaphore import SemaphoreInfo
 from task_locks.types import Holder, Owner
@@ -176,7 +177,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
         kind = kind if kind in KINDS else ""
         error = None
         try:
-            holders = conf.backend().holders(prefix)
+            holders = visible(conf.backend().holders(prefix))  # no internal records
         except LockError as exc:
             holders, error = [], str(exc)
         shown = filter_holders(holders, job=job, host=host, kind=kind)
@@ -266,12 +267,13 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             return self._changed_hands(request, holder.name, holder.fence, now)
         if released:
             audit.record(
-                "forced",
-                holder.name,
-                fence=holder.fence,
-                owner=holder.owner,
-                actor=self._actor(request),
-                detail=f"force-released in the admin; was held by {describe_holder(holder)}",
+                events.Forced(
+                    name=holder.name,
+                    fence=holder.fence,
+                    owner=holder.owner,
+                    actor=self._actor(request),
+                    detail=f"force-released in the admin; was held by {describe_holder(holder)}",
+                ),
                 sync=True,
             )
             self.message_user(
@@ -293,13 +295,14 @@ class LockHolderAdmin(_ReadOnlyAdmin):
     ) -> HttpResponse:
         """Nothing released: say who holds it now, record the refusal, ask about them."""
         audit.record(
-            "conflict",
-            name,
-            fence=now.fence,
-            owner=now.owner,
-            actor=self._actor(request),
-            detail=f"force release in the admin refused: it was for the holder with fence "
-            f"{fence}, and the lock changed hands",
+            events.Conflict(
+                name=name,
+                fence=now.fence,
+                owner=now.owner,
+                actor=self._actor(request),
+                detail=f"force release in the admin refused: it was for the holder with fence "
+                f"{fence}, and the lock changed hands",
+            ),
             sync=True,
         )
         self.message_user(

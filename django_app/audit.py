@@ -36,7 +36,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +45,6 @@ from django.dispatch import receiver
 from task_locks import events
 from task_locks.events import LockEvent as StreamEvent
 from task_locks.listing import format_duration
-from task_locks.types import Owner
 
 from . import conf
 
@@ -73,8 +71,11 @@ def _detail(event: StreamEvent) -> str:
     parts = [event.detail] if event.detail else []
     if event.policy:
         parts.append(f"policy {event.policy}")
-    if event.reason:
-        parts.append(f"reason: {event.reason}")
+    match event:
+        case events.Lost(reason=reason, message=message):
+            parts.append(f"reason: {reason}" + (f": {message}" if message else ""))
+        case _ if event.reason:
+            parts.append(f"reason: {event.reason}")
     if event.waited is not None:
         parts.append(f"waited {_rounded(event.waited)}")
     if event.held is not None:
@@ -216,41 +217,21 @@ def enabled(kind: str) -> bool:
     return kind in conf.audit_kinds()
 
 
-def record(
-    kind: str,
-    name: str,
-    *,
-    fence: int | None = None,
-    owner: Owner | None = None,
-    actor: str = "",
-    detail: str = "",
-    sync: bool = False,
-    policy: str = "",
-    backend: str = "",
-) -> None:
-    """Report that ``kind`` happened to lock ``name``: an event of the stream.
+def record(event: StreamEvent, *, sync: bool = False) -> None:
+    """Report ``event`` (an operator's :class:`~task_locks.events.Forced`, a refused
+    release's :class:`~task_locks.events.Conflict`...): an event of the stream.
 
-    It becomes a row if ``AUDIT`` keeps that kind; with ``sync=True`` the row is written
+    It becomes a row if ``AUDIT`` keeps its kind; with ``sync=True`` the row is written
     here and now (operator actions: recorded before the UI says done).
     """
-    if kind not in conf.EVENT_KINDS:
-        raise ValueError(f"unknown lock event kind {kind!r}; known: {list(conf.EVENT_KINDS)}")
-    at = time.time()
-    if sync and enabled(kind):
-        event = StreamEvent(
-            kind, name, backend=backend, fence=fence, owner=owner, policy=policy,
-            actor=actor, detail=detail, at=at,
-        )  # fmt: skip
+    if sync and enabled(event.kind):
         from .models import LockEvent
 
         LockEvent.objects.bulk_create([_row(event, os.getpid())])
-        if _subscription is not None and kind in _subscription.kinds:
+        if _subscription is not None and event.kind in _subscription.kinds:
             with _written_guard:
-                _written.add((kind, name, at))
-    events.emit(
-        kind, name, backend=backend, fence=fence, owner=owner, policy=policy,
-        actor=actor, detail=detail, at=at,
-    )  # fmt: skip
+                _written.add((event.kind, event.name, event.at))
+    events.emit(event)
 
 
 def flush(timeout: float = 5.0) -> bool:

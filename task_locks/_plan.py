@@ -21,6 +21,7 @@ before it tries again), the ``acquired`` / ``conflict`` events a plan reports, a
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Final, Never, NoReturn, TypeVar
@@ -58,17 +59,25 @@ def pause(retry_after: float | None, now: float, deadline: float | None) -> floa
     return wait if deadline is None else min(wait, deadline - now)
 
 
+def _waited(waited: float, context: events.Context) -> float:
+    """The wait to report: from the front end's first try when it made several (a
+    ``wait`` policy tries once, then waits), else this acquire's own."""
+    return waited if context.since is None else max(waited, time.monotonic() - context.since)
+
+
 def report_acquired(name: str, backend: Backend, fence: int, owner: Owner, waited: float) -> None:
-    """The ``acquired`` event of a lock or a semaphore's permit."""
-    if events.wanted("acquired"):  # no context look-up when nobody listens
+    """The ``acquired`` event of a lock or a semaphore's permit (none for an internal one)."""
+    if events.wanted(events.EventKind.ACQUIRED) and not owner.internal:
+        context = events.current_context()  # no context look-up when nobody listens
         events.emit(
-            "acquired",
-            name,
-            backend=backend.server,
-            fence=fence,
-            owner=owner,
-            waited=waited,
-            detail=events.current_context().detail,
+            events.Acquired(
+                name=name,
+                backend=backend.server,
+                fence=fence,
+                owner=owner,
+                waited=_waited(waited, context),
+                detail=context.detail,
+            )
         )
 
 
@@ -78,22 +87,25 @@ def report_conflict(
     held: LockHeld,
     waited: float,
     timeout: float | None,
+    owner: Owner,
     fence: int | None = None,
 ) -> None:
     """The ``conflict`` event of an acquire given up: at once (``timeout`` 0, a conflict)
-    or after waiting ``timeout`` in vain (a timeout), with the front end's policy."""
+    or after waiting ``timeout`` in vain (a timeout), with the front end's policy. None
+    for an internal lock (``owner``: the acquirer's), nor under policy ``""``."""
     context = events.current_context()
-    if context.policy and events.wanted("conflict"):  # "": not worth reporting
+    if context.policy and events.wanted(events.EventKind.CONFLICT) and not owner.internal:
         events.emit(
-            "conflict",
-            name,
-            backend=backend.server,
-            fence=fence,
-            owner=held.holder.owner if held.holder else None,
-            waited=waited,
-            timeout=timeout,
-            policy=context.policy,
-            detail=context.detail,
+            events.Conflict(
+                name=name,
+                backend=backend.server,
+                fence=fence,
+                owner=held.holder.owner if held.holder else None,
+                waited=_waited(waited, context),
+                timeout=timeout,
+                policy=context.policy,
+                detail=context.detail,
+            )
         )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
+import enum
 import logging
 import os
 import queue
@@ -37,31 +38,69 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Final
+from typing import ClassVar, Final
 
 from .types import Owner, parse_slot
 
 log = logging.getLogger("task_locks.events")
 
-#: What can happen to a lock. ``conflict`` carries the policy taken (skip, retry, wait,
-#: raise, exit 75...), ``lost`` the reason, ``acquired`` how long it waited, ``released``
-#: how long it was held.
-EVENT_KINDS: Final = (
-    "acquired",
-    "conflict",
-    "released",
-    "lost",
-    "forced",
-    "renewal_failed",
-    "renewal_late",
-    "duplicate",
-    "error",
-    "renewed",
-)
-#: ``released`` with this reason: the lease went on to another process (a published task's
-#: worker, a beat tick's claim kept to its TTL) instead of being freed; this process no
-#: longer holds it, and it is not lost.
-HANDED_OVER: Final = "handed_over"
+
+class EventKind(enum.StrEnum):
+    """What can happen to a lock: each kind is one event class below (its ``kind``).
+
+    A ``str`` enum: the values are the public names (``TASK_LOCKS["AUDIT"]``, audit rows,
+    :func:`subscribe`'s ``kinds``), and ``EventKind.LOST == "lost"``.
+    """
+
+    ACQUIRED = "acquired"
+    CONFLICT = "conflict"
+    RELEASED = "released"
+    LOST = "lost"
+    FORCED = "forced"
+    RENEWAL_FAILED = "renewal_failed"
+    RENEWAL_LATE = "renewal_late"
+    DUPLICATE = "duplicate"
+    ERROR = "error"
+    RENEWED = "renewed"
+
+
+class LostReason(enum.StrEnum):
+    """Why a lease was lost, as the code that found it decided (the ``reason`` label of
+    ``task_locks_lost_total``); :attr:`Lost.message` says it in words."""
+
+    #: ``max_hold`` exceeded: the lease was given up and the lock released.
+    MAX_HOLD = "max_hold"
+    #: Renewals failed until the TTL ran out (or ``run`` stopped its program before the
+    #: deadline, renewals not getting through).
+    UNREACHABLE = "unreachable"
+    #: No renewal answered in time: a stalled link, a paused process, a ``renew=False``
+    #: lease held past its TTL, a renewal's reply after the deadline.
+    DEADLINE = "deadline"
+    #: The token was gone before the TTL ran out: a force release, a server restart or
+    #: failover.
+    FORCED = "forced"
+    #: A release got no reply: the lock may be free already.
+    UNKNOWN = "unknown"
+    #: A renewed lease was garbage-collected while held.
+    DROPPED = "dropped"
+    #: Reported from outside the lease (an audit record naming no reason).
+    OTHER = "other"
+
+
+class ReleaseReason(enum.StrEnum):
+    """How a lease ended without being lost: freed, or handed over."""
+
+    FREED = ""
+    #: The lease went on to another process (a published task's worker, a beat tick's
+    #: claim kept to its TTL) instead of being freed; this process no longer holds it,
+    #: and it is not lost.
+    HANDED_OVER = "handed_over"
+
+
+#: Every kind, in :class:`EventKind` order (the ``str`` values work too).
+EVENT_KINDS: Final = tuple(EventKind)
+#: :class:`Released` with this reason: handed over (:attr:`ReleaseReason.HANDED_OVER`).
+HANDED_OVER: Final = ReleaseReason.HANDED_OVER
 #: Events waiting for the dispatcher; past this, new ones are dropped and counted.
 QUEUE_SIZE: Final = 10_000
 #: Events handed to a batch subscriber at once.
@@ -70,33 +109,57 @@ BATCH: Final = 500
 WARN_EVERY: Final = 10.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LockEvent:
-    """Something that happened to one lock, as operators and metrics see it."""
+    """Something that happened to one lock, as operators and metrics see it.
 
-    kind: str
+    The base of the event classes (one per :class:`EventKind`, its class attribute
+    ``kind``), each frozen and carrying only its own fields, checked where it is made.
+    Read them with ``match``; the fields a kind does not carry read as ``None``/``""``
+    here, so a subscriber that looks at every event can read any of them.
+    """
+
+    kind: ClassVar[EventKind]
     name: str
     #: The backend's URL without its password.
     backend: str = ""
     fence: int | None = None
     owner: Owner | None = None
-    #: ``acquired``/``conflict``: seconds spent waiting; ``released``/``lost``: held for.
-    waited: float | None = None
-    held: float | None = None
-    #: ``conflict``: the policy taken (``skip``, ``retry``, ``wait``, ``raise``, ``exit``...).
-    policy: str = ""
-    #: ``lost``, ``renewal_failed``, ``error``: why. ``released``: :data:`HANDED_OVER` when
-    #: the lock went on to another process (a queued task's worker) instead of being freed.
-    reason: str = ""
-    #: Who acted (an operator's user name, a command) and free text.
+    #: Who acted (an operator's user name, a command) and what the front end said.
     actor: str = ""
     detail: str = ""
-    #: ``renewed``, ``renewal_late``: the round trip of the renewal, seconds.
-    duration: float | None = None
-    #: ``conflict``: how long the caller was willing to wait (``0``: it tried once and gave
-    #: up at once, a conflict; more: it waited that long in vain, a timeout).
-    timeout: float | None = None
     at: float = field(default_factory=time.time)
+
+    @property
+    def waited(self) -> float | None:
+        """:class:`Acquired`, :class:`Conflict`: seconds spent waiting."""
+        return None
+
+    @property
+    def held(self) -> float | None:
+        """:class:`Released`, :class:`Lost`: seconds the lease was held."""
+        return None
+
+    @property
+    def policy(self) -> str:
+        """:class:`Conflict`: the front end's policy (``skip``, ``wait``, ``exit``...)."""
+        return ""
+
+    @property
+    def reason(self) -> str:
+        """:class:`Lost`: a :class:`LostReason`; :class:`Released`: a
+        :class:`ReleaseReason`; :class:`RenewalFailed`, :class:`Error`: the error."""
+        return ""
+
+    @property
+    def timeout(self) -> float | None:
+        """:class:`Conflict`: how long the caller was willing to wait."""
+        return None
+
+    @property
+    def duration(self) -> float | None:
+        """:class:`Renewed`, :class:`RenewalLate`: the renewal's round trip, seconds."""
+        return None
 
     @property
     def family(self) -> str:
@@ -106,6 +169,91 @@ class LockEvent:
 
         slot = parse_slot(self.name)
         return (self.name if slot is None else slot[0]).split(":", 1)[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Acquired(LockEvent):
+    """A lock (or a semaphore's permit) taken, after ``waited`` seconds (from the first
+    try: a wait that met a holder and then got the lock is this, not a conflict)."""
+
+    kind: ClassVar[EventKind] = EventKind.ACQUIRED
+    waited: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Conflict(LockEvent):
+    """An acquire given up: at once (``timeout`` 0, a skip) or after waiting ``timeout``
+    in vain, with the front end's ``policy``."""
+
+    kind: ClassVar[EventKind] = EventKind.CONFLICT
+    waited: float | None = None
+    timeout: float | None = None
+    policy: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Released(LockEvent):
+    """A lease freed (or handed over to another process), ``held`` seconds after it was taken."""
+
+    kind: ClassVar[EventKind] = EventKind.RELEASED
+    held: float | None = None
+    reason: ReleaseReason = ReleaseReason.FREED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lost(LockEvent):
+    """A lease lost: ``reason`` as the code decided it, ``message`` in words."""
+
+    kind: ClassVar[EventKind] = EventKind.LOST
+    held: float | None = None
+    reason: LostReason = LostReason.OTHER
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forced(LockEvent):
+    """An operator force-released the lock (``actor``, ``detail``)."""
+
+    kind: ClassVar[EventKind] = EventKind.FORCED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RenewalFailed(LockEvent):
+    """A renewal could not reach the server (``reason``); it is retried while time remains."""
+
+    kind: ClassVar[EventKind] = EventKind.RENEWAL_FAILED
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RenewalLate(LockEvent):
+    """A renewal took ``duration`` seconds, a large share of the TTL (``detail``)."""
+
+    kind: ClassVar[EventKind] = EventKind.RENEWAL_LATE
+    duration: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Duplicate(LockEvent):
+    """A publish dropped: the key's lock is held by a queued or running task."""
+
+    kind: ClassVar[EventKind] = EventKind.DUPLICATE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error(LockEvent):
+    """An acquire failed on the backend (``reason``: the ``BackendUnavailable``)."""
+
+    kind: ClassVar[EventKind] = EventKind.ERROR
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Renewed(LockEvent):
+    """One renewal batch answered, in ``duration`` seconds (``name``: its first lease)."""
+
+    kind: ClassVar[EventKind] = EventKind.RENEWED
+    duration: float | None = None
 
 
 Subscriber = Callable[[LockEvent], object]
@@ -231,7 +379,8 @@ def subscribe(
     chosen = frozenset(EVENT_KINDS if kinds is None else kinds)
     unknown = sorted(chosen - set(EVENT_KINDS))
     if unknown:
-        raise ValueError(f"unknown lock event kind(s) {unknown}; known: {list(EVENT_KINDS)}")
+        known = [str(kind) for kind in EVENT_KINDS]
+        raise ValueError(f"unknown lock event kind(s) {unknown}; known: {known}")
     subscription = Subscription(
         callback, chosen, batch, name or getattr(callback, "__qualname__", repr(callback))
     )
@@ -256,10 +405,13 @@ def _replace_subscriptions(subscriptions: tuple[Subscription, ...]) -> None:
 class Context:
     """What a front end says about the locks it takes: the policy it applies to a conflict
     (``skip``, ``retry``, ``wait``, ``raise``, ``exit``; ``""``: a conflict here is
-    routine, as an election follower's, and is not reported) and a detail for the audit."""
+    routine, as an election follower's, or not the last word, as the first try of a
+    wait, and is not reported) and a detail for the audit. ``since``: when the front
+    end's first try began (monotonic), the start of an ``acquired`` event's wait."""
 
     policy: str = "raise"
     detail: str = ""
+    since: float | None = None
 
 
 _DEFAULT_CONTEXT: Final = Context()
@@ -269,9 +421,12 @@ _context: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def context(policy: str = "raise", detail: str = "") -> Iterator[Context]:
-    """Within this block, lock events carry ``policy`` (conflicts) and ``detail``."""
-    entered = Context(policy, detail)
+def context(
+    policy: str = "raise", detail: str = "", since: float | None = None
+) -> Iterator[Context]:
+    """Within this block, lock events carry ``policy`` (conflicts), ``detail``, and wait
+    times counted from ``since`` (see :class:`Context`)."""
+    entered = Context(policy, detail, since)
     token = _context.set(entered)
     try:
         yield entered
@@ -288,44 +443,39 @@ def wanted(kind: str) -> bool:
     return kind in _hub.wanted
 
 
-def emit(kind: str, name: str, **fields: object) -> None:
-    """Report that ``kind`` happened to lock ``name``; never blocks, never raises."""
-    if kind not in _hub.wanted:
-        return
-    try:
-        event = LockEvent(kind, name, **fields)  # type: ignore[arg-type]
-    except TypeError:
-        log.exception("bad lock event %r for %r", kind, name)
-        return
-    _hub.put(event)
+def emit(event: LockEvent) -> None:
+    """Report ``event``; never blocks, never raises (build it only if :func:`wanted`)."""
+    if event.kind in _hub.wanted:
+        _hub.put(event)
 
 
 #: What :func:`log_events` logs by default: the events nobody's call reports.
 LOG_LEVELS: Final[Mapping[str, int]] = MappingProxyType(
     {
-        "lost": logging.WARNING,
-        "renewal_failed": logging.WARNING,
-        "renewal_late": logging.WARNING,
+        EventKind.LOST: logging.WARNING,
+        EventKind.RENEWAL_FAILED: logging.WARNING,
+        EventKind.RENEWAL_LATE: logging.WARNING,
     }
 )
 
 
 def _log_message(event: LockEvent) -> str:
-    name, kind = event.name, event.kind
-    if kind == "lost":
-        by = f" ({event.detail})" if event.detail else ""
-        return f"lock {name!r} (fence {event.fence}) lost: {event.reason}{by}"
-    if kind == "renewal_failed":
-        return f"renewing lock {name!r} failed, will retry: {event.reason}"
-    if kind == "renewal_late":
-        return (
-            f"renewing lock {name!r} took {event.duration or 0:.3f}s, over "
-            f"{event.detail or 'a large share of its TTL'}: the backend is slow"
-        )
-    if kind == "forced":
-        by = f" by {event.actor}" if event.actor else ""
-        return f"lock {name!r} (fence {event.fence}) force-released{by}: {event.detail}"
-    parts = [f"lock {name!r}: {kind}"]
+    name = event.name
+    match event:
+        case Lost(fence=fence, message=message, detail=detail):
+            by = f" ({detail})" if detail else ""
+            return f"lock {name!r} (fence {fence}) lost: {message}{by}"
+        case RenewalFailed(reason=reason):
+            return f"renewing lock {name!r} failed, will retry: {reason}"
+        case RenewalLate(duration=duration, detail=detail):
+            return (
+                f"renewing lock {name!r} took {duration or 0:.3f}s, over "
+                f"{detail or 'a large share of its TTL'}: the backend is slow"
+            )
+        case Forced(fence=fence, actor=actor, detail=detail):
+            by = f" by {actor}" if actor else ""
+            return f"lock {name!r} (fence {fence}) force-released{by}: {detail}"
+    parts = [f"lock {name!r}: {event.kind}"]
     parts += [f"{k} {v}" for k, v in (("policy", event.policy), ("reason", event.reason)) if v]
     return "; ".join(parts + ([event.detail] if event.detail else []))
 
@@ -372,11 +522,26 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(flush, 2.0)
 
 __all__ = [
+    "BATCH",
     "EVENT_KINDS",
     "HANDED_OVER",
     "LOG_LEVELS",
+    "QUEUE_SIZE",
+    "Acquired",
+    "Conflict",
     "Context",
+    "Duplicate",
+    "Error",
+    "EventKind",
+    "Forced",
     "LockEvent",
+    "Lost",
+    "LostReason",
+    "ReleaseReason",
+    "Released",
+    "RenewalFailed",
+    "RenewalLate",
+    "Renewed",
     "Subscription",
     "context",
     "current_context",

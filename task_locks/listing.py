@@ -120,12 +120,21 @@ class Listing:
         return self.count > 0
 
 
+def visible(holders: Iterable[Holder]) -> list[Holder]:
+    """``holders`` without the library's own records (``Owner.internal``: a Celery run's
+    task-id guard): the locks users took, one per run."""
+    return [holder for holder in holders if not holder.owner.internal]
+
+
 def group_holders(holders: Iterable[Holder]) -> Listing:
-    """Sort ``holders`` into plain locks, elections and semaphores (order kept for locks)."""
+    """Sort ``holders`` into plain locks, elections and semaphores (order kept for locks).
+
+    The library's own records (``Owner.internal``: a Celery run's task-id guard) are left
+    out: an operator sees the locks users took, one row per run."""
     locks: list[Holder] = []
     elections: list[tuple[LeaderInfo, Holder]] = []
     slots: list[Holder] = []
-    for holder in holders:
+    for holder in visible(holders):
         info = leader_info(holder)
         if info is not None:
             elections.append((info, holder))
@@ -359,4 +368,5 @@ __all__ = [
     "render_table",
     "semaphore_to_dict",
     "slot_index",
+    "visible",
 ]

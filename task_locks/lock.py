@@ -60,7 +60,9 @@ from .errors import (
     MissingCapability,
     NotOwned,
 )
+from .events import HANDED_OVER, LostReason, ReleaseReason
 from .owner import current_owner
+from .owner import internal as owner_internal
 from .types import AcquireResult, Holder
 from .watchdog import Lane, async_renewer, deadline_watch, thread_renewer
 
@@ -154,6 +156,10 @@ FORCED_REASON: Final = (
     "it was force-released before its TTL ran out (an operator's release, or the server "
     "lost it: a restart or failover)"
 )
+
+
+def _unreachable(error: BaseException) -> str:
+    return f"the backend was unreachable until the TTL ran out ({error})"
 
 
 class LostFlag:
@@ -268,6 +274,8 @@ class LeaseBase:
         self.renewals = 0
         #: What the front end said when it took the lock (for the events it reports).
         self._detail = events.current_context().detail
+        #: A user's lock (reported) or the library's own record (``Owner.internal``).
+        self._reported = not owner_internal()
         # A forked child inherits this object but not the lock: see _foreign().
         self._pid = os.getpid()
 
@@ -277,7 +285,7 @@ class LeaseBase:
     def lost_reason(self) -> str | None:
         """Why the lease was lost (``None`` while it is not)."""
         if self._lost_reason is None and self.lost.is_set():
-            return self._deadline_reason()
+            return self._deadline_reason()[1]
         return self._lost_reason
 
     @property
@@ -311,7 +319,7 @@ class LeaseBase:
         as well, since a pause can still happen between the check and the write.
         """
         if self.lost.is_set():  # released leases never turn lost by their deadline
-            self._mark_lost(self._deadline_reason())  # no-op if already marked
+            self._mark_lost(*self._deadline_reason())  # no-op if already marked
             raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
         if self._released:
             raise LockLost(f"lock {self.name!r} was already released", name=self.name)
@@ -332,7 +340,9 @@ class LeaseBase:
         may already have stopped or been stopped, or another process taken the lock.
         """
         if self.lost.is_set():
-            self._mark_lost(DEADLINE_REASON + "; the renewal's reply came after the deadline")
+            self._mark_lost(
+                LostReason.DEADLINE, DEADLINE_REASON + "; the renewal's reply came after the deadline"
+            )
             return False
         valid = self._valid_for
         if sent_at < self._ttl_since:
@@ -345,12 +355,13 @@ class LeaseBase:
 
     def _deadline_passed(self) -> None:
         """Called by the deadline watch once the local deadline has passed."""
-        self._mark_lost(self._deadline_reason())
+        self._mark_lost(*self._deadline_reason())
 
-    def _deadline_reason(self) -> str:
+    def _deadline_reason(self) -> tuple[LostReason, str]:
+        """Why the local deadline passed: no renewal answered, or none got through."""
         if self._renew_error is None:
-            return DEADLINE_REASON
-        return f"the backend was unreachable until the TTL ran out ({self._renew_error})"
+            return LostReason.DEADLINE, DEADLINE_REASON
+        return LostReason.UNREACHABLE, _unreachable(self._renew_error)
 
     def _begin_renew(self, ttl: object) -> tuple[float, int]:
         """Check the lease and put ``ttl`` (if given) in force: ``(sent_at, ttl_ms)``.
@@ -382,27 +393,28 @@ class LeaseBase:
     def _renew_failed(self, now: float, error: BaseException) -> bool:
         """A renewal could not reach the server: retry (``True``) while time remains."""
         if now + min(self.ttl / 10, 1.0) >= self._expires_mono:
-            self._mark_lost(f"the backend was unreachable until the TTL ran out ({error})")
+            self._mark_lost(LostReason.UNREACHABLE, _unreachable(error))
             return False
         self._renew_error = error
-        events.emit(  # logged by the events' logging subscriber
-            "renewal_failed",
-            self.name,
-            backend=self.backend.server,
-            fence=self.fence,
-            reason=str(error),
-        )
+        if self._reported:  # logged by the events' logging subscriber
+            events.emit(
+                events.RenewalFailed(
+                    name=self.name, backend=self.backend.server, fence=self.fence, reason=str(error)
+                )
+            )
         return True
 
     def _renewal_refused(self) -> None:
         """A renewal found the token gone. It was sent before the local deadline (a lost
         lease is not renewed), so the lock was removed before its TTL ran out."""
-        self._mark_lost(f"renewal found the lock's token gone: {FORCED_REASON}")
+        self._mark_lost(LostReason.FORCED, f"renewal found the lock's token gone: {FORCED_REASON}")
 
     def _hold_expired(self, now: float) -> bool:
         if self._hold_deadline is None or now < self._hold_deadline:
             return False
-        self._mark_lost("max_hold exceeded: renewal stopped and the lock was released")
+        self._mark_lost(
+            LostReason.MAX_HOLD, "max_hold exceeded: renewal stopped and the lock was released"
+        )
         self._release_in_background()
         return True
 
@@ -412,26 +424,31 @@ class LeaseBase:
         except Exception as exc:
             log.warning("releasing lock %r after max_hold failed: %s", self.name, exc)
 
-    def _mark_lost(self, reason: str) -> None:
+    def _mark_lost(self, reason: LostReason, message: str) -> None:
+        """The lease is lost, for ``reason`` (what the metrics count), said as ``message``
+        (``lost_reason``, the ``lost`` event's words); the first call wins."""
         if self._released:
             return
         with _flag_guard:
             if self._lost_reason is not None:
                 return
-            self._lost_reason = reason
+            self._lost_reason = message
         if not self.lost._claim():
             return
         self._unschedule()
         self._unwatch()
-        events.emit(  # logged (once) by the events' logging subscriber
-            "lost",
-            self.name,
-            backend=self.backend.server,
-            fence=self.fence,
-            held=time.monotonic() - self._acquired_mono,
-            reason=reason,
-            detail=self._detail,
-        )
+        if self._reported:  # logged (once) by the events' logging subscriber
+            events.emit(
+                events.Lost(
+                    name=self.name,
+                    backend=self.backend.server,
+                    fence=self.fence,
+                    held=time.monotonic() - self._acquired_mono,
+                    reason=reason,
+                    message=message,
+                    detail=self._detail,
+                )
+            )
         if self._on_lost is not None:
             try:
                 outcome = self._on_lost(self)
@@ -483,7 +500,10 @@ class LeaseBase:
         one got through.
         """
         self._release_failed = True
-        self._mark_lost(f"the release's outcome is unknown, so it may be free already ({error})")
+        self._mark_lost(
+            LostReason.UNKNOWN,
+            f"the release's outcome is unknown, so it may be free already ({error})",
+        )
 
     def _hand_over(self, to: str) -> None:
         """The lock goes on to another process (``to``: a queued task's worker...): this
@@ -505,15 +525,17 @@ class LeaseBase:
                 log.debug("released lock %r (fence %s)", self.name, self.fence)
             else:
                 log.debug("lock %r (fence %s) handed to %s", self.name, self.fence, handed_to)
-            events.emit(
-                "released",
-                self.name,
-                backend=self.backend.server,
-                fence=self.fence,
-                held=time.monotonic() - self._acquired_mono,
-                reason="" if handed_to is None else events.HANDED_OVER,
-                detail=self._detail if handed_to is None else f"handed to {handed_to}",
-            )
+            if self._reported:
+                events.emit(
+                    events.Released(
+                        name=self.name,
+                        backend=self.backend.server,
+                        fence=self.fence,
+                        held=time.monotonic() - self._acquired_mono,
+                        reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
+                        detail=self._detail if handed_to is None else f"handed to {handed_to}",
+                    )
+                )
             return
         if self._release_failed:
             # An earlier release got no reply: it most likely freed the lock.
@@ -522,8 +544,12 @@ class LeaseBase:
             return
         # Known without asking the server: before our (clock-margin-safe) expiry the TTL
         # cannot have run out, so someone removed the lock.
-        why = FORCED_REASON if time.monotonic() < self._expires_mono else "it expired"
-        self._mark_lost(f"the lock's token was gone at release: {why}")
+        forced = time.monotonic() < self._expires_mono
+        why = FORCED_REASON if forced else "it expired"
+        self._mark_lost(
+            LostReason.FORCED if forced else LostReason.DEADLINE,
+            f"the lock's token was gone at release: {why}",
+        )
         self._released = True
         raise NotOwned(
             f"lock {self.name!r} (fence {self.fence}) was no longer ours at release: "
@@ -610,12 +636,12 @@ class AsyncLease(LeaseBase):
         # The watch runs in its own thread; the lease's callbacks belong to its loop.
         loop = self._loop
         if loop is None or loop.is_closed():
-            self._mark_lost(self._deadline_reason())
+            self._mark_lost(*self._deadline_reason())
             return
         try:
-            loop.call_soon_threadsafe(self._mark_lost, self._deadline_reason())
+            loop.call_soon_threadsafe(self._mark_lost, *self._deadline_reason())
         except RuntimeError:  # the loop closed in between
-            self._mark_lost(self._deadline_reason())
+            self._mark_lost(*self._deadline_reason())
 
     async def renew(self, ttl: float | None = None) -> None:
         """The asyncio twin of :meth:`Lease.renew` (same ``ttl``)."""
@@ -815,7 +841,7 @@ class LockBase:
                 if queued:
                     yield Dequeue(name, token)
                 held = _held_message(name, result, now - start)
-                report_conflict(name, backend, held, now - start, timeout, result.holder_fence)
+                report_conflict(name, backend, held, now - start, timeout, owner, result.holder_fence)
                 raise held
             if (
                 mine is not None
@@ -948,7 +974,7 @@ class Lock(LockBase):
         try:
             granted = drive(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
-            events.emit("error", self.name, backend=backend.server, reason=str(exc))
+            events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise
         return self._keep(self._lease(Lease, backend, self.name, *granted), holder)
 
@@ -992,7 +1018,7 @@ class AsyncLock(LockBase):
         try:
             granted = await adrive(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
-            events.emit("error", self.name, backend=backend.server, reason=str(exc))
+            events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise
         return self._keep(self._lease(AsyncLease, backend, self.name, *granted), holder)
 

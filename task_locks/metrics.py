@@ -10,8 +10,10 @@ label is the lock name's *family*, the part before the first ``:`` (``sync:42`` 
 ``sync``), never the full name, which would give one time series per account id; a
 semaphore's (and a ``limit > 1`` singleton task's) is its own name's family.
 
-``outcome`` is ``acquired``, ``conflict`` (given up at once: ``timeout=0``, a skip),
-``timeout`` (given up after waiting a timeout > 0) or ``error`` (backend unreachable).
+``outcome`` is ``acquired`` (also after a wait: a ``wait`` policy that met a holder and
+then got the lock counts once, as acquired, its wait in ``task_locks_wait_seconds``),
+``conflict`` (given up at once: ``timeout=0``, a skip), ``timeout`` (given up after
+waiting a timeout > 0) or ``error`` (backend unreachable).
 ``task_locks_held`` counts leases taken and not yet released, lost or handed over (a
 published task's queued lock goes on to its worker: the publisher reports it released).
 ``reason`` of ``task_locks_lost_total`` is one of :data:`LOST_REASONS`.
@@ -96,56 +98,43 @@ class _Collectors:
             self._dropped_seen = dropped
 
     def _observe(self, event: LockEvent) -> None:
-        kind, family = event.kind, event.family
-        if kind == "acquired":
-            self.acquisitions.labels(family, "acquired").inc()
-            self.held.labels(family).inc()
-            if event.waited is not None:
-                self.wait.labels(family).observe(event.waited)
-        elif kind == "conflict":
-            outcome = "timeout" if event.timeout else "conflict"
-            self.acquisitions.labels(family, outcome).inc()
-            if event.waited is not None:
-                self.wait.labels(family).observe(event.waited)
-        elif kind == "error":
-            self.acquisitions.labels(family, "error").inc()
-        elif kind in ("released", "lost"):
-            self.held.labels(family).dec()
-            if event.reason == events.HANDED_OVER:
-                return  # held here only while it was published: not a hold
-            if event.held is not None:
-                self.hold.labels(family).observe(event.held)
-            if kind == "lost":
-                self.lost.labels(family, _reason_label(event.reason)).inc()
-        elif kind == "renewed" and event.duration is not None:
-            self.renewal.labels(event.backend.split("://", 1)[0]).observe(event.duration)
+        family = event.family
+        match event:
+            case events.Acquired(waited=waited):
+                self.acquisitions.labels(family, "acquired").inc()
+                self.held.labels(family).inc()
+                if waited is not None:
+                    self.wait.labels(family).observe(waited)
+            case events.Conflict(waited=waited, timeout=timeout):
+                self.acquisitions.labels(family, "timeout" if timeout else "conflict").inc()
+                if waited is not None:
+                    self.wait.labels(family).observe(waited)
+            case events.Error():
+                self.acquisitions.labels(family, "error").inc()
+            case events.Released(reason=events.HANDED_OVER):
+                self.held.labels(family).dec()  # held here only while it was published
+            case events.Released(held=held):
+                self.held.labels(family).dec()
+                if held is not None:
+                    self.hold.labels(family).observe(held)
+            case events.Lost(held=held, reason=reason):
+                self.held.labels(family).dec()
+                if held is not None:
+                    self.hold.labels(family).observe(held)
+                self.lost.labels(family, reason.value).inc()  # as the lease decided it
+            case events.Renewed(duration=duration) if duration is not None:
+                self.renewal.labels(event.backend.split("://", 1)[0]).observe(duration)
 
 
-#: ``reason`` labels of ``task_locks_lost_total`` (a free-text reason would explode
-#: cardinality): ``max_hold`` exceeded; ``unreachable``: renewals failed until the TTL ran
-#: out; ``deadline``: no renewal answered in time (a stalled link, a paused process, a
+#: ``reason`` labels of ``task_locks_lost_total``: the values of
+#: :class:`~task_locks.events.LostReason`, the reason the lease's code decided (never read
+#: from a message): ``max_hold`` exceeded; ``unreachable``: renewals failed until the TTL
+#: ran out; ``deadline``: no renewal answered in time (a stalled link, a paused process, a
 #: ``renew=False`` lease held past its TTL); ``forced``: the token was gone before the TTL
-#: ran out (a force release, a server restart or failover); ``unknown``: a release got
-#: no reply; ``dropped``: a renewed lease was garbage-collected while held; ``other``.
-LOST_REASONS = ("max_hold", "unreachable", "deadline", "forced", "unknown", "dropped", "other")
-#: Substrings of the reasons ``Lease`` gives, first match wins.
-_REASONS = (
-    ("max_hold", "max_hold"),
-    ("unreachable", "unreachable"),
-    ("not renewed", "unreachable"),  # `run` stopped its program before the deadline
-    ("force-released", "forced"),
-    ("TTL ran out", "deadline"),
-    ("it expired", "deadline"),
-    ("outcome is unknown", "unknown"),
-    ("garbage-collected", "dropped"),
-)
-
-
-def _reason_label(reason: str) -> str:
-    for needle, label in _REASONS:
-        if needle in reason:
-            return label
-    return "other"
+#: ran out (a force release, a server restart or failover); ``unknown``: a release got no
+#: reply; ``dropped``: a renewed lease was garbage-collected while held; ``other``: a loss
+#: reported from outside a lease.
+LOST_REASONS = tuple(reason.value for reason in events.LostReason)
 
 
 def install(registry: Any = None) -> None:

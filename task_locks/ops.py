@@ -70,7 +70,7 @@ from .listing import (
 )
 from .lock import Lease, Lock, validate_name
 from .owner import owner_context
-from .types import Holder, Owner
+from .types import Holder
 
 EX_OK: Final = 0
 EX_NOT_HELD: Final = 1
@@ -96,45 +96,19 @@ STOP_MARGIN: Final = 1.0
 
 
 class Audit(Protocol):
-    """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows).
+    """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows):
+    a :class:`~task_locks.events.Forced` release, or a :class:`~task_locks.events.Conflict`
+    (policy ``exit``: the front end exits 75; a force release refused)."""
 
-    ``policy`` is a conflict's (``exit``: the front end exits 75).
-    """
-
-    def __call__(
-        self,
-        kind: str,
-        name: str,
-        *,
-        fence: int | None = None,
-        owner: Owner | None = None,
-        detail: str = "",
-        policy: str = "",
-    ) -> None: ...
+    def __call__(self, event: events.LockEvent) -> None: ...
 
 
-def emit_audit(
-    kind: str,
-    name: str,
-    *,
-    fence: int | None = None,
-    owner: Owner | None = None,
-    detail: str = "",
-    policy: str = "",
-) -> None:
+def emit_audit(event: events.LockEvent) -> None:
     """The CLI's audit: an event of the stream (:mod:`task_locks.events`), nothing stored."""
-    events.emit(kind, name, fence=fence, owner=owner, detail=detail, policy=policy)
+    events.emit(event)
 
 
-def no_audit(
-    kind: str,
-    name: str,
-    *,
-    fence: int | None = None,
-    owner: Owner | None = None,
-    detail: str = "",
-    policy: str = "",
-) -> None:
+def no_audit(event: events.LockEvent) -> None:
     """Report nothing (kept for callers that passed it; the verbs default to :func:`emit_audit`)."""
 
 
@@ -395,11 +369,13 @@ def cmd_release(
     if not released:
         return _not_released(backend, holder, err, audit, by)
     audit(
-        "forced",
-        name,
-        fence=holder.fence,
-        owner=holder.owner,
-        detail=f"force-released{by}; was held by {describe_holder(holder)}",
+        events.Forced(
+            name=name,
+            backend=backend.server,
+            fence=holder.fence,
+            owner=holder.owner,
+            detail=f"force-released{by}; was held by {describe_holder(holder)}",
+        )
     )
     out.write(f"released {name!r} (was held by {describe_holder(holder)})\n")
     return EX_OK
@@ -413,12 +389,14 @@ def _not_released(backend: Backend, seen: Holder, err: TextIO, audit: Audit, by:
         return EX_NOT_HELD
     err.write(f"task-locks: lock {seen.name!r}: {changed_hands_message(now)}\n")
     audit(
-        "conflict",
-        seen.name,
-        fence=now.fence,
-        owner=now.owner,
-        detail=f"force release{by} refused: it was for {describe_holder(seen)}, "
-        f"and the lock changed hands",
+        events.Conflict(
+            name=seen.name,
+            backend=backend.server,
+            fence=now.fence,
+            owner=now.owner,
+            detail=f"force release{by} refused: it was for {describe_holder(seen)}, "
+            f"and the lock changed hands",
+        )
     )
     return EX_CHANGED_HANDS
 
@@ -517,7 +495,9 @@ def cmd_run(
                 return _status(child[0].returncode) if kept else EX_LEASE_LOST
             stopped = True
             if not lease.lost.is_set():  # stopped before its deadline: not yet reported
-                lease._mark_lost(status)  # one `lost` event, as any lease's (no later one)
+                # One `lost` event, as any lease's (no later one): renewals were not
+                # getting through, and the program was stopped before the deadline.
+                lease._mark_lost(events.LostReason.UNREACHABLE, status)
             return EX_LEASE_LOST
     except _Interrupted as stop:
         return 128 + stop.signum

@@ -35,6 +35,12 @@ def owner_context(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
+def internal() -> bool:
+    """Whether locks taken here and now are the library's own records (``internal=True``
+    in :func:`owner_context`): their leases report no events."""
+    return bool((_context.get() or {}).get("internal"))
+
+
 _local = threading.local()
 
 

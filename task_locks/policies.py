@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final, TypeVar
 
@@ -102,17 +103,21 @@ def take(
 ) -> Generator[_S, Any, AnyLease | None]:
     """Acquire with each of ``timeouts`` in turn (a plan: see :mod:`task_locks._steps`).
 
-    Conflict events carry ``on_conflict`` as their policy and ``detail``. A held lock
+    Conflict events carry ``on_conflict`` as their policy and ``detail``; an attempt that
+    is not the last (the first try of ``"wait"``) gives up nothing, so it reports no
+    conflict, and the ``acquired`` event reports the wait from the first try. A held lock
     goes to ``on_held`` with the number of the attempt (from 1) that found it;
     ``True`` ends the plan with ``None`` (skip), ``False`` tries the next timeout, and it
     raises to end the call. ``timeouts`` is read as it goes (a front end may add one).
     """
     number = 0
+    since = time.monotonic()
     while True:
         timeout = timeouts[number]
         number += 1
+        policy = on_conflict if number >= len(timeouts) else ""  # "": not given up yet
         try:
-            with events.context(policy=on_conflict, detail=detail):
+            with events.context(policy=policy, detail=detail, since=since):
                 lease: AnyLease = yield acquire(timeout)
                 return lease
         except LockHeld as held:

@@ -192,7 +192,7 @@ class _SemaphoreBase(LockBase):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 full = self._full(now - start)
-                report_conflict(self.name, backend, full, now - start, timeout)
+                report_conflict(self.name, backend, full, now - start, timeout, owner)
                 raise full
             yield WaitAny(names, pause(soonest, now, deadline))
 

@@ -31,6 +31,10 @@ class Owner:
     #: count of the semaphore a slot belongs to (so listings can show "2 / 3").
     identity: str | None = None
     limit: int | None = None
+    #: ``True``: a record the library keeps for its own bookkeeping (a Celery run's
+    #: task-id guard), not a lock a user took. Listings, the admin, metrics and the event
+    #: stream leave such locks out: one run is one row and one count.
+    internal: bool | None = None
 
     def to_json(self) -> str:
         """The owner as the JSON stored beside the lock on the server."""

@@ -73,13 +73,15 @@ class Renewable(Protocol):
     _hold_deadline: float | None
     _expires_mono: float
     _released: bool
+    #: ``False`` for the library's own records (``Owner.internal``): no events.
+    _reported: bool
 
     @property
     def lost(self) -> Any: ...
     def _renewed(self, sent_at: float) -> bool: ...
     def _deadline_passed(self) -> None: ...
     def _renew_failed(self, now: float, error: BaseException) -> bool: ...
-    def _mark_lost(self, reason: str) -> None: ...
+    def _mark_lost(self, reason: events.LostReason, message: str) -> None: ...
     def _renewal_refused(self) -> None: ...
     def _hold_expired(self, now: float) -> bool: ...
 
@@ -93,7 +95,7 @@ class _Entry:
     ref: weakref.ref[Renewable] = field(compare=False)
     key: int = field(compare=False)
     name: str = field(compare=False)
-    fence: object = field(compare=False)
+    fence: int | None = field(compare=False)
     cancelled: bool = field(default=False, compare=False)
 
 
@@ -174,10 +176,12 @@ class Schedule:
                     batches.setdefault(lease.backend, []).append(lease)
         for entry in dropped:  # a `lost` this process will not see otherwise (logged once)
             events.emit(
-                "lost",
-                entry.name,
-                fence=entry.fence,
-                reason=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
+                events.Lost(
+                    name=entry.name,
+                    fence=entry.fence,
+                    reason=events.LostReason.DROPPED,
+                    message=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
+                )
             )
         return batches
 
@@ -239,7 +243,9 @@ def apply_results(
     now = time.monotonic()
     if leases and not isinstance(results, BaseException):
         events.emit(
-            "renewed", leases[0].name, backend=leases[0].backend.server, duration=now - sent_at
+            events.Renewed(
+                name=leases[0].name, backend=leases[0].backend.server, duration=now - sent_at
+            )
         )
     for index, lease in enumerate(leases):
         outcome = results if isinstance(results, BaseException) else results[index]
@@ -249,13 +255,14 @@ def apply_results(
         if outcome is True:
             if lease._renewed(sent_at):
                 schedule.add(lease, next_renewal(lease, sent_at))
-                if now - sent_at > RENEWAL_LATE_FRACTION * lease.ttl:
+                if lease._reported and now - sent_at > RENEWAL_LATE_FRACTION * lease.ttl:
                     events.emit(
-                        "renewal_late",
-                        lease.name,
-                        backend=lease.backend.server,
-                        duration=now - sent_at,
-                        detail=f"{RENEWAL_LATE_FRACTION:.0%} of its {lease.ttl:g}s TTL",
+                        events.RenewalLate(
+                            name=lease.name,
+                            backend=lease.backend.server,
+                            duration=now - sent_at,
+                            detail=f"{RENEWAL_LATE_FRACTION:.0%} of its {lease.ttl:g}s TTL",
+                        )
                     )
         elif outcome is False:
             lease._renewal_refused()

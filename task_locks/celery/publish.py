@@ -142,11 +142,12 @@ def guarded_publish(
                 lease = lock.acquire(timeout=timeout)
         except LockHeld as held:
             events.emit(
-                "duplicate",
-                key,
-                backend=getattr(lock.backend, "server", ""),
-                owner=held.holder.owner if held.holder is not None else None,
-                detail=f"not queued: {task.name}[{task_id}]",
+                events.Duplicate(
+                    name=key,
+                    backend=getattr(lock.backend, "server", ""),
+                    owner=held.holder.owner if held.holder is not None else None,
+                    detail=f"not queued: {task.name}[{task_id}]",
+                )
             )
             holder_id = held.holder.owner.task_id if held.holder is not None else None
             existing = task.AsyncResult(holder_id) if holder_id else None

@@ -18,11 +18,13 @@ publish passes: :mod:`task_locks.celery.publish`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import random
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from celery import Task, shared_task
@@ -684,11 +686,18 @@ class _Acquire(NamedTuple):
     timeout: float | None
 
     def run(self) -> Lease:
-        return self._lock(Lock, self.task._run_lock).acquire(timeout=self.timeout)
+        with self._as_owner():
+            return self._lock(Lock, self.task._run_lock).acquire(timeout=self.timeout)
 
     async def arun(self) -> AsyncLease:
         lock = self._lock(AsyncLock, self.task._async_run_lock)
-        return await lock.acquire(timeout=self.timeout)
+        with self._as_owner():
+            return await lock.acquire(timeout=self.timeout)
+
+    def _as_owner(self) -> AbstractContextManager[None]:
+        """The guard is the library's own record (``Owner.internal``): operators and the
+        metrics see one lock per run, the run lock."""
+        return owner_context(internal=True) if self.guard else contextlib.nullcontext()
 
     def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
         if self.guard:

@@ -7,8 +7,10 @@ the metrics subscriber fed, and the events and log records the operations produc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,6 +123,60 @@ def test_locked_reports_its_policy_and_a_skip_is_a_conflict(
     assert acquisitions(metric, "job", "conflict") == 1
     assert acquisitions(metric, "job", "acquired") == 2
     assert metric("task_locks_held", lock="job") == 0
+
+
+def test_a_wait_that_ends_acquired_is_an_acquisition_not_a_conflict(
+    redis_url: str, metric: Value, seen: list[LockEvent]
+) -> None:
+    """Issue 26, item 1: ``on_conflict="wait"`` meets the holder, waits, runs: one
+    ``acquired`` with the whole wait in ``waited``, no ``conflict`` (a conflict is an
+    acquire given up); only a wait that runs out is one, as a timeout."""
+
+    @locked("report:{n}", ttl=5, backend=redis_url, on_conflict="wait", timeout=10)
+    def report(n: int) -> int:
+        return n
+
+    for _ in range(3):  # three calls, all of which met a holder and ran
+        holder = Lock("report:1", ttl=5, backend=redis_url).acquire()
+        threading.Timer(0.2, holder.release).start()
+        assert report(1) == 1
+    assert events.flush(5.0)
+    assert [e for e in seen if e.kind == "conflict"] == []
+    waits = [e.waited for e in seen if e.kind == "acquired" and "report" in e.detail]
+    assert len(waits) == 3 and all(w is not None and w >= 0.15 for w in waits), waits
+    assert acquisitions(metric, "report", "conflict") == 0
+    assert acquisitions(metric, "report", "acquired") == 6  # 3 holders, 3 waiters
+    assert metric("task_locks_wait_seconds_bucket", lock="report", le="0.1") == 3  # holders
+
+    @locked("report:{n}", ttl=5, backend=redis_url, on_conflict="wait", timeout=0.2)
+    def impatient(n: int) -> int:
+        return n
+
+    with Lock("report:1", ttl=5, backend=redis_url), pytest.raises(LockHeld):
+        impatient(1)
+    assert events.flush(5.0)
+    [gave_up] = [e for e in seen if e.kind == "conflict"]
+    assert gave_up.policy == "wait" and gave_up.timeout == 0.2 and gave_up.waited >= 0.2  # type: ignore[operator]
+    assert acquisitions(metric, "report", "timeout") == 1
+    assert acquisitions(metric, "report", "conflict") == 0
+
+
+def test_a_lost_reason_is_the_one_the_code_decided_never_read_from_words(
+    metric: Value,
+) -> None:
+    """Issue 26, item 3: the metric's label is the event's :class:`LostReason`; a message
+    that would read as another reason changes nothing (the words were matched before)."""
+    misleading = "its TTL ran out: it was force-released, or max_hold, or unreachable"
+    events.emit(events.Lost(name="sync:1", reason=events.LostReason.DEADLINE, message=misleading))
+    events.emit(events.Lost(name="sync:2", reason=events.LostReason.UNKNOWN, message="whatever"))
+    assert metric("task_locks_lost_total", lock="sync", reason="deadline") == 1
+    assert metric("task_locks_lost_total", lock="sync", reason="unknown") == 1
+    assert metric("task_locks_lost_total", lock="sync", reason="forced") == 0
+    with pytest.raises(TypeError):  # each kind takes its own fields, checked where made
+        events.Acquired(name="x", reason="why")  # type: ignore[call-arg]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        events.Acquired(name="x").name = "y"  # type: ignore[misc]
+    assert events.EventKind.LOST == "lost" and events.Lost.kind == "lost"  # the public names
 
 
 # -- semaphores, elections -------------------------------------------------------------

@@ -26,9 +26,15 @@ def test_subscribers_get_the_kinds_they_asked_for() -> None:
     batches: list[Sequence[LockEvent]] = []
     events.subscribe(seen.append, {"acquired", "lost"})
     events.subscribe(batches.append, batch=True)
-    events.emit("acquired", "sync:1", backend="redis://h", fence=7, waited=0.25)
-    events.emit("released", "sync:1", held=1.5)
-    events.emit("lost", "sync:1", reason="renewal found the lock's token gone")
+    events.emit(events.Acquired(name="sync:1", backend="redis://h", fence=7, waited=0.25))
+    events.emit(events.Released(name="sync:1", held=1.5))
+    events.emit(
+        events.Lost(
+            name="sync:1",
+            reason=events.LostReason.FORCED,
+            message="renewal found the lock's token gone",
+        )
+    )
     assert events.flush(5.0)
     assert [(e.kind, e.name) for e in seen] == [("acquired", "sync:1"), ("lost", "sync:1")]
     assert seen[0].fence == 7 and seen[0].waited == 0.25 and seen[0].family == "sync"
@@ -42,7 +48,7 @@ def test_unknown_kinds_are_refused_at_subscribe() -> None:
 
 def test_without_subscribers_emit_starts_nothing() -> None:
     before = {t.name for t in threading.enumerate()}
-    events.emit("acquired", "x")
+    events.emit(events.Acquired(name="x"))
     assert "task-locks-events" not in {t.name for t in threading.enumerate()} - before
     assert not events.wanted("acquired")
 
@@ -57,7 +63,7 @@ def test_a_slow_subscriber_never_blocks_a_lock_and_drops_are_counted() -> None:
 
     events.subscribe(stuck, {"acquired"})
     try:
-        events.emit("acquired", "first")
+        events.emit(events.Acquired(name="first"))
         assert entered.wait(5), "the dispatcher never delivered"
         before = events.dropped()
         extra = 25
@@ -65,7 +71,7 @@ def test_a_slow_subscriber_never_blocks_a_lock_and_drops_are_counted() -> None:
         # until delivered): the queue fills, then drops. Every emit returns (a blocking
         # one would hang this test until its timeout).
         for index in range(events.QUEUE_SIZE - 1 + extra):
-            events.emit("acquired", f"n:{index}")
+            events.emit(events.Acquired(name=f"n:{index}"))
         assert events.dropped() - before == extra
     finally:
         release.set()
@@ -82,7 +88,7 @@ def test_a_failing_subscriber_is_logged_and_others_still_get_events(
 
     events.subscribe(broken, name="broken")
     events.subscribe(lambda e: seen.append(e.name))
-    events.emit("conflict", "a", policy="skip")
+    events.emit(events.Conflict(name="a", policy="skip"))
     assert events.flush(5.0)
     assert seen == ["a"]
     assert "lock event subscriber broken failed" in caplog.text
@@ -95,12 +101,12 @@ def test_a_forked_child_keeps_the_subscriptions_with_a_dispatcher_of_its_own() -
         os.write(write, f"{os.getpid()}:{event.name}\n".encode())
 
     events.subscribe(to_parent, {"acquired"})
-    events.emit("acquired", "parent")
+    events.emit(events.Acquired(name="parent"))
     assert events.flush(5.0)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
-            events.emit("acquired", "child")
+            events.emit(events.Acquired(name="child"))
             os._exit(0 if events.flush(5.0) else 1)
         finally:
             os._exit(2)
@@ -119,14 +125,21 @@ def test_prometheus_metrics_use_the_name_family_not_the_name() -> None:
     registry = prometheus_client.CollectorRegistry()
     metrics.install(registry)
     try:
-        events.emit("acquired", "sync:1", waited=0.2)
-        events.emit("acquired", "sync:2", waited=0.0)
-        events.emit("conflict", "sync:3", policy="skip", waited=0.0001, timeout=0)
-        events.emit("conflict", "sync:3", policy="raise", waited=2.0, timeout=2.0)
-        events.emit("error", "report", reason="unavailable")
-        events.emit("released", "sync:1", held=3.0)
-        events.emit("lost", "sync:2", held=1.0, reason="max_hold exceeded")
-        events.emit("renewed", "sync:1", backend="redis://127.0.0.1:1/0", duration=0.002)
+        events.emit(events.Acquired(name="sync:1", waited=0.2))
+        events.emit(events.Acquired(name="sync:2", waited=0.0))
+        events.emit(events.Conflict(name="sync:3", policy="skip", waited=0.0001, timeout=0))
+        events.emit(events.Conflict(name="sync:3", policy="raise", waited=2.0, timeout=2.0))
+        events.emit(events.Error(name="report", reason="unavailable"))
+        events.emit(events.Released(name="sync:1", held=3.0))
+        events.emit(
+            events.Lost(
+                name="sync:2",
+                held=1.0,
+                reason=events.LostReason.MAX_HOLD,
+                message="max_hold exceeded",
+            )
+        )
+        events.emit(events.Renewed(name="sync:1", backend="redis://127.0.0.1:1/0", duration=0.002))
         assert events.flush(5.0)
         value = registry.get_sample_value
         assert value("task_locks_acquisitions_total", {"lock": "sync", "outcome": "acquired"}) == 2
@@ -177,7 +190,11 @@ def test_every_lock_operation_reports_one_event(redis_url: str) -> None:
     assert acquired.owner is not None and acquired.waited is not None
     assert conflict.policy == "skip" and conflict.fence == lease.fence
     assert released.held is not None and released.detail == "nightly job"
-    assert "token was gone" in lost_event.reason and lost_event.fence == lost.fence
+    assert (
+        lost_event.reason == events.LostReason.FORCED
+        and "token was gone" in lost_event.message
+        and lost_event.fence == lost.fence
+    )
     assert "127.0.0.1:1" in error.backend and error.reason
 
 

@@ -241,8 +241,7 @@ def test_a_conflict_is_reported_as_an_event_with_the_policy(url: str) -> None:
         ("ev:1", "skip", "skipping"),
         ("ev:1", "skip", "askipping"),
         ("ev:1", "raise", "raising"),
-        ("ev:1", "wait", "waiting"),  # met: it waits
-        ("ev:1", "wait", "waiting"),  # the wait ran out
+        ("ev:1", "wait", "waiting"),  # the wait ran out (meeting the holder gave up nothing)
     ]
     assert all(e.detail.startswith(f"function {__name__}.") for e in seen)
 

@@ -17,7 +17,7 @@ from django_helpers import cli, finish, staff
 from servers import wait_until
 
 from django_app.models import LockEvent
-from task_locks import Lock, get_backend
+from task_locks import Lock, events, get_backend, owner_context
 
 HOLDERS = "/admin/task_locks/lockholder/"
 FORCE = "/admin/task_locks/lockholder/force-release/"
@@ -139,6 +139,22 @@ def test_times_name_their_time_zone(client: Client, redis_settings: str, setting
         html = text(client.get(HOLDERS).text)
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d JST", html), html
     assert not re.search(r"\d\d:\d\d:\d\d UTC", html)
-    audit.record("forced", "tz:1", sync=True)
+    audit.record(events.Forced(name="tz:1"), sync=True)
     html = text(client.get("/admin/task_locks/lockevent/").text)
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d JST", html), html
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_librarys_own_records_are_not_listed(client: Client, redis_settings: str) -> None:
+    """A record marked ``Owner.internal`` (a Celery run's task-id guard) is not the user's
+    lock: no row, no Force release button, nothing to push the columns aside (issue 26)."""
+    client.force_login(staff("ops", "view_lockholder"))
+    with Lock("rebuild-index", ttl=30, backend=redis_settings):
+        with owner_context(internal=True):
+            guard = Lock("rebuild-index#task:0f3a", ttl=30, backend=redis_settings).acquire()
+        try:
+            html = client.get(HOLDERS).text
+        finally:
+            guard.release()
+    assert 'data-lock="rebuild-index"' in html
+    assert "#task:" not in html

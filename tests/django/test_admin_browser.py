@@ -128,10 +128,12 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
     # this thread, where Django refuses synchronous database calls.
     User.objects.create_superuser("admin", "admin@example.com", "secret-pw")
     report = held["report"]
-    audit.record("forced", "sync:7", fence=3, owner=current_owner(), actor="ops (admin)", sync=True)
-    audit.record("renewal_failed", "sync:8", owner=current_owner(), sync=True)
+    audit.record(
+        events.Forced(name="sync:7", fence=3, owner=current_owner(), actor="ops (admin)"), sync=True
+    )
+    audit.record(events.RenewalFailed(name="sync:8", owner=current_owner()), sync=True)
     # A long name with nowhere to break must wrap in its cell, not widen the table.
-    audit.record("lost", "report:" + "x" * 160, owner=current_owner(), sync=True)
+    audit.record(events.Lost(name="report:" + "x" * 160, owner=current_owner()), sync=True)
     base = str(live_server)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shots = {
@@ -264,18 +266,32 @@ def _record_policies() -> None:
     command = Owner(command="manage.py nightly_report", host="web-1", pid=77)
     for batch in (3, 2):  # two batches: a repeat folds into the row already written
         for _ in range(batch):
-            events.emit("conflict", "sync:42", fence=17, owner=task, policy="skip", actor=LONG_ACTOR)
+            events.emit(
+                events.Conflict(
+                    name="sync:42", fence=17, owner=task, policy="skip", actor=LONG_ACTOR
+                )
+            )
         assert audit.flush(timeout=10)
-    events.emit("conflict", "search-index", fence=3, owner=task, policy="wait", actor=LONG_ACTOR)
-    events.emit("conflict", "nightly-report", fence=9, owner=command, policy="exit")
-    events.emit("conflict", "mail:1", fence=4, owner=task, policy="retry", actor=LONG_ACTOR)
-    events.emit("duplicate", "sync:9", fence=5, owner=task, actor=LONG_ACTOR)
-    events.emit("lost", "rates", fence=2, owner=task, reason="deadline", actor=LONG_ACTOR)
+    events.emit(
+        events.Conflict(name="search-index", fence=3, owner=task, policy="wait", actor=LONG_ACTOR)
+    )
+    events.emit(events.Conflict(name="nightly-report", fence=9, owner=command, policy="exit"))
+    events.emit(
+        events.Conflict(name="mail:1", fence=4, owner=task, policy="retry", actor=LONG_ACTOR)
+    )
+    events.emit(events.Duplicate(name="sync:9", fence=5, owner=task, actor=LONG_ACTOR))
+    events.emit(
+        events.Lost(
+            name="rates", fence=2, owner=task, reason=events.LostReason.DEADLINE, actor=LONG_ACTOR
+        )
+    )
     assert audit.flush(timeout=10)
 
 
 def _cell(page: Any, name: str, column: str) -> str:
-    row = page.locator("#result_list tbody tr", has=page.locator(f'td.field-name:text-is("{name}")'))
+    row = page.locator(
+        "#result_list tbody tr", has=page.locator(f'td.field-name:text-is("{name}")')
+    )
     assert row.count() == 1, (name, row.count())
     return str(row.locator(f"td.field-{column}").inner_text())
 
@@ -304,8 +320,8 @@ def test_lock_events_page_in_chromium(live_server: object, settings: Any) -> Non
             assert "Select lock event" not in page.content()
             # One row per (lock, holder, policy): the five skips are one row counted 5.
             assert page.locator('#result_list td.field-name:text-is("sync:42")').count() == 1
-            assert re.fullmatch(r"5\nlast \d\d:\d\d:\d\d", _cell(page, "sync:42", "repeats")), _cell(
-                page, "sync:42", "repeats"
+            assert re.fullmatch(r"5\nlast \d\d:\d\d:\d\d", _cell(page, "sync:42", "repeats")), (
+                _cell(page, "sync:42", "repeats")
             )
             assert _cell(page, "sync:42", "outcome") == "skip: skipped"
             assert _cell(page, "search-index", "outcome") == "wait: gave up waiting"

@@ -27,6 +27,7 @@ from django_helpers import staff
 from django_app import audit
 from django_app.models import LockEvent, LockHolder
 from task_locks import Election, Lock
+from task_locks.events import Forced
 
 HOLDERS = "/admin/task_locks/lockholder/"
 FORCE = "/admin/task_locks/lockholder/force-release/"
@@ -159,7 +160,7 @@ def test_a_catalog_translates_the_pages_with_plural_forms(
     gone = client.get(FORCE, {"name": f"{prefix}nobody"}, follow=True).text
     assert f"Le verrou « {prefix}nobody » est libre." in gone  # a message
 
-    audit.record("forced", f"{prefix}a", sync=True)
+    audit.record(Forced(name=f"{prefix}a"), sync=True)
     events = client.get(EVENTS).text
     assert "événements de verrou" in events.lower()  # the model's lazy plural name
     header = events[events.index("column-when") :]

@@ -52,9 +52,18 @@ def test_stream_events_become_rows_in_batches_with_job_host_pid_and_fence(
     with owner_context(command="manage.py nightly"):
         owner = current_owner()
     for i in range(50):
-        events.emit("acquired", f"sync:{i}", fence=i + 1, owner=owner, waited=0.000155)
-    events.emit("lost", "sync:0", fence=1, owner=owner, reason="token gone", held=2.5)
-    events.emit("renewed", "sync:1", duration=0.001)  # a metric, never a row
+        events.emit(events.Acquired(name=f"sync:{i}", fence=i + 1, owner=owner, waited=0.000155))
+    events.emit(
+        events.Lost(
+            name="sync:0",
+            fence=1,
+            owner=owner,
+            reason=events.LostReason.FORCED,
+            message="token gone",
+            held=2.5,
+        )
+    )
+    events.emit(events.Renewed(name="sync:1", duration=0.001))  # a metric, never a row
     assert audit.flush(10)
     rows = list(LockEvent.objects.order_by("id"))
     assert len(rows) == 51
@@ -67,10 +76,10 @@ def test_stream_events_become_rows_in_batches_with_job_host_pid_and_fence(
     assert "waited 0ms" in first.detail
     lost = rows[-1]
     assert (
-        lost.kind == "lost" and "reason: token gone" in lost.detail and "held 2.5s" in lost.detail
+        lost.kind == "lost" and "reason: forced: token gone" in lost.detail and "held 2.5s" in lost.detail
     )
     # No holder named: the row still says which host and process saw it.
-    events.emit("error", "sync:x")
+    events.emit(events.Error(name="sync:x"))
     assert audit.flush(10)
     error = LockEvent.objects.get(kind="error")
     assert error.actor == f"{socket.gethostname()} pid {os.getpid()}"
@@ -79,12 +88,13 @@ def test_stream_events_become_rows_in_batches_with_job_host_pid_and_fence(
 @pytest.mark.django_db(transaction=True)
 def test_audit_picks_the_kinds_written(settings: object, redis_url: str) -> None:
     settings.TASK_LOCKS = {"BACKEND": redis_url, "AUDIT": ["lost", "renewal_failed"]}  # type: ignore[attr-defined]
-    for kind in ("acquired", "conflict", "lost", "renewal_failed", "released"):
-        events.emit(kind, "job:1")
+    for event in (events.Acquired, events.Conflict, events.Lost, events.RenewalFailed):
+        events.emit(event(name="job:1"))
+    events.emit(events.Released(name="job:1"))
     assert audit.flush(10)
     assert sorted(LockEvent.objects.values_list("kind", flat=True)) == ["lost", "renewal_failed"]
     settings.TASK_LOCKS = {"BACKEND": redis_url, "AUDIT": False}  # type: ignore[attr-defined]
-    events.emit("lost", "job:1")
+    events.emit(events.Lost(name="job:1"))
     assert audit.flush(10)
     assert LockEvent.objects.count() == 2
 
@@ -93,7 +103,7 @@ def test_audit_picks_the_kinds_written(settings: object, redis_url: str) -> None
 def test_an_operator_action_is_written_before_record_returns_and_only_once(
     redis_settings: str, seen: list[StreamEvent]
 ) -> None:
-    audit.record("forced", "report:1", fence=4, actor="ops (admin)", sync=True)
+    audit.record(events.Forced(name="report:1", fence=4, actor="ops (admin)"), sync=True)
     assert LockEvent.objects.filter(kind="forced", fence=4).count() == 1  # already there
     assert audit.flush(10)
     assert LockEvent.objects.filter(kind="forced").count() == 1, "not written twice"
@@ -112,7 +122,7 @@ def test_manage_py_locks_and_locked_command_emit_into_the_stream(
             call_command("locked_sleep")
         # What `manage.py locks release --force` reports once the backend freed the lock
         # (the conditional force release itself is tested in test_force_release_changed_hands).
-        _audit("forced", "sleepy:a", fence=lease.fence, owner=current_owner())
+        _audit(events.Forced(name="sleepy:a", fence=lease.fence, owner=current_owner()))
     assert audit.flush(10)
     kinds = [(e.kind, e.name, e.policy) for e in seen]
     assert ("conflict", "sleepy:a", "exit") in kinds
@@ -151,7 +161,7 @@ def test_metrics_setting_installs_the_collectors(settings: object, redis_url: st
     try:
         settings.TASK_LOCKS = {"BACKEND": redis_url, "METRICS": True}  # type: ignore[attr-defined]
         assert conf.metrics_enabled()
-        events.emit("conflict", "sync:42", policy="skip")
+        events.emit(events.Conflict(name="sync:42", policy="skip"))
         assert events.flush(10)
         value = prometheus_client.REGISTRY.get_sample_value(
             "task_locks_acquisitions_total", {"lock": "sync", "outcome": "conflict"}

@@ -29,7 +29,7 @@ def audited(settings: Any) -> None:
 
 
 def _conflict(name: str = "sync:42", fence: int = 17, policy: str = "skip", **fields: Any) -> None:
-    events.emit("conflict", name, fence=fence, owner=TASK, policy=policy, **fields)
+    events.emit(events.Conflict(name=name, fence=fence, owner=TASK, policy=policy, **fields))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -42,8 +42,12 @@ def test_repeated_conflicts_fold_into_one_counted_row() -> None:
         _conflict()
     _conflict(policy="wait")  # another policy: a row of its own
     _conflict(fence=18)  # the next holder: a row of its own
-    events.emit("lost", "sync:42", fence=17, owner=TASK, reason="deadline")
-    events.emit("lost", "sync:42", fence=17, owner=TASK, reason="deadline")  # not folded
+    events.emit(
+        events.Lost(name="sync:42", fence=17, owner=TASK, reason=events.LostReason.DEADLINE)
+    )
+    events.emit(
+        events.Lost(name="sync:42", fence=17, owner=TASK, reason=events.LostReason.DEADLINE)
+    )  # not folded
     assert audit.flush(10)
     rows = {(r.kind, r.policy, r.fence): r for r in LockEvent.objects.filter(kind="conflict")}
     assert {k: r.count for k, r in rows.items()} == {

@@ -34,6 +34,7 @@ from django_helpers import MANAGE, ROOT, staff, subprocess_env
 from django_app import conf
 from django_app.models import LockEvent
 from task_locks import Lock, NotOwned, get_backend
+from task_locks.events import LockEvent as StreamEvent
 from task_locks.lock import Lease
 from task_locks.ops import EX_CHANGED_HANDS, EX_OK, cmd_release
 from task_locks.owner import owner_context
@@ -138,10 +139,8 @@ def test_cmd_release_refuses_a_lock_that_changed_hands_while_asked(hand_over: Ha
     backend = get_backend(hand_over.url)
     events: list[tuple[str, int | None, str]] = []
 
-    def audit(
-        kind: str, name: str, *, fence: Any = None, owner: Any = None, detail: str = ""
-    ) -> None:
-        events.append((kind, fence, owner.command if owner else ""))
+    def audit(event: StreamEvent) -> None:
+        events.append((event.kind, event.fence, event.owner.command if event.owner else ""))
 
     def confirm(question: str) -> bool:
         assert "holder A" in question and f"fence {hand_over.a.fence}" in question

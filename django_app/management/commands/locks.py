@@ -20,38 +20,21 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+from dataclasses import replace
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from task_locks import ops
-from task_locks.types import Owner
+from task_locks import events, ops
 
 from ... import audit, conf
 
 
-def _audit(
-    kind: str,
-    name: str,
-    *,
-    fence: int | None = None,
-    owner: Owner | None = None,
-    detail: str = "",
-    policy: str = "",
-) -> None:
+def _audit(event: events.LockEvent) -> None:
     actor = f"{getpass.getuser()}@{socket.gethostname()} (manage.py locks, pid {os.getpid()})"
     # An event of the stream; an operator's force-release is recorded before we report
     # it done.
-    audit.record(
-        kind,
-        name,
-        fence=fence,
-        owner=owner,
-        actor=actor,
-        detail=detail,
-        policy=policy,
-        sync=kind == "forced",
-    )
+    audit.record(replace(event, actor=actor), sync=event.kind == events.EventKind.FORCED)
 
 
 class Command(BaseCommand):
