@@ -276,6 +276,10 @@ class Checker:
         self.releasing: set[str] = set()
         self.expiry: dict[str, float | None] = {}  # the holder's server expiry (sim time)
         self.finished: Callable[[Client], None] = lambda client: None
+        self.renewed_at: dict[int, float] = {}
+        self.granted_at: dict[int, float] = {}
+        #: Clients paused, killed or whose clock jumped: their renewals may lapse.
+        self.unsteady = {f.client for f in scenario.faults if f.kind in ("pause", "kill", "jump")}
         self.leases: list[Held] = []
         self.register = names[0]  # the fenced register guards the first name
         self.register_fence = -1
@@ -457,6 +461,7 @@ class Checker:
                 f"term {lease.fence} of {lease.name!r} has two leaders: {leader}, {client.name}"
             )
         self.leases.append(Held(client, lease, epoch, lease.token in self.stale))
+        self.granted_at[id(lease)] = self.sim.now
 
     def write(self, client: Client, lease: Any) -> None:
         grant = self.grants[(lease.name, lease.token)]
@@ -492,6 +497,26 @@ class Checker:
         if not ok and by == operator.name:
             self.fail(
                 f"{operator.name}'s force release said the lock changed hands, but it freed the holder"
+            )
+
+    # the renewal schedule -------------------------------------------------------------
+    def renew_sent(self, leases: list[Any]) -> None:
+        for lease in leases:
+            self.renewed_at[id(lease)] = self.sim.now
+
+    def deadline(self, client: Client, lease: Any) -> None:
+        """A lease reached its local deadline: a renewal must have been tried in the last
+        2/3 of its TTL (it is due every third), unless the client was stopped or its clock
+        jumped (issue 23 item 2: a failed ``renew(ttl=SHORTER)`` left the next renewal on
+        the old TTL's schedule)."""
+        if client.index in self.unsteady or lease._released or lease.token in self.releasing:
+            return  # (a lease being released is renewed no more)
+        now, ttl = self.sim.now, lease.ttl
+        last = self.renewed_at.get(id(lease), self.granted_at.get(id(lease), now))
+        if last < now - 0.7 * ttl - 1e-6:
+            self.fail(
+                f"{client.name}'s lease of {lease.name!r} reached its deadline with no renewal "
+                f"tried for {(now - last) * 1000:.0f} ms (TTL {ttl:g} s)"
             )
 
     def gave_up(self, client: Client, name: str, start: float) -> None:
@@ -560,6 +585,7 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
     probe = _backend(url, operator, server, net, 5.0)
     checker = Checker(sim, server, probe, scenario)
     server.observe = checker.observe
+    sim.on_renew, sim.on_deadline = checker.renew_sent, checker.deadline
     violation: list[str] = []
 
     for fault, operator_n in zip(scenario.faults, operators, strict=True):
@@ -578,7 +604,7 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
             if leasing is None:  # the lease before its injected runtime: patched threads
                 _worker(client, backend, program, checker, scenario)
             else:
-                with leasing.use_runtime(client.runtime):  # type: ignore[attr-defined]
+                with leasing.use_runtime(client.runtime):
                     _worker(client, backend, program, checker, scenario)
         finally:
             finished(client)
@@ -761,6 +787,7 @@ def _hold(client: Client, lease: Any, step: Iteration, checker: Checker) -> None
         client.sleep(step.hold / pieces)
         if renew_piece == piece:
             sim.say(client.name, f"renew(ttl={step.renew_ttl})")
+            checker.renew_sent([lease])
             try:
                 lease.renew(ttl=step.renew_ttl)
             except LockError as exc:

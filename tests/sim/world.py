@@ -74,6 +74,10 @@ class Sim:
         self.story: list[str] = []
         self.steps = 0
         self.stop_at = float("inf")
+        #: Told of each renewal call sent (its leases), and of each lease whose local
+        #: deadline passed (before the lease hears of it): the checker's hooks.
+        self.on_renew: Callable[[list[Any]], None] = lambda leases: None
+        self.on_deadline: Callable[[Client, Any], None] = lambda client, lease: None
         self.after_step: Callable[[], None] | None = None
 
     def say(self, who: str, text: str) -> None:
@@ -119,6 +123,7 @@ class Client:
         self.schedule = watchdog.Schedule()
         self.lane: SimLane | None = None
         self.watch = SimWatch(self)
+        self._runtime: SimRuntime | None = None
 
     # clocks ------------------------------------------------------------------------
     def monotonic(self) -> float:
@@ -129,6 +134,23 @@ class Client:
 
     def sim_time_of(self, mono: float) -> float:
         return (mono - self.mono_offset) / self.rate
+
+    #: ``time()`` and ``monotonic()``: the client is the ``leasing.Clock`` of its leases.
+    time = wall
+
+    # where its leases are renewed and watched -----------------------------------------
+    def renewer(self) -> _Renewer:
+        """``thread_renewer()`` of the lease before its injected runtime."""
+        if self.lane is None:
+            self.lane = SimLane(self)
+        return _Renewer(self.lane)
+
+    @property
+    def runtime(self) -> SimRuntime:
+        """Its ``leasing.LeaseRuntime`` (made on first use)."""
+        if self._runtime is None:
+            self._runtime = SimRuntime(self)
+        return self._runtime
 
     # greenlets ---------------------------------------------------------------------
     def spawn(self, function: Callable[[], None], when: float | None = None) -> None:
@@ -338,6 +360,7 @@ class SimLane:
             self.busy = True
             try:
                 for backend, leases in self.schedule.take_due(now).items():
+                    self.client.sim.on_renew(leases)
                     watchdog.ThreadLane._renew(self, backend, leases)  # type: ignore[arg-type]
             finally:
                 self.busy = False
@@ -358,6 +381,7 @@ class SimWatch:
             if client.monotonic() < lease._expires_mono:  # renewed since
                 client.sim.at(client.sim_time_of(lease._expires_mono), check)
                 return
+            client.sim.on_deadline(client, lease)
             client.spawn(lease._deadline_passed)
 
         client.sim.at(client.sim_time_of(lease._expires_mono), check)
@@ -439,6 +463,7 @@ class SimRuntime:
                     batch = self.queue.start(backend, leases)
                     if batch is None:
                         continue
+                    client.sim.on_renew(batch.leases)
                     results: Any
                     try:
                         results = backend.renew_many(batch.items, timeout=batch.timeout)
@@ -460,6 +485,8 @@ class SimRuntime:
     def _look(self) -> None:
         self._watch_at, self._watch_timer = float("inf"), None
         expired = self.heap.expired(self.client.monotonic())
+        for lease in expired:
+            self.client.sim.on_deadline(self.client, lease)
         if expired:
 
             def mark() -> None:
@@ -473,12 +500,6 @@ class SimRuntime:
             self._wake_watch(following)
 
 
-def _client_renewer(self: Client) -> Any:
-    if self.lane is None:
-        self.lane = SimLane(self)
-    return _Renewer(self.lane)
-
-
 class _Renewer:
     def __init__(self, lane: SimLane) -> None:
         self.lane = lane
@@ -486,20 +507,6 @@ class _Renewer:
     def add(self, lease: Any) -> SimLane:
         self.lane.add(lease)
         return self.lane
-
-
-Client.renewer = _client_renewer  # type: ignore[attr-defined]
-
-
-def _client_runtime(self: Client) -> SimRuntime:
-    runtime = self.__dict__.get("_runtime")
-    if runtime is None:
-        runtime = self.__dict__["_runtime"] = SimRuntime(self)
-    return runtime
-
-
-Client.runtime = property(_client_runtime)  # type: ignore[attr-defined]
-Client.time = Client.wall  # type: ignore[attr-defined]  (a leasing.Clock)
 
 
 def leasing_module() -> Any:
