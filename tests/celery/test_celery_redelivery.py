@@ -56,11 +56,20 @@ def amqp_workers(cluster: Any) -> list[Any]:
     return cluster.start([("amqp-a", options, env), ("amqp-b", options, env)], broker=AMQP)
 
 
+@pytest.fixture(scope="module")
+def redis_crash_workers(cluster: Any) -> list[Any]:
+    """Two workers on the Redis broker, one process each, unacked messages restored after
+    2 s (one is killed whole by a test)."""
+    options = ["-P", "prefork", "-c", "1", "-Q", "tl_crash"]
+    env = {"TL_VISIBILITY_TIMEOUT": "2"}
+    return cluster.start([("crash-a", options, env), ("crash-b", options, env)])
+
+
 @contextmanager
-def publishing(cluster: Any, broker: str) -> Iterator[dict[str, Any]]:
+def publishing(cluster: Any, broker: str, redis_queue: str = "tl_acks") -> Iterator[dict[str, Any]]:
     """``apply_async`` options that publish to ``broker`` ("redis" or "amqp")."""
     if broker == "redis":
-        yield {"queue": "tl_acks"}
+        yield {"queue": redis_queue}
         return
     with cluster.app.connection_for_write(AMQP) as connection:
         yield {"queue": AMQP_QUEUE, "connection": connection}
@@ -89,18 +98,21 @@ def test_reject_on_worker_lost_redelivers_and_the_copy_takes_the_key(
     wait_until(lambda: holder(cluster, name) is None, 5, "the key to be free")
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
 def test_a_whole_worker_killed_mid_run_loses_neither_the_message_nor_the_key(
-    cluster: Any, amqp_workers: list[Any], key: str, intervals: Any
+    cluster: Any, request: pytest.FixtureRequest, broker: str, key: str, intervals: Any
 ) -> None:
     """RabbitMQ redelivers an unacknowledged message as soon as the dead worker's
-    connection drops, to the other worker, while the dead run's lock (ttl=3, its
-    renewals gone with it) still names the same task id."""
+    connection drops, Redis once its visibility timeout (2 s) has passed, to the other
+    worker, while the dead run's lock (ttl=3, its renewals gone with it) still names the
+    same task id."""
+    workers = request.getfixturevalue("amqp_workers" if broker == "amqp" else "redis_crash_workers")
     log, name = f"log:{key}", f"t:{key}"
-    with publishing(cluster, "amqp") as options:
+    with publishing(cluster, broker, "tl_crash") as options:
         result = cluster.tasks.crash_task.apply_async((key, log, 30), **options)
     first = started(intervals, log, 1)[0]
     wait_until(lambda: holder(cluster, name), 10, "the first delivery to hold the key")
-    victim = next(w for w in amqp_workers if _in_group(first["pid"], w.proc.pid))
+    victim = next(w for w in workers if _in_group(first["pid"], w.proc.pid))
     killed = time.monotonic()
     victim.signal(signal.SIGKILL)
     victim.proc.wait(timeout=10)
