@@ -73,6 +73,9 @@ operations = st.one_of(
         names,
         st.sampled_from(["", ":fence", ":signal", ":released", ":queue", ":grant:t1", ":wait:t1"]),
     ),
+    st.tuples(
+        st.just("scan"), st.sampled_from(["sim:{*", "sim:{a}*"]), st.sampled_from(["", "hash"])
+    ),
     st.tuples(st.just("sleep"), st.sampled_from([10, 70, 200, 450])),
 )
 
@@ -122,6 +125,8 @@ def _commands(op: tuple[Any, ...], side: Side, last: list[Any]) -> list[list[Any
         if command in ("LRANGE", "ZRANGE"):
             return [[command, key, 0, -1]]
         return [[command, key]]
+    if kind == "scan":  # as holders() sends it; one pass covers a keyspace this small
+        return [["SCAN", 0, "MATCH", op[1], "COUNT", 1000, *(["TYPE", op[2]] if op[2] else [])]]
     if kind == "fenced":
         fence = side.seen.get("a", 1) + op[1]
         return [["EVAL", FENCED_SOURCE, 1, "sim:fenced:r", str(fence), op[2], "v"]]
@@ -198,6 +203,8 @@ def _reply_same(op: tuple[Any, ...], model: Any, real: Any) -> bool:
         and len(model) == 4
     ):
         return same(model[0], real[0], ttl=True) and same(model[1:], real[1:])
+    if op[0] == "scan":
+        return str(model[0]) == str(real[0]) == "0" and sorted(model[1]) == sorted(real[1])
     if op[0] == "read" and op[1] in ("PTTL", "TTL"):
         return same(model, real, ttl=op[1] == "PTTL") or (op[1] == "TTL" and abs(model - real) <= 1)
     return same(model, real)
