@@ -22,7 +22,7 @@ import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from ..errors import InvalidArgument
 from ._redis_compat import get_connection, set_socket_timeout
@@ -46,31 +46,55 @@ def _speaks_plain_redis(host: str, port: int, timeout: float) -> bool:
     return reply.startswith((b"+", b"-"))
 
 
-class _TLSConnection(redis.connection.SSLConnection):
+class _ShortHandshake(redis.connection.Connection):
+    """The TCP half of :class:`_TLSConnection`: its socket leaves with the probe's short
+    timeout (unless a full handshake was asked for), so the TLS handshake redis-py runs
+    on it next waits no longer than that."""
+
+    _full_handshake = False
+    _tcp: socket.socket | None = None
+
+    def _connect(self) -> Any:
+        sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
+        if not self._full_handshake:
+            sock.settimeout(_probe_after(self))
+        self._tcp = sock
+        return sock
+
+
+def _probe_after(connection: Any) -> float:
+    return min(TLS_PROBE_AFTER, connection.socket_timeout or TLS_PROBE_AFTER)
+
+
+class _TLSConnection(redis.connection.SSLConnection, _ShortHandshake):
     """redis-py's TLS connection, telling a plain Redis port from a slow TLS server fast.
 
     A handshake still running after :data:`TLS_PROBE_AFTER` seconds makes a plain-text
     probe of the port: a Redis answer there fails at once as a configuration error (the
     URL says rediss:// where the server has no TLS), instead of a timeout seconds later;
     anything else (a TLS server that is just slow) is connected again with the full
-    timeouts."""
+    timeouts. The short timeout is set between the TCP connect and the handshake by
+    :class:`_ShortHandshake`, which the method order puts under ``SSLConnection``'s
+    ``super()._connect()``: no private redis-py method is called (they differ by version).
+    """
 
     def _connect(self) -> Any:
-        sock = redis.connection.Connection._connect(self)  # type: ignore[no-untyped-call]  # TCP
-        probe_after = min(TLS_PROBE_AFTER, self.socket_timeout or TLS_PROBE_AFTER)
-        sock.settimeout(probe_after)
+        self._full_handshake = False
         try:
-            tls = self._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
-        except TimeoutError:
-            sock.close()
-            if _speaks_plain_redis(self.host, self.port, probe_after):
+            tls = super()._connect()  # type: ignore[no-untyped-call]
+        except BaseException as exc:
+            if self._tcp is not None:
+                self._tcp.close()  # redis-py 5.0 leaves it open when the handshake fails
+            if not isinstance(exc, TimeoutError):
+                raise
+            if _speaks_plain_redis(self.host, self.port, _probe_after(self)):
                 raise PlainRedisOnTLSURL(
                     f"{self.host}:{self.port} answered a plain-text PING: it has no TLS"
                 ) from None
+            self._full_handshake = True
             return super()._connect()  # type: ignore[no-untyped-call]
-        except (OSError, RedisError):
-            sock.close()
-            raise
+        finally:
+            self._tcp = None
         tls.settimeout(self.socket_timeout)
         return tls
 
