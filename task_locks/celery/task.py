@@ -25,7 +25,7 @@ import logging
 import random
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
-from typing import Any, Final, NamedTuple, TypeVar, cast
+from typing import Any, Final, NamedTuple, NoReturn, TypeVar, cast
 
 from celery import Task, shared_task
 from celery.exceptions import Ignore
@@ -452,8 +452,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 raise
             except _OwnCopy as copy:  # a redelivery met its own task id: alive or dead?
                 watched = True
-                if (yield from watch(self._lock_backend(), copy.held.name, copy.held)):
-                    self._dead_holder(copy.held)
+                if not (yield from watch(self._lock_backend(), copy.held.name, copy.held)):
+                    self._refuse_copy(copy.who)  # renewed, or released: never run it again
+                self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
 
     def _on_held(
         self, name: str, timeouts: list[float | None], watch: bool, held: LockHeld, number: int
@@ -487,6 +488,19 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             self._release_failed(lease, exc, failing=failing)
         finally:
             live_leases.discard(task_id, lease)
+
+    def _refuse_copy(self, who: str) -> NoReturn:
+        """End a second delivery of a message that is still running (or just finished).
+
+        Records nothing: the id's state belongs to the run in progress.
+        """
+        log.info(
+            "task %s[%s]: already running (%s); ignoring this duplicate delivery",
+            self.name,
+            self.request.id,
+            who,
+        )
+        raise Ignore()
 
     def _dead_holder(self, holder: Holder) -> None:
         log.warning(
@@ -629,15 +643,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 attempts.insert(1, RETRY_HANDOVER_WAIT)
                 return False
             if watch and held.holder is not None and redelivered(request):
-                raise _OwnCopy(held.holder)  # is its holder alive? (task_locks.celery.redelivery)
-            # Record nothing: the id's state belongs to the run in progress.
-            log.info(
-                "task %s[%s]: already running (%s); ignoring this duplicate delivery",
-                self.name,
-                request.id,
-                who,
-            )
-            raise Ignore()
+                raise _OwnCopy(held.holder, who)  # alive? (task_locks.celery.redelivery)
+            self._refuse_copy(who)
         outcome = decide(
             self.on_conflict,
             held,
@@ -711,9 +718,10 @@ class _OwnCopy(Exception):
     """A redelivered copy met its own task id on the key (:mod:`.redelivery`): a signal
     inside the run's plan, never raised out of it."""
 
-    def __init__(self, held: Holder) -> None:
+    def __init__(self, held: Holder, who: str) -> None:
         super().__init__(held.name)
         self.held = held
+        self.who = who
 
 
 class _Late(NamedTuple):

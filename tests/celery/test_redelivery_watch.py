@@ -10,9 +10,12 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+from celery import Celery
+from celery.app.trace import build_tracer
 
 from task_locks import get_backend
 from task_locks._steps import drive
+from task_locks.celery import singleton_task
 from task_locks.celery.redelivery import watch
 from task_locks.types import Owner
 
@@ -47,3 +50,42 @@ def test_a_holder_is_dead_only_if_it_expires_unrenewed(meanwhile: str | None, de
         if timer:
             timer.join()
     assert time.monotonic() - began < TTL_MS / 1000 + 0.5  # never longer than one TTL
+
+
+@pytest.mark.parametrize(
+    ("meanwhile", "runs"),
+    [(None, True), ("renew", False), ("release", False)],
+    ids=["expires", "renewed", "released"],
+)
+def test_a_redelivered_copy_runs_only_if_its_own_ids_lock_expires_unrenewed(
+    redis_url: str, meanwhile: str | None, runs: bool
+) -> None:
+    """Celery's tracer in this process, the message marked redelivered: the same task id
+    holds the key (the original run, here a plain acquire). Released or renewed while the
+    copy watches, the copy never runs (released: the original has finished, and a copy of
+    it must not run again); expired unrenewed, it runs."""
+    app = Celery("watch", broker="memory://", backend="cache+memory://")
+    ran: list[str] = []
+
+    @singleton_task(app=app, name=f"t.{uuid.uuid4().hex}", key="w:{k}", backend=redis_url, ttl=5)
+    def task(k: str) -> None:
+        ran.append(k)
+
+    backend = get_backend(redis_url)
+    task_id, name = str(uuid.uuid4()), task.lock_name("k")
+    assert backend.acquire(name, "original", TTL_MS, Owner(task_id=task_id)).acquired
+    actions: dict[str, Callable[[], object]] = {
+        "renew": lambda: backend.renew(name, "original", TTL_MS),
+        "release": lambda: backend.release(name, "original"),
+    }
+    timer = threading.Timer(0.15, actions[meanwhile]) if meanwhile else None
+    if timer:
+        timer.start()
+    trace = build_tracer(task.name, task, app=app, hostname="copy@host", eager=False)
+    try:
+        trace(task_id, ("k",), {}, {"id": task_id, "delivery_info": {"redelivered": True}})
+    finally:
+        if timer:
+            timer.join()
+        backend.release(name, "original")
+    assert ran == (["k"] if runs else [])
