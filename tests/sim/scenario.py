@@ -6,7 +6,8 @@ a timeout, hold while writing to a fenced register, maybe ``renew(ttl=...)``, re
 message delays, and the faults (a request or reply lost, delayed, or its connection reset
 before or after the server applied it, which makes redis-py resend it; partitions; client
 pauses; clients killed; monotonic clock rates and forward jumps; wall clock jumps; the
-server's clock stepped back; a restart without persistence; operator force releases).
+server's clock stepped back; a restart without persistence; a Sentinel failover to a
+replica that lags; operator force releases).
 
 ``run(scenario)`` plays it in the simulated world (:mod:`tests.sim.world`) and checks
 after every step:
@@ -25,10 +26,12 @@ after every step:
   longer than that during its wait.
 
 Leases the server lost for documented reasons are exempt from the first two: a restart
-without persistence, and an operator's force release of that token (the fenced register
+without persistence or a failover (README: Redis breaks there), and an operator's force
+release of that token (the fenced register
 still guards those). Faults kept out of every schedule, because the README's safety
 table assumes they do not happen: a server clock stepped forward, a client monotonic
-clock running slow, and a backward server clock step together with a restart.
+clock running slow, and a backward server clock step together with a restart or a
+failover (the fence counter is lost, and the clock went back).
 
 ``shrink(scenario)`` removes faults greedily while the run still fails; ``story``
 replays a scenario with every client and server step written out with its time.
@@ -82,7 +85,7 @@ class Fault:
         who = "operator" if self.client < 0 else f"client{self.client}"
         if self.kind == "msg":
             return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
-        if self.kind in ("restart", "clock_step"):
+        if self.kind in ("restart", "failover", "clock_step"):
             return f"server {self.kind} at {self.at * 1000:.0f} ms ({self.amount:g})"
         return f"{who} {self.kind} at {self.at * 1000:.0f} ms ({self.amount:g}) {self.detail}"
 
@@ -175,7 +178,7 @@ def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = No
         for _ in range(rng.choice((1, 2, 3, 5))):
             faults.append(_fault(rng, clients, lock_names(protocol, limit), horizon))
     kinds = {f.kind for f in faults}
-    if "restart" in kinds and "clock_step" in kinds:  # see the module docstring
+    if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
     delay = rng.choice(((0.0001, 0.001), (0.0005, 0.005), (0.001, 0.05)))
     return Scenario(
@@ -199,7 +202,7 @@ def _renew_ttl(rng: random.Random, ttl: float) -> float | None:
 def _fault(rng: random.Random, clients: int, names: tuple[str, ...], horizon: float) -> Fault:
     kind = rng.choice(
         ("msg", "msg", "msg", "msg", "pause", "partition", "kill", "jump", "wall_jump",
-         "restart", "clock_step", "force", "force")
+         "restart", "failover", "clock_step", "force", "force")
     )  # fmt: skip
     client = rng.randrange(clients)
     at = rng.random() * horizon
@@ -218,6 +221,8 @@ def _fault(rng: random.Random, clients: int, names: tuple[str, ...], horizon: fl
         return Fault(kind, client, at, rng.choice((-30.0, -1.0, 1.0, 30.0)))
     if kind == "restart":
         return Fault(kind, 0, at, rng.choice((0.0, 0.1, 1.0)))
+    if kind == "failover":  # the replica's replication lag
+        return Fault(kind, 0, at, rng.choice((0.0, 0.01, 0.1, 0.5)))
     if kind == "clock_step":
         return Fault(kind, 0, at, -rng.choice((0.001, 0.5, 5.0)))
     if kind == "force":  # an operator forcing the name free, once or again and again
@@ -298,6 +303,22 @@ class Checker:
     def observe(self, conn: Any, command: tuple[Any, ...]) -> None:
         model = self.server.model
         who = "restart" if conn is None else conn.client.name
+        if command[0] == "CLOCK":
+            for name, key in self.keys.items():
+                if self.current[name] is not None:
+                    self.expiry[name] = self._expiry_sim(key)
+            return
+        if command[0] == "FAILOVER":  # the replica's holders: old grants, not new ones
+            for name, key in self.keys.items():
+                fields = model.get_value(key)
+                token = fields.get("token") if isinstance(fields, dict) else None
+                self.current[name] = token
+                self.current_fence[name] = fields.get("fence") if token is not None else None
+                self.expiry[name] = self._expiry_sim(key) if token is not None else None
+                if token is not None:  # held again (on the promoted replica)
+                    self.removed_by.pop(token, None)
+                    self.forced.discard(token)
+            return
         if str(command[0]).upper() in ("LPOP", "BLPOP") and ":grant:" in str(command[1]):
             token = str(command[1]).rsplit(":grant:", 1)[1]
             if token in self.forced:  # a grant popped after its lock was taken back
@@ -681,6 +702,10 @@ def _plan_fault(
         sim.at(fault.at, wall_jump)
     elif kind == "restart":
         sim.at(fault.at, lambda: server.restart(fault.amount))
+    elif kind == "failover":
+        replica: list[Any] = []
+        sim.at(max(0.0, fault.at - fault.amount), lambda: replica.append(server.snapshot()))
+        sim.at(fault.at, lambda: server.failover(replica[0], fault.amount))
     elif kind == "clock_step":
         sim.at(fault.at, lambda: server.step_clock(int(fault.amount * 1_000_000)))
     elif kind == "force":

@@ -38,7 +38,8 @@ def test_the_short_form_covers_every_protocol_and_fault() -> None:
     kinds = {f.kind for s in scenarios for f in s.faults}
     details = {f.detail for s in scenarios for f in s.faults if f.kind == "msg"}
     assert kinds == {
-        "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "clock_step", "force"
+        "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "failover",
+        "clock_step", "force",
     }  # fmt: skip
     assert details == {
         "drop_request", "drop_reply", "reset_before", "reset_after", "delay_request", "delay_reply"

@@ -561,8 +561,9 @@ class Server:
     def up(self) -> bool:
         return self.sim.now >= self.down_until
 
-    def restart(self, downtime: float) -> None:
-        self.sim.say(self.name, f"RESTART without persistence (down {downtime * 1000:.0f} ms)")
+    def restart(self, downtime: float, quiet: bool = False) -> None:
+        if not quiet:
+            self.sim.say(self.name, f"RESTART without persistence (down {downtime * 1000:.0f} ms)")
         self.model.restart()
         self.epoch += 1
         self.down_until = self.sim.now + downtime
@@ -573,9 +574,26 @@ class Server:
         if self.observe is not None:
             self.observe(None, ("RESTART",))
 
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """The keyspace as a replica has it (values copied, expiry times absolute)."""
+        data = {k: v if isinstance(v, str) else type(v)(v) for k, v in self.model.data.items()}
+        return data, dict(self.model.expires)
+
+    def failover(self, replica: tuple[dict[str, Any], dict[str, int]], lag: float) -> None:
+        """Sentinel promotes a replica that was ``lag`` behind: the writes of that last
+        stretch are lost, every connection is reset, the script cache is the replica's
+        (empty: scripts replicate as their effects)."""
+        self.sim.say(self.name, f"FAILOVER to a replica {lag * 1000:.0f} ms behind")
+        self.restart(0.0, quiet=True)
+        self.model.data, self.model.expires = replica
+        if self.observe is not None:
+            self.observe(None, ("FAILOVER",))
+
     def step_clock(self, delta_us: int) -> None:
         self.sim.say(self.name, f"clock steps {delta_us / 1000:+.1f} ms")
         self.clock_offset_us += delta_us
+        if self.observe is not None:  # expiry times (server clock) move in virtual time
+            self.observe(None, ("CLOCK",))
 
     def execute(self, conn: Conn, command: tuple[Any, ...]) -> Any:
         reply = self.model.execute(command)
