@@ -15,15 +15,10 @@ import threading
 from dataclasses import dataclass
 
 from .backends import get_backend
-from .backends.base import Backend
+from .backends.base import MAX_TTL, Backend
 from .errors import InvalidArgument, NotConfigured
 
 DEFAULT_TTL = 30.0
-#: The longest TTL accepted, in seconds (one year). Far below what every backend can
-#: store (Redis refuses an expiry past 2**63 ms, etcd a lease past 2**63 s...), so a TTL
-#: is refused here, before any write, never half-written by a server (a lock without
-#: expiry would be held forever).
-MAX_TTL = 31_536_000.0
 #: How to configure a backend, for the error raised when none is.
 HOW_TO_CONFIGURE = (
     "no lock backend is configured (task-locks has no default server): pass backend=URL, "
@@ -58,21 +53,6 @@ def validate_ttl(ttl: object, what: str = "ttl", *, name: str | None = None) -> 
             f"{what} must be at most {MAX_TTL:,.0f} seconds (1 year), got {ttl!r}", name=name
         )
     return float(ttl)
-
-
-def check_ttl_ms(ttl_ms: int, name: str | None = None) -> int:
-    """A backend's own guard on the TTL it is asked to write (:data:`MAX_TTL` at most).
-
-    :func:`validate_ttl` already bounds every public TTL; this refuses a direct backend
-    call with more, before anything is written.
-    """
-    if not 0 < ttl_ms <= MAX_TTL * 1000:
-        raise InvalidArgument(
-            f"lock {name!r}: ttl must be > 0 and at most {MAX_TTL:,.0f} seconds (1 year), "
-            f"got {ttl_ms} ms",
-            name=name,
-        )
-    return ttl_ms
 
 
 def configure(*, backend: str | Backend | None = None, default_ttl: float | None = None) -> None:

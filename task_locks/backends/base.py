@@ -168,6 +168,29 @@ def parse_capabilities(
     return frozenset(known)
 
 
+#: The longest TTL accepted, in seconds (one year). Far below what every backend can
+#: store (Redis refuses an expiry past 2**63 ms, etcd a lease past 2**63 s...), so a TTL
+#: is refused before any write, never half-written by a server (a lock without expiry
+#: would be held forever). Here, not in :mod:`task_locks.config`, because backends check
+#: it and modules below never import the ones above them.
+MAX_TTL = 31_536_000.0
+
+
+def check_ttl_ms(ttl_ms: int, name: str | None = None) -> int:
+    """A backend's own guard on the TTL it is asked to write (:data:`MAX_TTL` at most).
+
+    :func:`task_locks.config.validate_ttl` already bounds every public TTL; this refuses a
+    direct backend call with more, before anything is written.
+    """
+    if not 0 < ttl_ms <= MAX_TTL * 1000:
+        raise InvalidArgument(
+            f"lock {name!r}: ttl must be > 0 and at most {MAX_TTL:,.0f} seconds (1 year), "
+            f"got {ttl_ms} ms",
+            name=name,
+        )
+    return ttl_ms
+
+
 #: Longest sleep of the default :meth:`Backend.wait_any` before it looks again.
 WAIT_ANY_SLICE = 0.1
 #: Threads (per process, shared by every backend) for the asyncio adapter's blocking

@@ -12,9 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import check_ttl_ms
 from ..types import AcquireResult, Holder, Owner
-from .base import Backend, Capability, log_forced
+from .base import Backend, Capability, check_ttl_ms, log_forced
 
 log = logging.getLogger("task_locks.backends.memory")
 

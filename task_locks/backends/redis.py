@@ -55,10 +55,17 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
 
-from ..config import MAX_TTL, check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend, Capability, DeferredRelease, log_forced, unknown_options
+from .base import (
+    MAX_TTL,
+    Backend,
+    Capability,
+    DeferredRelease,
+    check_ttl_ms,
+    log_forced,
+    unknown_options,
+)
 from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import SCRIPTS, Commands, script_command

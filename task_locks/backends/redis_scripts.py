@@ -10,9 +10,9 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import MAX_TTL
+from .base import MAX_TTL
 
-# The longest TTL a script writes, in ms (config.MAX_TTL): checked before any write, so
+# The longest TTL a script writes, in ms (base.MAX_TTL): checked before any write, so
 # that no failure of PEXPIRE can leave a lock (or a fence counter) without expiry.
 MAX_TTL_MS = int(MAX_TTL * 1000)
 

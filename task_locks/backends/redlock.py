@@ -89,11 +89,10 @@ from urllib.parse import quote, urlsplit
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..config import check_ttl_ms
 from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from ._redis_compat import aget_connection, get_connection
-from .base import Backend, Capability
+from .base import Backend, Capability, check_ttl_ms
 from .redis import RedisBackend
 from .redis_scripts import SCRIPTS, Commands, script_command
 

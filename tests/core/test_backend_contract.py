@@ -19,8 +19,7 @@ import redis
 from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, InvalidArgument, Lock, get_backend
-from task_locks.backends.base import Backend
-from task_locks.config import MAX_TTL
+from task_locks.backends.base import MAX_TTL, Backend
 from task_locks.semaphore import Semaphore
 from task_locks.types import Owner
 

@@ -1,5 +1,6 @@
-"""The package's modules import each other in layers (issue 17): no cycle, and the core
-does not pull in Django or Celery.
+"""The package's modules import each other in layers: no cycle, no arrow running back up
+(the backends never import the modules built on them), and the core does not pull in
+Django or Celery.
 
 A cycle makes the import order matter (a module sees a half-initialised partner) and
 hides which module owns a name; a function-level import that closes a cycle is still
@@ -21,6 +22,10 @@ ROOT_NAME = "task_locks"
 FRAMEWORKS = ("celery", "django")
 #: Where importing a framework is allowed (module name prefixes).
 INTEGRATIONS = ("task_locks.celery",)
+#: The backends' layer, and the leaf modules below it: all a backend may import from the
+#: package. Locks, config, the CLI and Celery are built on backends, never the reverse.
+BACKENDS = "task_locks.backends"
+BELOW_BACKENDS = frozenset({"task_locks._django_app", "task_locks.errors", "task_locks.types"})
 
 
 def module_name(path: Path) -> str:
@@ -147,6 +152,22 @@ def test_no_import_cycle_among_task_locks_modules() -> None:
 def test_find_cycle_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_arrow_runs_back_up_from_the_backends() -> None:
+    edges, _ = graph()
+    upward = {
+        name: sorted(
+            target
+            for target in targets
+            if not target.startswith(BACKENDS) and target not in BELOW_BACKENDS
+        )
+        for name, targets in edges.items()
+        if name.startswith(BACKENDS)
+    }
+    assert {name: targets for name, targets in upward.items() if targets} == {}
+    below = {name: sorted(edges[name]) for name in BELOW_BACKENDS if edges[name]}
+    assert below == {}, "the leaf modules import nothing of the package"
 
 
 def test_core_never_imports_celery_or_django() -> None:
