@@ -125,9 +125,9 @@ class Scenario:
 
 #: Issue 23 item 1 (open while this was written): ``renew(ttl=LONGER)`` raced by a renewal
 #: of the old TTL already in flight leaves the local deadline past the server's expiry
-#: (seeds 209 and 1033 show it). Schedules call ``renew(ttl=...)`` only with this set,
+#: (``generate(376, renew_ttl=True)`` shows it). Schedules call ``renew(ttl=...)`` only with this set,
 #: until the lease's fix lands: ``make sim`` and the pytest short form leave it out,
-#: ``test_simulation.py`` keeps the finding as an expected failure.
+#: ``test_simulation.py`` keeps its shrunk findings as expected failures.
 RENEW_WITH_TTL = False
 
 
