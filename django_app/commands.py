@@ -60,7 +60,7 @@ from task_locks import (
     owner_context,
 )
 from task_locks.config import validate_ttl
-from task_locks.ops import (
+from task_locks.verbs import (
     EX_CONFIG,
     EX_LEASE_LOST,
     EX_TEMPFAIL,

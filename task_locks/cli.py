@@ -11,7 +11,7 @@ The backend is ``--url``, else ``TASK_LOCKS_URL``; its ``prefix`` option is the
 namespace (a Django app with ``django_app`` uses the same variable, and refuses to lock in
 another namespace while it is set). ``--help``, ``list`` and ``show`` name the backend and
 namespace they use. For ``django://ALIAS`` also set ``DJANGO_SETTINGS_MODULE``. The verbs
-are the same code as ``manage.py locks`` (:mod:`task_locks.ops`); without Django no audit
+are the same code as ``manage.py locks`` (:mod:`task_locks.verbs`); without Django no audit
 rows are written.
 """
 
@@ -27,14 +27,8 @@ from .backends import get_backend
 from .backends.base import redact_url
 from .config import default_ttl
 from .errors import InvalidArgument, LockError
-from .ops import (
-    EX_USAGE,
-    accept_options_after_verb,
-    add_verbs,
-    describe_backend,
-    parse_args,
-    run_verb,
-)
+from .listing import describe_backend
+from .verbs import EX_USAGE, accept_options_after_verb, add_verbs, parse_args, run_verb
 
 #: At most this long (seconds), an exiting CLI lets a renewal call in flight end.
 EXIT_QUIET = 2.0

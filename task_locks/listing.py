@@ -1,7 +1,7 @@
 """What the lock service holds, as operators read it: grouped, described, rendered.
 
 The one listing behind every front end: ``task-locks list``/``show`` and ``manage.py
-locks`` (:mod:`task_locks.ops`, the verbs) print it, the Django admin's Lock holders page
+locks`` (:mod:`task_locks.verbs`) print it, the Django admin's Lock holders page
 shows it. It is kept apart from the verbs so a page that only reads holders does not
 import the CLI's parser, signals and subprocess handling.
 

@@ -154,7 +154,7 @@ def test_troubleshooting_has_an_entry_per_error_exit_status_and_check() -> None:
 
     import task_locks
     from django_app import checks
-    from task_locks import ops
+    from task_locks import verbs
     from task_locks.celery import DuplicateTask
 
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
@@ -166,7 +166,7 @@ def test_troubleshooting_has_an_entry_per_error_exit_status_and_check() -> None:
         and issubclass(value, task_locks.LockError)
     ] + [DuplicateTask.__name__, "RenewalUndecided"]
     missing = [e for e in errors if f"`{e}`" not in text]
-    statuses = {str(getattr(ops, n)) for n in dir(ops) if n.startswith("EX_")}
+    statuses = {str(getattr(verbs, n)) for n in dir(verbs) if n.startswith("EX_")}
     missing += [f"exit {s}" for s in sorted(statuses) if f"\n### {s}\n" not in f"\n{text}"]
     ids = set(re.findall(r"task_locks\.[EW]\d{3}", checks.__doc__ or ""))
     missing += [i for i in sorted(ids) if f"`{i}`" not in headings]

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 from event_fixtures import Value
 
-from task_locks import events, get_backend, ops
+from task_locks import events, get_backend, verbs
 from task_locks.celery import singleton_task
 from task_locks.events import LockEvent
 from task_locks.listing import group_holders
@@ -47,7 +47,7 @@ def test_a_runs_guard_is_not_the_users_lock(
         during["raw"] = backend.holders()
         during["listing"] = group_holders(during["raw"])
         out = StringIO()
-        ops.cmd_list(backend, "", True, out)
+        verbs.cmd_list(backend, "", True, out)
         during["json"] = json.loads(out.getvalue())
 
     rebuild_index.apply()

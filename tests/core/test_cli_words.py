@@ -14,7 +14,7 @@ import pytest
 
 from task_locks import Lock, get_backend
 from task_locks.cli import main
-from task_locks.ops import EX_CONFIG, EX_LEASE_LOST, EX_NOT_HELD, EX_USAGE
+from task_locks.verbs import EX_CONFIG, EX_LEASE_LOST, EX_NOT_HELD, EX_USAGE
 
 
 def test_a_typo_in_a_redis_url_option_is_named_with_the_option_it_meant(

@@ -16,8 +16,8 @@ from task_locks import (
     LockHeld,
     get_backend,
 )
-from task_locks.ops import _positive_seconds, conflict_message
 from task_locks.types import Holder, Owner
+from task_locks.verbs import conflict_message, positive_seconds
 
 
 def test_a_holder_without_a_job_reads_as_a_process() -> None:
@@ -33,7 +33,7 @@ def test_ttl_minus_one_is_refused_as_not_positive() -> None:
 
     for text in ("-1", "0"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"> 0") as caught:
-            _positive_seconds(text)
+            positive_seconds(text)
         assert ">= 0" not in str(caught.value)
 
 

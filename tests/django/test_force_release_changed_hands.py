@@ -36,8 +36,8 @@ from django_app.models import LockEvent
 from task_locks import Lock, NotOwned, get_backend
 from task_locks.events import LockEvent as StreamEvent
 from task_locks.lock import Lease
-from task_locks.ops import EX_CHANGED_HANDS, EX_OK, cmd_release
 from task_locks.owner import owner_context
+from task_locks.verbs import EX_CHANGED_HANDS, EX_OK, cmd_release
 
 NAME = "nightly-report"
 FORCE = "/admin/task_locks/lockholder/force-release/"

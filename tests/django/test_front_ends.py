@@ -15,7 +15,7 @@ from servers import free_port, wait_until
 
 from django_app import conf
 from task_locks import InvalidArgument, Lock, get_backend
-from task_locks.ops import EX_CONFIG, EX_LEASE_LOST, EX_TEMPFAIL, EX_UNAVAILABLE
+from task_locks.verbs import EX_CONFIG, EX_LEASE_LOST, EX_TEMPFAIL, EX_UNAVAILABLE
 
 
 @pytest.mark.parametrize(
@@ -90,9 +90,9 @@ def test_misconfigured_names_the_setting(settings: object) -> None:
 def test_the_readme_has_every_exit_status_in_one_table() -> None:
     import re
 
-    from task_locks import ops
+    from task_locks import verbs
 
     readme = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     documented = dict(re.findall(r"^\| (\d+) \| `(EX_[A-Z_]+)` \|", readme, re.MULTILINE))
-    constants = {str(getattr(ops, n)): n for n in dir(ops) if n.startswith("EX_")}
+    constants = {str(getattr(verbs, n)): n for n in dir(verbs) if n.startswith("EX_")}
     assert documented == constants

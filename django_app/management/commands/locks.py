@@ -11,7 +11,7 @@
 The backend is ``TASK_LOCKS["BACKEND"]`` (default: ``$TASK_LOCKS_URL`` when set, the URL
 the ``task-locks`` CLI uses; a setting that would lock in another namespace than that
 variable is refused: :mod:`django_app.conf`). ``--help``, ``list`` and ``show`` name the
-backend and namespace. Exit statuses: see :mod:`task_locks.ops` (3 when ``release``
+backend and namespace. Exit statuses: see :mod:`task_locks.verbs` (3 when ``release``
 found the lock in other hands than it showed: nothing released).
 """
 
@@ -25,7 +25,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from task_locks import events, ops
+from task_locks import events, verbs
+from task_locks.listing import describe_backend
 
 from ... import audit, conf
 
@@ -42,8 +43,8 @@ class Command(BaseCommand):
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
-        verbs = ops.add_verbs(parser, where=ops.describe_backend(conf.backend()))
-        prune = verbs.add_parser("prune", help="delete lock events older than the retention")
+        subparsers = verbs.add_verbs(parser, where=describe_backend(conf.backend()))
+        prune = subparsers.add_parser("prune", help="delete lock events older than the retention")
         prune.add_argument(
             "--days",
             type=float,
@@ -51,7 +52,7 @@ class Command(BaseCommand):
             help="keep this many days (default: TASK_LOCKS['EVENT_RETENTION_DAYS'])",
         )
         # Django's own options (--settings, --verbosity...) were added before this.
-        ops.accept_options_after_verb(parser, verbs)
+        verbs.accept_options_after_verb(parser, subparsers)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -59,7 +60,7 @@ class Command(BaseCommand):
 
         def parse_args(args: Any = None, namespace: Any = None) -> Any:
             # Everything after ``--`` is ``run``'s program, as for ``task-locks``.
-            return ops.parse_args(parser, args or [], namespace, parse=parse)
+            return verbs.parse_args(parser, args or [], namespace, parse=parse)
 
         parser.parse_args = parse_args  # type: ignore[assignment,method-assign]
         return parser
@@ -70,7 +71,7 @@ class Command(BaseCommand):
             self._prune(options.get("days"))
             return
         try:
-            status = ops.run_verb(
+            status = verbs.run_verb(
                 options,
                 conf.backend(),
                 out=self.stdout,

@@ -12,8 +12,8 @@ election and each permit is still one lock: ``release election:<name> --force`` 
 term, ``release semaphore:<name>#<i> --force`` frees one permit. ``--json`` prints one
 array: a plain lock or an election is one object (its ``name`` is the lock's name), a
 semaphore is one object with its permits in ``holders`` (each a lock object with its
-``slot``). The listing's names are re-exported here for callers that imported them from
-this module before it was split.
+``slot``). The listing itself is :mod:`task_locks.listing`'s; how ``run``
+watches its program is :mod:`task_locks.supervise`'s.
 
 Exit statuses follow ``sysexits.h``: 75 (``EX_TEMPFAIL``) when the lock is held by
 someone else, 69 (``EX_UNAVAILABLE``) when the backend cannot be reached, 78
@@ -33,43 +33,30 @@ import copy
 import json
 import math
 import shlex
-import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from types import FrameType
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TextIO
 
 from . import events
 from .backends.base import Backend, reported_by_caller
-from .errors import BackendMisconfigured, BackendUnavailable, LockError, LockHeld, LockLost
+from .errors import BackendMisconfigured, BackendUnavailable, LockError, LockHeld
 from .listing import (
-    Listing,
-    backend_namespace,
     changed_hands_message,
     describe_backend,
     describe_holder,
     describe_role,
-    election_to_dict,
     format_duration,
-    format_time,
     group_holders,
     holder_to_dict,
     listing_to_json,
-    lock_role,
     lock_to_dict,
-    permit_to_dict,
-    render_elections,
     render_listing,
-    render_semaphores,
-    render_table,
-    semaphore_to_dict,
-    slot_index,
 )
 from .lock import Lease, Lock, validate_name
 from .owner import owner_context
+from .supervise import EX_LEASE_LOST, Interrupted, exit_status, forwarding, release, watch
 from .types import Holder
 
 EX_OK: Final = 0
@@ -81,19 +68,6 @@ EX_UNAVAILABLE: Final = 69
 EX_TEMPFAIL: Final = 75
 #: The backend answered but disagrees with its URL (password, TLS, not Redis): fix the URL.
 EX_CONFIG: Final = 78
-#: ``run`` stopped its program because the lease was lost (its work may overlap another
-#: holder's): not 75, which means "held elsewhere, nothing ran". Past ``sysexits.h``'s
-#: range, below the shell's 126/127 and the 128 + N of a signal.
-EX_LEASE_LOST: Final = 79
-#: Signals ``run`` forwards to its program.
-FORWARDED_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-#: How long ``run`` lets its program stop after the lock was lost before killing it
-#: (never past the lease's local deadline).
-LOST_GRACE: Final = 10.0
-#: ``run`` sends SIGTERM this long (at most; a quarter of the TTL for short TTLs) before
-#: the lease's local deadline when no renewal has extended it, and SIGKILL at the deadline.
-STOP_MARGIN: Final = 1.0
-
 
 class Audit(Protocol):
     """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows):
@@ -155,8 +129,6 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text!r}")
     return value
 
-
-_seconds, _positive_seconds = seconds, positive_seconds  # (their names before)
 
 
 def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:
@@ -401,37 +373,6 @@ def _not_released(backend: Backend, seen: Holder, err: TextIO, audit: Audit, by:
     return EX_CHANGED_HANDS
 
 
-class _Interrupted(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def _forwarding(child: list[subprocess.Popen[bytes]]) -> Iterator[None]:
-    """Forward signals to the program once it runs; before that, stop waiting."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if child and child[0].poll() is None:
-            child[0].send_signal(signum)
-        elif not child:
-            raise _Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def cmd_run(
     backend: Backend,
     name: str,
@@ -445,11 +386,11 @@ def cmd_run(
     """Hold ``name`` while ``argv`` runs; return its status (75 if the lock is held).
 
     The program never outlives the lease: when renewals stop getting through (the
-    backend stalls, the link is cut), ``run`` sends it SIGTERM :data:`STOP_MARGIN`
+    backend stalls, the link is cut), ``run`` sends it SIGTERM :data:`~task_locks.supervise.STOP_MARGIN`
     seconds (a quarter of the TTL if shorter) before the lease's local deadline and
     SIGKILL at the deadline, so it has stopped before the server can let anyone else take
     the lock. A lease found lost outright (its token gone) is handled the same way, with
-    SIGKILL at the deadline or after :data:`LOST_GRACE`, whichever is sooner. Each step is
+    SIGKILL at the deadline or after :data:`~task_locks.supervise.LOST_GRACE`, whichever is sooner. Each step is
     said on stderr, and ``run`` then exits 79 (``EX_LEASE_LOST``) whatever the program's
     own status: its work may be incomplete (75 means only "held elsewhere").
     """
@@ -469,7 +410,7 @@ def cmd_run(
     lease: Lease | None = None
     stopped = False
     try:
-        with _forwarding(child):
+        with forwarding(child):
             try:
                 # The lock reports acquired/conflict/released/lost to the event stream.
                 with (
@@ -486,102 +427,26 @@ def cmd_run(
             except OSError as exc:
                 err.write(f"run: cannot start {argv[0]!r}: {exc}\n")
                 return 127
-            status = _supervise(child[0], lease, lost, err)
+            status = watch(child[0], lease, lost, err)
             if status is None:
                 # It ended by itself; a lease found lost now (at the release, or by a
                 # renewal as it ended) was lost while it ran: its work may overlap.
                 stopped = True
-                kept = _release(lease, err, audit)
-                return _status(child[0].returncode) if kept else EX_LEASE_LOST
+                kept = release(lease, err)
+                return exit_status(child[0].returncode) if kept else EX_LEASE_LOST
             stopped = True
             if not lease.lost.is_set():  # stopped before its deadline: not yet reported
                 # One `lost` event, as any lease's (no later one): renewals were not
                 # getting through, and the program was stopped before the deadline.
                 lease._mark_lost(events.LostReason.UNREACHABLE, status)
             return EX_LEASE_LOST
-    except _Interrupted as stop:
+    except Interrupted as stop:
         return 128 + stop.signum
     finally:
         # A program stopped for an expiring lease: the backend is not answering renewals,
         # and the lock ends by its TTL (a release would only wait for a timeout).
         if lease is not None and not stopped:
-            _release(lease, err, audit)
-
-
-def _stop_margin(lease: Lease) -> float:
-    return min(STOP_MARGIN, lease.ttl / 4)
-
-
-def _supervise(
-    proc: subprocess.Popen[bytes],
-    lease: Lease,
-    lost: threading.Event,
-    err: TextIO,
-) -> str | None:
-    """Wait for ``proc``; ``None`` if it ended on its own, else why ``run`` stopped it."""
-    margin = _stop_margin(lease)
-    while True:
-        left = lease.remaining
-        try:
-            proc.wait(timeout=min(0.05, max(0.001, left - margin)))
-            return None
-        except subprocess.TimeoutExpired:
-            pass
-        left = lease.remaining
-        if lost.is_set() or lease.lost.is_set() or left <= margin:
-            return _stop(proc, lease, left, err)
-
-
-def _stop(proc: subprocess.Popen[bytes], lease: Lease, left: float, err: TextIO) -> str:
-    """SIGTERM now, SIGKILL at the lease's local deadline (or after LOST_GRACE)."""
-    if lease.lost.is_set():
-        why = f"lost lock {lease.name!r} ({lease.lost_reason})"
-        left = min(left, LOST_GRACE)
-    else:
-        why = (
-            f"lost lock {lease.name!r}: not renewed, it expires in {left:.2f}s "
-            f"(fence {lease.fence})"
-        )
-    err.write(
-        f"task-locks: {why}; stopping {_program(proc)}: SIGTERM now, SIGKILL in {left:.2f}s "
-        f"at the lease's deadline; exit status {EX_LEASE_LOST}\n"
-    )
-    err.flush()
-    proc.terminate()
-    try:
-        proc.wait(timeout=max(0.0, left))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        err.write(f"task-locks: {_program(proc)} did not stop by the deadline: sent SIGKILL\n")
-    else:
-        err.write(f"task-locks: {_program(proc)} stopped (status {proc.returncode})\n")
-    return why
-
-
-def _program(proc: subprocess.Popen[bytes]) -> str:
-    """The program as the operator typed it (a shell line, not a Python list)."""
-    args = proc.args
-    return shlex.join(map(str, args)) if isinstance(args, list | tuple) else repr(args)
-
-
-def _release(lease: Lease, err: TextIO, audit: Audit) -> bool:
-    """Release ``lease``; ``False`` (said on stderr) when it turned out lost before."""
-    if lease.lost.is_set():
-        err.write(
-            f"task-locks: lost lock {lease.name!r} while the program ran "
-            f"({lease.lost_reason}); exit status {EX_LEASE_LOST}\n"
-        )
-        return False
-    try:
-        lease.release()
-    except LockLost as exc:
-        err.write(f"task-locks: {exc}; exit status {EX_LEASE_LOST}\n")
-        return False
-    except BackendUnavailable as exc:
-        # Not known lost: the program ran under a lease that was still ours.
-        err.write(f"task-locks: could not release {lease.name!r} (it expires by its TTL): {exc}\n")
-    return True
+            release(lease, err)
 
 
 def run_verb(
@@ -648,41 +513,20 @@ __all__ = [
     "EX_UNAVAILABLE",
     "EX_USAGE",
     "Audit",
-    "Listing",
     "accept_options_after_verb",
     "add_verbs",
     "ask",
-    "backend_namespace",
-    "changed_hands_message",
     "cmd_list",
     "cmd_release",
     "cmd_run",
     "cmd_show",
     "conflict_holder",
     "conflict_message",
-    "describe_backend",
-    "describe_holder",
-    "describe_role",
-    "election_to_dict",
     "emit_audit",
-    "format_duration",
-    "format_time",
-    "group_holders",
-    "holder_to_dict",
-    "listing_to_json",
-    "lock_role",
-    "lock_to_dict",
     "no_audit",
     "parse_args",
-    "permit_to_dict",
     "positive_seconds",
-    "render_elections",
-    "render_listing",
-    "render_semaphores",
-    "render_table",
     "run_verb",
     "seconds",
-    "semaphore_to_dict",
-    "slot_index",
     "stdin_is_a_terminal",
 ]
