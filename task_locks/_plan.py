@@ -1,13 +1,14 @@
-"""The acquire engine: the ops a plan yields, and the two drivers that answer them.
+"""The acquire engine: the ops a plan yields, and the two functions that answer them
+against a backend.
 
 Internal interface (not part of the public API), shared by :mod:`task_locks.lock`,
 :mod:`task_locks.semaphore` and :mod:`task_locks.election`. An acquire loop is written
 once, as a generator (a *plan*) that yields the I/O it needs as one of the frozen op
-dataclasses below and receives the answer. :func:`drive` answers with a backend's
-blocking calls, :func:`adrive` with its asyncio ones, so sync and async share every
+dataclasses below and receives the answer. :func:`run_against` answers with a
+backend's blocking calls, :func:`arun_against` with its asyncio ones, so sync and async share every
 decision and differ only in how they talk to the server.
 
-The ops are a closed union (:data:`Op`): both drivers ``match`` on it, mypy checks that
+The ops are a closed union (:data:`Op`): both ``match`` on it, mypy checks that
 every kind is handled, and an object that is not an op raises :class:`TypeError` instead
 of being taken for some other kind. An op that fails is thrown into the plan at its
 ``yield``: a plan that does not catch it fails with it, one that does can clean up (the
@@ -205,7 +206,7 @@ def _unknown(op: Never) -> NoReturn:
     raise TypeError(f"a plan yielded {op!r}, which is not an op of task_locks._plan")
 
 
-def drive(plan: Plan[T], backend: Backend) -> T:
+def run_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns.
 
     A failed op, an interrupt included, is thrown into the plan, which may clean up."""
@@ -232,7 +233,7 @@ def _answer(op: Op, backend: Backend) -> Any:
             _unknown(op)
 
 
-async def adrive(plan: Plan[T], backend: Backend) -> T:
+async def arun_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
     return await arun(plan, functools.partial(_aanswer, backend=backend))  # type: ignore[no-any-return]
 

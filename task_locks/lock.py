@@ -2,8 +2,8 @@
 
 The acquire loop (token, deadline, waiting for the holder) is written once, as a plan
 (:mod:`task_locks._plan`, the internal engine) that yields the I/O it needs (``Acquire``,
-``Release``, ``Wait``) and receives the answers; ``_plan.drive`` runs it against a
-backend's sync methods and ``_plan.adrive`` against its async ones, so sync and async
+``Release``, ``Wait``) and receives the answers; ``_plan.run_against`` runs it
+against a backend's sync methods and ``_plan.arun_against`` against its async ones, so sync and async
 share every decision and differ only in how they talk to the server. The semaphore's
 loop (:mod:`task_locks.semaphore`) is driven by the same two functions.
 
@@ -41,13 +41,13 @@ from ._plan import (
     Release,
     Unset,
     Wait,
-    adrive,
-    drive,
+    arun_against,
     entry_ms,
     handoff_slice,
     pause,
     report_acquired,
     report_conflict,
+    run_against,
 )
 from .backends.base import Backend, parse_capabilities
 from .config import default_ttl, resolve_backend, validate_ttl
@@ -972,7 +972,7 @@ class Lock(LockBase):
         holder = weakref.ref(thread)
         mine = self._held_here(backend, holder, f"thread ({thread.name})")
         try:
-            granted = drive(self._plan(backend, self._timeout(timeout), mine), backend)
+            granted = run_against(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
             events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise
@@ -1016,7 +1016,7 @@ class AsyncLock(LockBase):
         name = task.get_name() if task is not None else "?"
         mine = self._held_here(backend, holder, f"task ({name})")
         try:
-            granted = await adrive(self._plan(backend, self._timeout(timeout), mine), backend)
+            granted = await arun_against(self._plan(backend, self._timeout(timeout), mine), backend)
         except BackendUnavailable as exc:
             events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise

@@ -36,11 +36,11 @@ from ._plan import (
     Plan,
     Unset,
     WaitAny,
-    adrive,
-    drive,
+    arun_against,
     pause,
     report_acquired,
     report_conflict,
+    run_against,
 )
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld
@@ -232,7 +232,7 @@ class Semaphore(_SemaphoreBase):
     def acquire(self, timeout: float | Unset | None = UNSET) -> Permit:
         """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
-        granted = drive(self._permit_plan(backend, self._timeout(timeout)), backend)
+        granted = run_against(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(Permit, backend, *granted)
 
     def try_acquire(self) -> Permit | None:
@@ -268,7 +268,7 @@ class AsyncSemaphore(_SemaphoreBase):
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncPermit:
         """Take a permit, waiting up to ``timeout`` s; raise :class:`LockHeld` if none frees."""
         backend = self.backend
-        granted = await adrive(self._permit_plan(backend, self._timeout(timeout)), backend)
+        granted = await arun_against(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(AsyncPermit, backend, *granted)
 
     async def try_acquire(self) -> AsyncPermit | None:

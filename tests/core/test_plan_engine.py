@@ -1,4 +1,4 @@
-"""The typed acquire engine (``task_locks._plan``): a closed set of ops, two drivers that agree."""
+"""The typed acquire engine (``task_locks._plan``): a closed set of ops, answered alike by run_against and arun_against."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ from task_locks._plan import (
     Release,
     Wait,
     WaitAny,
-    adrive,
-    drive,
+    arun_against,
     pause,
+    run_against,
 )
 from task_locks.backends.base import Backend
 from task_locks.owner import current_owner
 
 
 async def arun(plan: Plan[Any], backend: Backend) -> Any:
-    """``adrive`` on a fresh loop, closing the backend's async connections before it ends."""
+    """``arun_against`` on a fresh loop, closing the backend's async connections before it ends."""
     try:
-        return await adrive(plan, backend)
+        return await arun_against(plan, backend)
     finally:
         await backend.aclose()
 
@@ -39,13 +39,13 @@ def stray_plan() -> Plan[str]:
     return "unreachable"
 
 
-def test_drive_refuses_an_unknown_op(redis_url: str) -> None:
+def test_run_against_refuses_an_unknown_op(redis_url: str) -> None:
     backend = get_backend(redis_url)
     with pytest.raises(TypeError, match="not an op"):
-        drive(stray_plan(), backend)
+        run_against(stray_plan(), backend)
 
 
-def test_adrive_refuses_an_unknown_op(redis_url: str) -> None:
+def test_arun_against_refuses_an_unknown_op(redis_url: str) -> None:
     backend = get_backend(redis_url)
     with pytest.raises(TypeError, match="not an op"):
         asyncio.run(arun(stray_plan(), backend))
@@ -71,9 +71,9 @@ def every_op(prefix: str) -> Plan[list[Any]]:
     return seen
 
 
-def test_drive_and_adrive_answer_the_same_plan_alike(redis_url: str) -> None:
+def test_run_against_and_arun_against_answer_the_same_plan_alike(redis_url: str) -> None:
     backend = get_backend(redis_url)
-    sync = drive(every_op("sync"), backend)
+    sync = run_against(every_op("sync"), backend)
     asynchronous = asyncio.run(arun(every_op("async"), backend))
     assert sync == asynchronous
     assert sync == [
@@ -107,5 +107,5 @@ def test_a_failed_op_is_thrown_into_the_plan() -> None:
             return f"caught, then released={released}"
         return "not thrown"
 
-    assert drive(plan(), backend) == "caught, then released=False"
+    assert run_against(plan(), backend) == "caught, then released=False"
     assert asyncio.run(arun(plan(), backend)) == "caught, then released=False"
