@@ -5,7 +5,9 @@ brings one bug back (its header says which). For each, a copy of ``task_locks`` 
 patched in a temporary directory that comes first on ``PYTHONPATH``, and the simulator
 runs seeds until one fails (the default budget, ``--seeds``). A mutant that survives the
 budget is a hole in the simulator: it is reported, and the exit status is 1. So is a
-patch that no longer applies (the production code moved on: refresh the patch).
+patch that no longer applies (the production code moved on: ``refresh.py``). A seed that
+also fails without the mutant (a finding of its own) does not count as a kill: the
+search goes on after it.
 
     python -m tests.sim.mutate [--seeds 3000] [NAME ...]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,19 +48,36 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
         if applied.returncode != 0:
             return "DOES NOT APPLY", applied.stdout + applied.stderr
         env = dict(os.environ, PYTHONPATH=tmp)
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.sim.run", "--first", "--seeds", str(seeds)],
-            cwd=tmp,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        output = done.stdout + done.stderr
-        if done.returncode == 1 and "VIOLATION" in output:
-            return "killed", output
-        if done.returncode == 0:
-            return "SURVIVED", output
-        return "ERROR", output
+        start = 0
+        while True:
+            done = subprocess.run(
+                [sys.executable, "-m", "tests.sim.run", "--first", "--start", str(start),
+                 "--seeds", str(seeds - start)],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+            )  # fmt: skip
+            output = done.stdout + done.stderr
+            if done.returncode == 0:
+                return "SURVIVED", output
+            found = re.search(r"^sim: seed (\d+) fails", output, re.MULTILINE)
+            if done.returncode != 1 or found is None:
+                return "ERROR", output
+            seed = int(found.group(1))
+            if _passes_unmutated(seed):
+                return "killed", output
+            start = seed + 1  # that seed fails without the mutant too: not this bug
+
+
+def _passes_unmutated(seed: int) -> bool:
+    """Whether ``seed`` holds every invariant on the real code (so a mutant that fails
+    there is what failed it)."""
+    check = (
+        "import sys; from tests.sim import scenario as s; "
+        f"sys.exit(1 if s.run(s.generate({seed})).violation else 0)"
+    )
+    return subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,8 @@ class Fault:
 
     def describe(self) -> str:
         who = "operator" if self.client < 0 else f"client{self.client}"
+        if self.kind == "lose_renew":
+            return f"{who}'s renew() call: {self.detail}"
         if self.kind == "msg":
             return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
         if self.kind in ("restart", "failover", "clock_step"):
@@ -177,6 +179,11 @@ def generate(seed: int, protocol: str | None = None, renew_ttl: bool | None = No
     if rng.random() < 0.8:
         for _ in range(rng.choice((1, 2, 3, 5))):
             faults.append(_fault(rng, clients, lock_names(protocol, limit), horizon))
+    for who, program in enumerate(programs):  # a renew() whose request is lost
+        if any(step.renew_at is not None for step in program) and rng.random() < 0.3:
+            faults.append(
+                Fault("lose_renew", who, 0.0, 0.0, rng.choice(("drop_request", "drop_reply")))
+            )
     kinds = {f.kind for f in faults}
     if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -282,6 +289,9 @@ class Checker:
         self.expiry: dict[str, float | None] = {}  # the holder's server expiry (sim time)
         self.finished: Callable[[Client], None] = lambda client: None
         self.renewed_at: dict[int, float] = {}
+        #: client index -> how its next explicit renew() is lost (fault "lose_renew")
+        self.lose_renew: dict[int, str] = {}
+        self.net: Net | None = None
         self.granted_at: dict[int, float] = {}
         #: Clients paused, killed or whose clock jumped: their renewals may lapse.
         self.unsteady = {f.client for f in scenario.faults if f.kind in ("pause", "kill", "jump")}
@@ -606,6 +616,7 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
     probe = _backend(url, operator, server, net, 5.0)
     checker = Checker(sim, server, probe, scenario)
     server.observe = checker.observe
+    checker.net = net
     sim.on_renew, sim.on_deadline = checker.renew_sent, checker.deadline
     violation: list[str] = []
 
@@ -700,6 +711,8 @@ def _plan_fault(
             target.wall_offset += fault.amount
 
         sim.at(fault.at, wall_jump)
+    elif kind == "lose_renew" and target is not None:
+        checker.lose_renew[target.index] = fault.detail
     elif kind == "restart":
         sim.at(fault.at, lambda: server.restart(fault.amount))
     elif kind == "failover":
@@ -813,6 +826,9 @@ def _hold(client: Client, lease: Any, step: Iteration, checker: Checker) -> None
         if renew_piece == piece:
             sim.say(client.name, f"renew(ttl={step.renew_ttl})")
             checker.renew_sent([lease])
+            lose = checker.lose_renew.pop(client.index, None)
+            if lose is not None:  # this call's first request (by number) is lost
+                checker.net.faults[(client.index, client.requests + 1)] = (lose, 0.0)
             try:
                 lease.renew(ttl=step.renew_ttl)
             except LockError as exc:

@@ -15,6 +15,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 OUT = pathlib.Path(__file__).resolve().parent
 
 
+#: Mutants whose code moved on (reported at the end; the others are still written).
+STALE: list[str] = []
+
+
+class Pending(Exception):
+    """The code a mutant reverts is not on this branch yet."""
+
+
 def _find(hint: str, old: str, texts: dict[str, tuple[str, str]]) -> str:
     modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "task_locks").rglob("*.py"))
     candidates = [hint, *modules]
@@ -24,13 +32,24 @@ def _find(hint: str, old: str, texts: dict[str, tuple[str, str]]) -> str:
         current = texts[path][1] if path in texts else (ROOT / path).read_text()
         if old in current:
             return path
-    raise SystemExit(f"no module holds {old[:60]!r}: update this mutant")
+    raise Pending(f"no module holds {old[:60]!r}")
 
 
-def mutant(name: str, why: str, edits: list[tuple[str, str, str]]) -> None:
+def mutant(name: str, why: str, edits: list[tuple[str, str, str]], pending: bool = False) -> None:
+    """Write ``NAME.diff``. ``pending``: the fix it reverts may not have landed yet (then
+    no diff is written); otherwise a snippet not found means the mutant needs updating."""
     texts: dict[str, tuple[str, str]] = {}
     for hint, old, new in edits:
-        path = _find(hint, old, texts)
+        try:
+            path = _find(hint, old, texts)
+        except Pending as exc:
+            if not pending:
+                STALE.append(f"{name}: {exc}: update this mutant")
+                print(STALE[-1])
+                return
+            print(f"{name}: not written, its fix is not here yet ({exc})")
+            (OUT / f"{name}.diff").unlink(missing_ok=True)
+            return
         original, current = texts.get(path, ((ROOT / path).read_text(),) * 2)
         texts[path] = (original, current.replace(old, new, 1))
     chunks = [
@@ -280,3 +299,45 @@ return 1""",
         )
     ],
 )
+
+
+mutant(
+    "renew_longer_ttl_overtaken_by_a_renewal_in_flight",
+    """
+Issue 23 item 1: renew(ttl=LONGER) raced by a watchdog renewal of the old TTL already in
+flight: a granted call drops every other open call, so the deadline follows the reply
+processed last, not the call the server saw last.
+""",
+    [
+        (
+            "task_locks/leasing.py",
+            """            self._open = [
+                c
+                for c in self._open
+                if c is call or c.resolved_seq is None or c.resolved_seq > call.sent_seq
+            ]""",
+            """            self._open = [call]""",
+        )
+    ],
+    pending=True,
+)
+
+mutant(
+    "failed_shorter_renew_keeps_the_old_schedule",
+    """
+Issue 23 item 2: a failed renew(ttl=SHORTER) moves the deadline earlier but the next
+renewal stays where the old TTL put it (the schedule follows granted calls only): the
+lease is declared lost with no renewal tried.
+""",
+    [
+        (
+            "task_locks/leasing.py",
+            """            due = min(c.sent_at + c.ttl / 3 for c in self._open)""",
+            """            due = min(c.sent_at + c.ttl / 3 for c in self._open if c.granted)""",
+        )
+    ],
+    pending=True,
+)
+
+if STALE:
+    raise SystemExit(1)
