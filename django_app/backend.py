@@ -27,9 +27,10 @@ How it stays correct:
   longer than the holder's remaining TTL.
 - **Every call has a deadline** (``?timeout=``, default :data:`DEFAULT_TIMEOUT` s). A
   network that stops answering makes the call raise ``BackendUnavailable`` in about that
-  long, never hang: PostgreSQL connections are cut by a watchdog (psycopg has no read
-  timeout), MySQL's driver has its own read/write timeouts. An acquire whose outcome is
-  unknown (its COMMIT's reply was lost, the connection reset) is retried once, at once,
+  long, never hang: PostgreSQL connections are cut at the deadline by a thread of
+  their own (psycopg has no read timeout), MySQL's driver has its own read/write
+  timeouts. An acquire whose outcome is unknown (its COMMIT's reply was lost, the
+  connection reset) is retried once, at once,
   on a fresh connection with the *same token*: the same-token acquire is idempotent
   (same fence, fresh TTL), so a lock committed whose reply was lost is returned to its
   caller instead of staying held by nobody's lease until its TTL. Renew, release and
@@ -247,7 +248,7 @@ class _Deadline:
         self.done = self.fired = False
 
 
-class _Watchdog:
+class _ConnectionCutter:
     """Cuts the socket of a database call that outlives its deadline.
 
     Why: psycopg has no read timeout, so a request or reply lost on the network would
@@ -266,7 +267,7 @@ class _Watchdog:
         self._wake_at = math.inf
 
     def after_fork(self) -> None:
-        """A forked child has no watchdog thread, and the lock may have been held by it."""
+        """A forked child has no cutter thread, and the lock may have been held by it."""
         self._cond = threading.Condition()
         self._heap = []
         self._pid = -1
@@ -278,7 +279,7 @@ class _Watchdog:
             if self._pid != os.getpid():  # first use, or a forked child: no thread yet
                 self._pid, self._heap = os.getpid(), []
                 threading.Thread(
-                    target=self._run, name="task-locks-db-watchdog", daemon=True
+                    target=self._run, name="task-locks-db-cutter", daemon=True
                 ).start()
             heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
             if deadline.at < self._wake_at:  # else the thread wakes in time anyway
@@ -320,8 +321,8 @@ class _Watchdog:
                         cut.close()
 
 
-_watchdog = _Watchdog()
-os.register_at_fork(after_in_child=_watchdog.after_fork)
+_cutter = _ConnectionCutter()
+os.register_at_fork(after_in_child=_cutter.after_fork)
 
 
 class _Pool:
@@ -532,14 +533,14 @@ class DjangoBackend(Backend):
         wrapper.task_locks_prepared = True
 
     def _arm(self, wrapper: Any, seconds: float) -> _Deadline | None:
-        """Connect, then arm the watchdog on the connection's socket (PostgreSQL only:
+        """Connect, then arm the cutter on the connection's socket (PostgreSQL only:
         MySQL's driver has its own timeouts, SQLite no network)."""
         if self.dialect.vendor == "mysql":
             self._prepare_mysql(wrapper)
         if self.dialect.vendor != "postgresql":
             return None
         wrapper.ensure_connection()  # bounded by connect_timeout
-        return _watchdog.arm(wrapper.connection.fileno(), seconds)
+        return _cutter.arm(wrapper.connection.fileno(), seconds)
 
     def _ping(self, wrapper: Any) -> bool:
         """``is_usable()`` within the deadline: a blackholed idle connection fails it."""
@@ -552,8 +553,8 @@ class DjangoBackend(Backend):
         try:
             usable = bool(wrapper.is_usable())
         finally:
-            cut = armed is not None and _watchdog.disarm(armed)
-        return usable and not cut  # a connection the watchdog cut is gone
+            cut = armed is not None and _cutter.disarm(armed)
+        return usable and not cut  # a connection the cutter cut is gone
 
     @contextmanager
     def _cursor(
@@ -583,7 +584,7 @@ class DjangoBackend(Backend):
                 else:
                     yield cursor
         except DatabaseError as exc:
-            cut = armed is not None and _watchdog.disarm(armed)
+            cut = armed is not None and _cutter.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
@@ -598,14 +599,14 @@ class DjangoBackend(Backend):
             ) from exc
         except BaseException:
             if armed is not None:
-                _watchdog.disarm(armed)
+                _cutter.disarm(armed)
             if wrapper is not None:
                 self._pool.discard(wrapper)
             wrapper = None
             raise
         finally:
             if wrapper is not None:
-                if armed is not None and _watchdog.disarm(armed):
+                if armed is not None and _cutter.disarm(armed):
                     self._pool.discard(wrapper)  # done, but cut at the last moment
                 else:
                     self._pool.checkin(wrapper)

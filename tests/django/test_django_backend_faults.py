@@ -322,7 +322,7 @@ def test_a_renewal_is_bounded_by_the_validity_left(
 ) -> None:
     """``renew_many(items, timeout)``: the caller's lease is valid ``timeout`` more
     seconds; an answer later than that is useless, so the call gives up by then
-    (PostgreSQL: the watchdog's deadline; MySQL's driver timeouts are per connection)."""
+    (PostgreSQL: the connection cutter's deadline; MySQL's driver timeouts are per connection)."""
     if connections[alias].vendor != "postgresql":
         pytest.skip("not applicable: MySQL's read timeout is fixed when the connection opens")
     backend, injector = faulty
