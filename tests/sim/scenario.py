@@ -303,8 +303,8 @@ class Checker:
         self.held_since: dict[str, float | None] = dict.fromkeys(names)
         self.free_since: dict[str, float] = dict.fromkeys(names, 0.0)
         self.free_windows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-        self.waiting: dict[str, set[Client]] = {n: set() for n in names}
-        self.free_waiters: dict[str, set[Client]] = {n: set() for n in names}
+        #: name -> the clients inside an acquire of it, and since when
+        self.waiting: dict[str, dict[Client, float]] = {n: {} for n in names}
 
     def fail(self, text: str) -> None:
         raise Violation(f"at {self.sim.now * 1000:.3f} ms: {text}")
@@ -374,29 +374,32 @@ class Checker:
     def _free(self, name: str, since: float | None = None) -> None:
         self.held_since[name] = None
         self.free_since[name] = self.sim.now if since is None else since
-        self.free_waiters[name] = set(self.waiting[name])
 
     def _taken(self, name: str) -> None:
         start = self.free_since[name]
         self.free_windows[name].append((start, self.sim.now))
         self.held_since[name] = self.sim.now
         self._starved(name)
-        self.free_waiters[name] = set()
 
     def _starved(self, name: str) -> None:
         """Fair schedules: a lock that became free while clients waited for it is taken
         within :data:`LIVENESS_SLACK` (by one of them, or anyone)."""
         if not self.fair:
             return
-        waited = self.free_waiters[name] & self.waiting[name]
-        free = self.sim.now - self.free_since[name]
+        since = self.free_since[name]
+        # the clients that have been waiting since before it became free, still waiting
+        waited = [c for c, began in self.waiting[name].items() if began <= since]
+        free = self.sim.now - since
         if waited and free > LIVENESS_SLACK:
             who = ", ".join(sorted(c.name for c in waited))
             self.fail(f"{name!r} was free for {free * 1000:.0f} ms while {who} waited for it")
 
     def waits(self, client: Client, names: tuple[str, ...], waiting: bool) -> None:
         for name in names:
-            (self.waiting[name].add if waiting else self.waiting[name].discard)(client)
+            if waiting:
+                self.waiting[name][client] = self.sim.now
+            else:
+                self.waiting[name].pop(client, None)
 
     def _expiry_sim(self, key: str) -> float | None:
         when = self.server.model.expires.get(key)
@@ -409,7 +412,7 @@ class Checker:
     def step(self) -> None:
         if self.fair:
             for name, since in self.held_since.items():
-                if since is None and self.free_waiters[name]:
+                if since is None and self.waiting[name]:
                     self._starved(name)
         if not self.leases:
             return
