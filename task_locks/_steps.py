@@ -58,8 +58,10 @@ def run(plan: Generator[Any, Any, Any], answer: Callable[[Any], Any]) -> Any:
     """Step ``plan`` to its end, each request answered by ``answer`` (blocking); a request
     that fails, an interrupt included, is thrown into the plan. Its result.
 
-    The one stepping loop of the package: front-end plans (steps, below) and the lock's
-    own acquire plans (:mod:`task_locks._plan`, ops answered by a backend) both use it."""
+    The one stepping loop of the package: front-end plans (steps, below), the lock's own
+    acquire plans (:mod:`task_locks._plan`, ops answered by a backend) and Redlock's
+    fan-out plans (:mod:`task_locks.backends.redlock`) all use it. It imports nothing of
+    the package, so the backends may import it."""
     request = _advance(plan, None, None)
     while not isinstance(request, _Finished):
         try:

@@ -89,6 +89,7 @@ from urllib.parse import quote, urlsplit
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._steps import arun, run
 from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from ._redis_compat import aget_connection, get_connection
@@ -692,13 +693,10 @@ class RedlockBackend(Backend):
         return self._note_failures(snapshot, timed_out=not decided.is_set())
 
     def _drive(self, plan: _Plan[T]) -> T:
-        answers: Any = None
-        while True:
-            try:
-                call = plan.send(answers)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            answers = self._fan_out(call)
+        """Step a fan-out plan with blocking I/O: :func:`task_locks._steps.run`, the
+        package's one stepping loop (a fan-out records each master's error as an answer:
+        nothing is thrown into the plan but an interrupt)."""
+        return run(plan, self._fan_out)  # type: ignore[no-any-return]
 
     def _note_failures(self, answers: list[Any], timed_out: bool) -> list[Any]:
         """Mark the silent as timed out; waiters avoid failing masters for a while."""
@@ -742,11 +740,12 @@ class RedlockBackend(Backend):
 
     def _signal_waits(
         self, name: str, timeout: float
-    ) -> Generator[tuple[_Master, float], LockError | None, None]:
+    ) -> Generator[tuple[_Master, float], None, None]:
         """Which master to block on, and for how long, until one wait works.
 
-        Written once for :meth:`wait` and :meth:`await_release`, which send back each
-        wait's error (``None``: it worked).
+        Written once for :meth:`wait` and :meth:`await_release`, which step it with
+        :func:`task_locks._steps.run` / ``arun``: a wait's error is thrown in at its
+        ``yield`` (a wait that returns ends the plan).
         """
         deadline = time.monotonic() + timeout
         errors: list[str] = []
@@ -754,11 +753,13 @@ class RedlockBackend(Backend):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            error = yield master, remaining
-            if error is None:
-                return
-            master.down_until = time.monotonic() + _DOWN_FOR
-            errors.append(f"{master.address}: {error.__cause__ or error}")
+            try:
+                yield master, remaining
+            except LockError as error:
+                master.down_until = time.monotonic() + _DOWN_FOR
+                errors.append(f"{master.address}: {error.__cause__ or error}")
+                continue
+            return
         raise BackendUnavailable(
             f"lock {name!r}: cannot wait for its release, no Redis master answered: "
             + "; ".join(errors),
@@ -770,18 +771,10 @@ class RedlockBackend(Backend):
         if timeout <= self.retry_delay:
             time.sleep(max(0.0, timeout))  # a (random) back-off, not a wait for a holder
             return
-        waits = self._signal_waits(name, timeout)
-        error: LockError | None = None
-        while True:
-            try:
-                master, remaining = waits.send(error)
-            except StopIteration:
-                return
-            try:
-                master.backend.block_on_signal(name, remaining)
-                error = None
-            except LockError as exc:
-                error = exc
+        run(
+            self._signal_waits(name, timeout),
+            lambda wait: wait[0].backend.block_on_signal(name, wait[1]),
+        )
 
     def close(self) -> None:
         if self._pool is not None and self._pool_pid == os.getpid():
@@ -846,13 +839,8 @@ class RedlockBackend(Backend):
         return self._note_failures(answers, timed_out=time.monotonic() >= deadline)
 
     async def _adrive(self, plan: _Plan[T]) -> T:
-        answers: Any = None
-        while True:
-            try:
-                call = plan.send(answers)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            answers = await self._afan_out(call)
+        """:meth:`_drive` with awaited I/O (:func:`task_locks._steps.arun`)."""
+        return await arun(plan, self._afan_out)  # type: ignore[no-any-return]
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         return await self._adrive(self._acquire_plan(name, token, ttl_ms, owner))
@@ -881,18 +869,10 @@ class RedlockBackend(Backend):
         if timeout <= self.retry_delay:
             await asyncio.sleep(max(0.0, timeout))
             return
-        waits = self._signal_waits(name, timeout)
-        error: LockError | None = None
-        while True:
-            try:
-                master, remaining = waits.send(error)
-            except StopIteration:
-                return
-            try:
-                await master.backend.ablock_on_signal(name, remaining)
-                error = None
-            except LockError as exc:
-                error = exc
+        await arun(
+            self._signal_waits(name, timeout),
+            lambda wait: wait[0].backend.ablock_on_signal(name, wait[1]),
+        )
 
 
 __all__ = ["BUMP_FENCE", "RedlockBackend"]

@@ -25,7 +25,9 @@ INTEGRATIONS = ("task_locks.celery",)
 #: The backends' layer, and the leaf modules below it: all a backend may import from the
 #: package. Locks, config, the CLI and Celery are built on backends, never the reverse.
 BACKENDS = "task_locks.backends"
-BELOW_BACKENDS = frozenset({"task_locks._django_app", "task_locks.errors", "task_locks.types"})
+BELOW_BACKENDS = frozenset(
+    {"task_locks._django_app", "task_locks._steps", "task_locks.errors", "task_locks.types"}
+)
 
 
 def module_name(path: Path) -> str:
