@@ -54,6 +54,8 @@ class ServerProcess:
         self.log = self.dir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
+        #: Added to the server's environment (an LD_PRELOAD clock shim, say).
+        self.env: dict[str, str] = {}
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -69,6 +71,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 cwd=self.dir,
                 start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
         try:
             wait_until(

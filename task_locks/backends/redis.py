@@ -1,16 +1,10 @@
 """Redis: ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``, ``redis+cluster://``.
 
-One lock is four keys sharing a cluster hash slot (the name is the hash tag):
-
-- ``<prefix>{name}``        hash: token, fence, owner JSON, acquired (server ms), renewals, ttl
-- ``<prefix>{name}:fence``  the last fence handed out for this name
-- ``<prefix>{name}:signal`` a list a release pushes to; waiters BLPOP it
-- ``<prefix>{name}:released`` the last release's id, fence and token (a tombstone that
-  lives max(60 s, 4 x socket_timeout)): a release that redis-py resends after its
-  first reply was lost finds its own id there and reports the release it made
-
-With ``handoff=server`` (below) a lock also has a wait queue, and each waiter an entry
-and a grant list: ``:queue``, ``:wait:<token>``, ``:grant:<token>`` (see ``ENQUEUE``).
+A lock is one key, ``<prefix>{name}`` (the name is the cluster hash tag): a string with
+its holder's token, fence, owner and renewals, or for a short while after a release the
+release's tombstone; beside it one fence counter for the whole database (per hash slot on
+a cluster), and a signal list only while someone waits. The layout, and every script, is
+in :mod:`.redis_scripts`.
 
 Acquire, renew and release are one script call (one round trip) each; the watchdog's
 batches renew hundreds of leases per script call, all calls in one pipeline. Waiters
@@ -22,15 +16,17 @@ go to redis-py; one it does not know is refused when the backend is made.
 URL options (query string, removed before the URL reaches redis-py): ``prefix``
 (default ``task_locks:``), ``socket_timeout`` (seconds, default 5), ``connect_timeout``
 (default 2), ``wait_replicas`` and ``wait_timeout`` (ms) to demand that a replica has the
-lock before an acquire counts, ``fence_ttl`` (seconds a fence counter outlives its last
-use, default 7 days), ``handoff`` (``client``, the default, or ``server``).
+lock before an acquire counts, ``fence_ttl`` (seconds the database's fence counter
+outlives the last acquire in it, default 7 days), ``handoff`` (``client``, the default,
+or ``server``).
 
 ``handoff=server`` (opt-in): a waiter that finds the lock held queues itself in the same
 script (FIFO), and a release hands the lock to the first live waiter in the same script
 (new fence, the waiter's TTL and owner), pushing the fence to that waiter's own list,
 where its short BLPOP picks it up: no second acquire round trip, and strict FIFO. Every
 client of a lock name should use the same mode (mixing is safe, only slower: a waiter
-is not woken by a release of the other mode until its next try). See ``ENQUEUE`` below.
+is not woken by a release of the other mode until its next try). See ``ENQUEUE`` in
+:mod:`.redis_scripts`.
 
 Sentinel: ``redis+sentinel://[:password@]host:port[,host:port]/service[/db]``.
 Cluster: ``redis+cluster://host:port[,host:port]``.
@@ -68,7 +64,15 @@ from .base import (
 )
 from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
 from .redis_errors import CLIENT_ERRORS, translate
-from .redis_scripts import SCRIPTS, Commands, script_command
+from .redis_scripts import (
+    SCRIPTS,
+    Commands,
+    counter_key,
+    hash_tag,
+    record_fields,
+    script_command,
+    untag,
+)
 
 T = TypeVar("T")
 #: Replies that mean "ask another node": a bounded renewal sent straight to one primary
@@ -92,23 +96,6 @@ _OUR_OPTIONS = {
     "handoff",
 }
 _GLOB = re.compile(r"([*?\[\]\\])")
-
-
-def _tag(name: str) -> str:
-    """``name`` as a Redis Cluster hash tag: the tag ends at the first ``}``, so a ``}``
-    in a name (or an empty tag) would scatter one lock's keys over several slots.
-
-    ``%`` and ``}`` are percent-encoded; names without them keep their plain keys.
-    """
-    if "%" not in name and "}" not in name:
-        return name
-    return name.replace("%", "%25").replace("}", "%7D")
-
-
-def _untag(tag: str) -> str:
-    if "%" not in tag:
-        return tag
-    return tag.replace("%7D", "}").replace("%25", "%")
 
 
 def _text(value: Any) -> str:
@@ -144,6 +131,9 @@ class RedisBackend(Backend):
         self.fence_ttl_ms = max(1, int(fence_ttl * 1000))
         # How long a release is remembered: longer than redis-py's resend of it can take.
         self.tombstone_ms = int(min(max(60.0, 4 * self.socket_timeout), MAX_TTL) * 1000)
+        # A waiter's BLPOP never blocks longer than the socket timeout (_block_for): a
+        # signal nobody popped by then has no one left to wake.
+        self.signal_ms = max(1, int(min(self.socket_timeout, MAX_TTL) * 1000))
         handoff = options.get("handoff", "client")
         if handoff not in ("client", "server"):
             raise InvalidArgument(
@@ -212,10 +202,13 @@ class RedisBackend(Backend):
     # -- keys ---------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}{{{_tag(name)}}}"
+        return f"{self.prefix}{{{hash_tag(name)}}}"
+
+    def _counter(self, name: str) -> str:
+        return counter_key(self.prefix, name)
 
     def _name(self, key: Any) -> str:
-        return _untag(_text(key)[len(self.prefix) + 1 : -1])
+        return untag(_text(key)[len(self.prefix) + 1 : -1])
 
     def _signals(self, names: Sequence[str]) -> list[str]:
         """The lists a release pushes to, one per name: waiters BLPOP them."""
@@ -232,7 +225,7 @@ class RedisBackend(Backend):
     def _acquire_args(self, name: str, token: str, ttl_ms: int, owner: Owner) -> list[Any]:
         check_ttl_ms(ttl_ms, name)
         key = self._key(name)
-        return [2, key, key + ":fence", token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
+        return [2, key, self._counter(name), token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
 
     def _acquire_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
         """The acquire script and, with ``wait_replicas``, WAIT right after it.
@@ -269,23 +262,16 @@ class RedisBackend(Backend):
 
     def _release_args(self, name: str, token: str, fence: int | None = None) -> list[Any]:
         """A new release id per call: redis-py's resend of this call repeats it, so the
-        resend finds the tombstone the first attempt left and reports that release."""
+        resend finds the id the first attempt left and reports that release."""
         key = self._key(name)
         fence_arg = "" if fence is None else str(int(fence))
+        release_id = secrets.token_hex(8)
         if self.server_handoff:  # the release_handoff script
-            keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
-            release_id = secrets.token_hex(8)
-            return [5, *keys, token, fence_arg, release_id, self.tombstone_ms, self.fence_ttl_ms]
-        return [
-            3,
-            key,
-            key + ":signal",
-            key + ":released",
-            token,
-            "" if fence is None else str(int(fence)),
-            secrets.token_hex(8),
-            self.tombstone_ms,
-        ]
+            keys = [key, self._counter(name), key + ":queue", key + ":signal"]
+            return [4, *keys, token, fence_arg, release_id, self.tombstone_ms,
+                    self.fence_ttl_ms, self.signal_ms]  # fmt: skip
+        return [2, key, key + ":signal", token, fence_arg, release_id, self.tombstone_ms,
+                self.signal_ms]  # fmt: skip
 
     @property
     def _release_script(self) -> str:
@@ -296,13 +282,14 @@ class RedisBackend(Backend):
     ) -> list[Any]:
         check_ttl_ms(ttl_ms, name)
         key = self._key(name)
-        keys = [key, key + ":fence", key + ":queue"]
+        keys = [key, self._counter(name), key + ":queue"]
         return [3, *keys, token, ttl_ms, owner.to_json(), self.fence_ttl_ms, max(0, wait_ms)]
 
     def _dequeue_args(self, name: str, token: str) -> list[Any]:
         key = self._key(name)
-        keys = [key, key + ":fence", key + ":queue", key + ":signal", key + ":released"]
-        return [5, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms]
+        keys = [key, self._counter(name), key + ":queue", key + ":signal"]
+        return [4, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms,
+                self.signal_ms]  # fmt: skip
 
     def _grant_key(self, name: str, token: str) -> str:
         return f"{self._key(name)}:grant:{token}"
@@ -386,35 +373,53 @@ class RedisBackend(Backend):
     def _nap(timeout: float) -> float:
         return max(0.0, min(timeout, BLOCK_TICK))
 
-    def _holder(self, key: Any, fields: dict[Any, Any], pttl: int, sent: float) -> Holder | None:
-        """The holder from its hash and PTTL; ``sent``: when the request left (epoch s).
+    def _holder(self, key: Any, record: Any, pttl: Any, sent: float) -> Holder | None:
+        """The holder from its record and PTTL; ``sent``: when the request left (epoch s).
 
         The expiry counts from the send, not from the reply's arrival: a reply that was
         delayed must not show a lock as living longer than it does. A lock whose expiry
         has passed by the time the reply arrived is no holder.
         """
-        if not fields or pttl == -2 or (pttl >= 0 and sent + pttl / 1000 <= time.time()):
+        data = record_fields(record)
+        if isinstance(pttl, Exception):
             return None
-        data = {_text(k): _text(v) for k, v in fields.items()}
+        if not data or pttl == -2 or (pttl >= 0 and sent + pttl / 1000 <= time.time()):
+            return None
         acquired = data.get("acquired")
         return Holder(
             name=self._name(key),
-            fence=int(data.get("fence", 0)),
+            fence=int(data.get("fence") or 0),
             owner=Owner.from_json(data.get("owner")),
             acquired_at=int(acquired) / 1000 if acquired else None,
             expires_at=sent + pttl / 1000 if pttl >= 0 else None,
-            renewals=int(data.get("renewals", 0)),
+            renewals=int(data.get("renewals") or 0),
             token=data.get("token", ""),
         )
 
-    def _holders(self, keys: list[Any], replies: list[Any], sent: float) -> list[Holder]:
+    def _lock_keys(self, keys: Any) -> list[Any]:
+        """The lock records among scanned keys (not a lock's signal, queue or waiters)."""
+        return [key for key in keys if _text(key).endswith("}")]
+
+    @staticmethod
+    def _read_commands(keys: Sequence[Any]) -> list[tuple[Any, ...]]:
+        return [command for key in keys for command in (("GET", key), ("PTTL", key))]
+
+    @staticmethod
+    def _legacy(keys: Sequence[Any], replies: list[Any]) -> list[Any]:
+        """The keys whose GET was refused: hashes an earlier version wrote."""
+        return [key for i, key in enumerate(keys) if isinstance(replies[2 * i], ResponseError)]
+
+    def _holders(
+        self, keys: list[Any], replies: list[Any], legacy: dict[Any, Any], sent: float
+    ) -> list[Holder]:
         found = (
-            self._holder(k, replies[2 * i], replies[2 * i + 1], sent) for i, k in enumerate(keys)
+            self._holder(k, legacy.get(k, replies[2 * i]), replies[2 * i + 1], sent)
+            for i, k in enumerate(keys)
         )
         return sorted((h for h in found if h is not None), key=lambda h: h.name)
 
     def _match(self, prefix: str) -> str:
-        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{_tag(prefix)}") + "*"
+        return _GLOB.sub(r"\\\1", f"{self.prefix}{{{hash_tag(prefix)}") + "*"
 
     def _forced(self, name: str, released: bool) -> bool:
         if released:
@@ -718,28 +723,29 @@ class RedisBackend(Backend):
         """Live locks by SCAN (never KEYS); in a cluster, SCAN visits every primary."""
         try:
             client = self.client
-            keys = list(client.scan_iter(match=self._match(prefix), count=1000, _type="HASH"))
+            keys = self._lock_keys(client.scan_iter(match=self._match(prefix), count=1000))
             sent = time.time()
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(key)
-                pipe.pttl(key)
-            replies = pipe.execute() if keys else []
+            replies = self._pipeline(client, self._read_commands(keys)) if keys else []
+            old = self._legacy(keys, replies)
+            legacy = (
+                dict(zip(old, self._pipeline(client, [("HGETALL", k) for k in old]), strict=True))
+                if old
+                else {}
+            )
         except CLIENT_ERRORS as exc:
             self._fail(prefix or None, exc)
-        return self._holders(keys, replies, sent)
+        return self._holders(keys, replies, legacy, sent)
 
     def holder(self, name: str) -> Holder | None:
         key = self._key(name)
         sent = time.time()
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            fields, pttl = pipe.execute()
+            record, pttl = self._pipeline(self.client, self._read_commands([key]))
+            if isinstance(record, ResponseError):
+                record = self.client.hgetall(key)
         except CLIENT_ERRORS as exc:
             self._fail(name, exc)
-        return self._holder(key, fields, pttl, sent)
+        return self._holder(key, record, pttl, sent)
 
     def close(self) -> None:
         """Close the sync client; a later call reconnects. Async clients: :meth:`aclose`."""
@@ -923,20 +929,19 @@ class RedisBackend(Backend):
     async def aholders(self, prefix: str = "") -> list[Holder]:
         client = self._async_client()
 
-        async def run() -> tuple[list[Any], list[Any], float]:
+        async def run() -> tuple[list[Any], list[Any], dict[Any, Any], float]:
             match = self._match(prefix)
-            keys = [k async for k in client.scan_iter(match=match, count=1000, _type="HASH")]
+            keys = self._lock_keys([k async for k in client.scan_iter(match=match, count=1000)])
             sent = time.time()
             if not keys:
-                return keys, [], sent
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(key)
-                pipe.pttl(key)
-            return keys, list(await pipe.execute()), sent
+                return keys, [], {}, sent
+            replies = await self._apipeline(client, self._read_commands(keys))
+            old = self._legacy(keys, replies)
+            hashes = await self._apipeline(client, [("HGETALL", k) for k in old]) if old else []
+            return keys, replies, dict(zip(old, hashes, strict=True)), sent
 
-        keys, replies, sent = await self._acall(prefix or None, run)
-        return self._holders(keys, replies, sent)
+        keys, replies, legacy, sent = await self._acall(prefix or None, run)
+        return self._holders(keys, replies, legacy, sent)
 
     async def aholder(self, name: str) -> Holder | None:
         client = self._async_client()
@@ -944,13 +949,13 @@ class RedisBackend(Backend):
         sent = time.time()
 
         async def run() -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            return list(await pipe.execute())
+            replies = await self._apipeline(client, self._read_commands([key]))
+            if isinstance(replies[0], ResponseError):
+                replies[0] = await client.hgetall(key)
+            return replies
 
-        fields, pttl = await self._acall(name, run)
-        return self._holder(key, fields, pttl, sent)
+        record, pttl = await self._acall(name, run)
+        return self._holder(key, record, pttl, sent)
 
     async def aclose(self) -> None:
         """Close this event loop's client (call it before the loop ends)."""

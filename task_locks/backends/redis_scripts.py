@@ -1,302 +1,481 @@
 """The Redis backend's Lua scripts, by name (:data:`SCRIPTS`), and how a call is shaped.
 
 The text of every script lives here and nowhere else: :mod:`.redis` and :mod:`.redlock`
-send them, and a model of Redis can import and run exactly these.
+send them, and a model of Redis can import and run exactly these. Each script is its
+body with the shared functions it needs prepended (:func:`_lua`), so a rule such as the
+fence's is written once; ``$``-placeholders (:class:`string.Template`) are filled in.
+
+Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash tag):
+
+- ``<prefix>{name}`` the lock's **record**, one string. Held:
+  ``h<token>|<fence>|<renewals>|<acquired ms>|<waiters>|<release id>|<owner JSON>``;
+  released: ``r<waiters>|<release id>``, a tombstone that lives ``tombstone_ms``
+  (60 s by default), so that a release redis-py resends after losing the first reply
+  finds its own id and answers "released". ``<waiters>`` counts the tries refused since
+  the last wake-up: a release wakes one waiter while it is above 0 (and counts it down),
+  and never writes a signal when nobody waits. The release id of a held record is that
+  of the release that freed the lock for this holder (its tombstone's) or handed it on
+  (server hand-off), so a resend arriving after the next acquire still finds it.
+- ``<prefix>fence:{<tag>}`` the **fence counter** of the lock's hash slot, shared by
+  every lock of that slot (:func:`counter_key`: the tag is one of that slot,
+  :func:`slot_tag`), so a script's keys share a slot on a cluster, and on a cluster
+  node reached by a plain ``redis://`` URL too. At most 16,384 per database, whatever
+  the number of names or runs; each expires ``fence_ttl`` after the last acquire in its
+  slot.
+- ``<prefix>{name}:signal`` a list a release pushes to when someone waits; waiters
+  BLPOP it. It lives ``signal_ms`` (the socket timeout: no BLPOP blocks longer).
+- ``handoff=server`` waiters: ``<prefix>{name}:queue`` (zset of tokens by arrival),
+  ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
+  ``:grant:<token>`` (the list its grant is pushed to). They exist while someone waits.
+
+A lock record an earlier version wrote (a hash, during a rolling upgrade) is read by
+every script and never written, except by an operator's force release, which deletes it.
 """
 
 from __future__ import annotations
 
+import binascii
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
+from string import Template
 from typing import Any
 
 from .base import MAX_TTL
 
-# The longest TTL a script writes, in ms (base.MAX_TTL): checked before any write, so
-# that no failure of PEXPIRE can leave a lock (or a fence counter) without expiry.
+#: The longest TTL a script writes, in ms (base.MAX_TTL): checked before any write.
 MAX_TTL_MS = int(MAX_TTL * 1000)
+#: Redis Cluster's hash slots.
+SLOTS = 16384
 
-# KEYS[1] lock hash, KEYS[2] fence counter
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms
-# Returns the fence (integer) when the lock is now ours: taken now, or already held by
-# this token (a retried acquire), whose TTL then restarts at ARGV[2] and owner becomes
-# ARGV[3], keeping its fence: the caller counts its lease from this request's send time.
-# Else {holder pttl ms, owner JSON, fence, acquired ms}.
-# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
-# fence = max(last fence + 1, server time in microseconds): increasing even when the
-# counter was lost in a restart without persistence.
-# Every write carries its expiry: SET ... PX for the counter (one command), and HSET then
-# PEXPIRE with the TTL checked first; should PEXPIRE still fail, the hash is deleted.
-ACQUIRE = """
-local ttl, counter_ttl = tonumber(ARGV[2]), tonumber(ARGV[4])
-if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
-  or counter_ttl > MAX_TTL_MS then
-  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
-end
-local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-if held[1] and held[1] ~= ARGV[1] then
-  return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
-end
-local fence = held[2]
-if held[1] then
-  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
-else
-  local now = redis.call('time')
-  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('get', KEYS[2]) or '0')
-  if last >= next_fence then next_fence = last + 1 end
-  fence = string.format('%.0f', next_fence)
-  redis.call('set', KEYS[2], fence, 'px', ARGV[4])
-  redis.call('hset', KEYS[1], 'token', ARGV[1], 'fence', fence, 'owner', ARGV[3],
-    'ttl', ARGV[2], 'renewals', 0,
-    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
-end
-local expired = redis.pcall('pexpire', KEYS[1], ARGV[2])
-if type(expired) == 'table' and expired.err then
-  redis.call('del', KEYS[1])
-  return expired
-end
-return tonumber(fence)
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
+# -- shared functions, prepended to the scripts that use them ---------------------------
 
-# KEYS[i] lock hashes; ARGV[2i-1] the token and ARGV[2i] the ttl ms for KEYS[i]
-# Returns a list with, for each key, 1 if its TTL was extended, 0 if the token is not ours
-# (that lease is lost). Raises (having written nothing) when a ttl is not in
-# 1..MAX_TTL_MS. The watchdog's batches: one command for many leases is far cheaper than
-# one each; a single renew is a batch of one.
-RENEW_MANY = """
-for i = 1, #KEYS do
-  local ttl = tonumber(ARGV[2 * i])
-  if not ttl or ttl < 1 or ttl > MAX_TTL_MS then
-    return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
+_CHECKS = """
+local function ttls_ok(...)
+  for i = 1, select('#', ...) do
+    local ttl = select(i, ...)
+    if not ttl or ttl < 1 or ttl > $max_ttl_ms then return false end
   end
+  return true
 end
-local renewed = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('hget', key, 'token') == ARGV[2 * i - 1] then
-    redis.call('pexpire', key, ARGV[2 * i])
-    redis.call('hincrby', key, 'renewals', 1)
-    renewed[i] = 1
-  else
-    renewed[i] = 0
-  end
-end
-return renewed
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
-
-# KEYS[1] lock hash, KEYS[2] signal list, KEYS[3] release tombstone
-# ARGV[1] token, or '' to release whoever holds it (operator override)
-# ARGV[2] fence, or '': then the lock is deleted only if its holder has this fence, so an
-#   operator's force release cannot free a holder that came after the one they saw
-# ARGV[3] this call's release id (random, one per call: a resend repeats it)
-# ARGV[4] tombstone ttl ms
-# Returns 1 if the lock was deleted (and one waiter signalled); 2 if this very call
-# already deleted it: redis-py resent it after the first attempt's reply was lost, and
-# the tombstone names its release id; 0 if not held / not ours / held under another
-# fence (a new call, even for the same token or fence, never matches a tombstone).
-# The delete writes the tombstone 'id:fence:token' (SET ... PX: never without expiry).
-RELEASE = """
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[3])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('del', KEYS[1])
-redis.call('set', KEYS[3], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then
-  -- An operator's release: the holder may be a hand-off waiter that has not popped its
-  -- grant yet (see RELEASE_HANDOFF), whatever mode the operator's URL names.
-  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
-end
-if redis.call('exists', KEYS[2]) == 0 then
-  redis.call('rpush', KEYS[2], '1')
-  redis.call('pexpire', KEYS[2], held[2] or 60000)
-end
-return 1
+local TTL_ERROR = 'task_locks: ttl out of range 1..$max_ttl_ms ms'
 """
 
-
-# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
-#
-# Per lock, beside the three keys above (all under the same hash tag):
-# - ``<lock>:queue``          zset of waiting tokens, scored by arrival (server us): FIFO
-# - ``<lock>:wait:<token>``   a waiter's entry: "ttl_ms|owner JSON", expiring (PX) unless
-#                             refreshed; a waiter without one is dead and is skipped
-# - ``<lock>:grant:<token>``  a waiter's own list: the release pushes the new fence there
-# The entry and grant keys are built in the scripts from KEYS[1]: same hash tag, same
-# slot, so a cluster serves them with the lock.
-#
-# Shared functions, prepended to each hand-off script.
-#
-# Fences: ``take`` makes max(last + 1, server time in us), ``last`` being the fence of the
-# holder the lock is handed from when there is one (the counter is written only by a take,
-# together with the hash, so a held lock's fence is the last one handed out: no GET of
-# the counter), else the counter's value.
-_HANDOFF_LIB = """
-local function take(key, counter, token, ttl, owner, counter_ttl, last)
-  local now = redis.call('time')
-  local next_fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  last = tonumber(last or redis.call('get', counter) or '0')
-  if last >= next_fence then next_fence = last + 1 end
-  local fence = string.format('%.0f', next_fence)
-  redis.call('set', counter, fence, 'px', counter_ttl)
-  redis.call('hset', key, 'token', token, 'fence', fence, 'owner', owner, 'ttl', ttl,
-    'acquired', string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)),
-    'renewals', 0)
-  redis.call('pexpire', key, ttl)
-  return fence
+# A record as a table: token (nil once released), fence, renewals, acquired, waiters,
+# rid (release id), owner; legacy = a hash an earlier version wrote (read, never written).
+_RECORD = """
+local function read_record(key)
+  local raw = redis.pcall('get', key)
+  if type(raw) == 'table' and raw.err then
+    local old = redis.call('hmget', key, 'token', 'fence', 'owner', 'acquired', 'renewals')
+    if not old[1] then return false end
+    return {token = old[1], fence = old[2] or '', owner = old[3] or '',
+      acquired = old[4] or '', renewals = old[5] or '0', waiters = '1', rid = '',
+      legacy = true}
+  end
+  if not raw then return false end
+  if string.sub(raw, 1, 1) == 'r' then
+    local waiters, rid = string.match(raw, '^r([^|]*)|(.*)$$')
+    return {waiters = waiters or '0', rid = rid or ''}
+  end
+  local token, fence, renewals, acquired, waiters, rid, owner =
+    string.match(raw, '^h([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$$')
+  if not token then return false end
+  return {token = token, fence = fence, renewals = renewals, acquired = acquired,
+    waiters = waiters, rid = rid, owner = owner}
 end
--- Pops the queue up to its first waiter whose entry is alive, and returns it (out of the
--- queue now: the caller must grant it the lock) with its entry; dead ones are dropped
--- on the way (ZPOPMIN: one command per waiter looked at).
-local function pop_live(key, queue)
+local function write_record(key, held, ttl)
+  redis.call('set', key, 'h' .. held.token .. '|' .. held.fence .. '|' .. held.renewals
+    .. '|' .. held.acquired .. '|' .. held.waiters .. '|' .. held.rid .. '|' .. held.owner,
+    'px', ttl)
+end
+-- A try that finds the lock held: answers {pttl ms, owner, fence, acquired ms}; when the
+-- caller is to wait (``counted``), it is counted in the record, so a release wakes it.
+local function refuse(key, held, counted)
+  local pttl = redis.call('pttl', key)
+  if counted and not held.legacy and pttl > 0 then
+    held.waiters = tostring((tonumber(held.waiters) or 0) + 1)
+    write_record(key, held, pttl)
+  end
+  return {pttl, held.owner, held.fence, held.acquired}
+end
+"""
+
+# Fences: max(counter + 1, server time in microseconds, floor + 1). The time keeps them
+# increasing across a restart that lost the counter, the counter across the clock
+# stepping back; ``floor`` is the fence a lock is handed on from. Every fence handed out
+# raises the counter, shared by every lock of the database (slot). SET ... GET (Redis
+# 6.2) reads and writes the counter in one command; older servers refuse the option,
+# and the counter is read, then written.
+_FENCE = """
+local function next_fence(counter_key, counter_ttl, floor)
+  local now = redis.call('time')
+  local us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local stamp = string.format('%.0f', us)
+  local last = redis.pcall('set', counter_key, stamp, 'px', counter_ttl, 'get')
+  local written = true
+  if type(last) == 'table' and last.err then
+    last, written = redis.call('get', counter_key), false
+  end
+  local fence = us
+  last = tonumber(last or '0') or 0
+  if last >= fence then fence = last + 1 end
+  if floor and floor >= fence then fence = floor + 1 end
+  if fence ~= us or not written then
+    stamp = string.format('%.0f', fence)
+    redis.call('set', counter_key, stamp, 'px', counter_ttl)
+  end
+  return stamp, string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+end
+"""
+
+# Releases. ``token`` '' is an operator's release of whoever holds it, and then ``fence``
+# ('' or the fence seen) names the holder. A release that finds nothing of its own
+# answers 2 when this very call already released (a resend: the record, tombstone or the
+# next holder's, names its release id), else 0. ``bury`` leaves the tombstone, wakes one
+# waiter if someone waits and, for an operator, drops a grant its holder has not popped
+# yet (a hand-off waiter paused before its pop would take it later as the lock).
+_RELEASE = """
+local function names_holder(held, token, fence)
+  if not held or not held.token then return false end
+  if token ~= '' and held.token ~= token then return false end
+  return fence == '' or held.fence == fence
+end
+local function not_released(held, release_id)
+  if held and held.rid == release_id then return 2 end
+  return 0
+end
+local function bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+  local waiters = tonumber(held.waiters) or 0
+  if waiters > 0 then
+    redis.call('rpush', signal_key, '1')
+    redis.call('pexpire', signal_key, signal_ttl)
+    waiters = waiters - 1
+  end
+  redis.call('set', key, 'r' .. waiters .. '|' .. release_id, 'px', tombstone_ttl)
+  if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
+end
+"""
+
+# The server hand-off's queue. ``pop_live`` pops up to the first waiter whose entry is
+# alive and returns it (out of the queue now: the caller grants it the lock) with its
+# entry; dead ones are dropped on the way. ``grant`` gives the lock to that waiter: a
+# new fence, its TTL and owner, and the fence pushed to its grant list, which lives as
+# long as the grant. ``hand_on``: a lock its holder gives up goes to the first live
+# waiter, when someone waits, else is released as by RELEASE.
+_HANDOFF = """
+local function pop_live(key, queue_key)
   while true do
-    local head = redis.call('zpopmin', queue)[1]
+    local head = redis.call('zpopmin', queue_key)[1]
     if not head then return false, false end
     local entry = redis.call('get', key .. ':wait:' .. head)
     if entry then return head, entry end
   end
 end
--- The lock goes to waiter ``head``, just popped (every field of the hash is written
--- anew): new fence, its TTL and owner, and the fence pushed to its grant list, which
--- lives as long as the grant's TTL. Its entry is left to expire. ``last``: the fence it
--- is handed from (nil: read the counter).
-local function grant_to(key, counter, head, entry, counter_ttl, last)
+local function grant(key, counter_key, counter_ttl, head, entry, floor, waiters, rid)
   local sep = string.find(entry, '|', 1, true)
   local ttl = string.sub(entry, 1, sep - 1)
-  local fence = take(key, counter, head, ttl, string.sub(entry, sep + 1), counter_ttl, last)
-  local grant = key .. ':grant:' .. head
-  redis.call('rpush', grant, fence)
-  redis.call('pexpire', grant, ttl)
+  local fence, now_ms = next_fence(counter_key, counter_ttl, floor)
+  write_record(key, {token = head, fence = fence, renewals = '0', acquired = now_ms,
+    waiters = waiters, rid = rid, owner = string.sub(entry, sep + 1)}, ttl)
+  local grant_key = key .. ':grant:' .. head
+  redis.call('rpush', grant_key, fence)
+  redis.call('pexpire', grant_key, ttl)
 end
--- A lock its holder (fence ``last``) gives up: to the first live waiter, else deleted,
--- waking the BLPOP waiters as RELEASE does.
-local function hand_on(key, counter, queue, signal, ttl, counter_ttl, last)
-  local head, entry = pop_live(key, queue)
-  if head then
-    grant_to(key, counter, head, entry, counter_ttl, last)
-    return
+"""
+_HAND_ON = """
+local function hand_on(key, counter_key, queue_key, signal_key, held, token, release_id,
+    tombstone_ttl, counter_ttl, signal_ttl)
+  local waiters = tonumber(held.waiters) or 0
+  if waiters > 0 then
+    local head, entry = pop_live(key, queue_key)
+    if head then
+      if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
+      grant(key, counter_key, counter_ttl, head, entry, tonumber(held.fence),
+        tostring(waiters - 1), release_id)
+      return
+    end
   end
-  redis.call('del', key)
-  if redis.call('exists', signal) == 0 then
-    redis.call('rpush', signal, '1')
-    redis.call('pexpire', signal, ttl or 60000)
-  end
+  bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
 end
 """
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] fence counter ttl ms,
-# ARGV[5] wait entry ms (0: try once, do not queue)
-# Returns the fence (integer) when the lock is now ours: already held by this token (a
-# grant that raced in, or a retried call: TTL restarts at ARGV[2], owner becomes ARGV[3],
-# as in ACQUIRE), or free with no live waiter ahead of us. A free lock with live waiters
-# ahead goes to the first of them (as a release would). Else, the lock being held, the
-# caller is queued (or its entry refreshed, keeping its place) and gets
-# {holder pttl ms, owner JSON, fence, acquired ms} as from ACQUIRE.
-# Raises (having written nothing) when a ttl is not in 1..MAX_TTL_MS.
-ENQUEUE = (
-    _HANDOFF_LIB
-    + """
-local ttl, counter_ttl, wait = tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if not ttl or ttl < 1 or ttl > MAX_TTL_MS or not counter_ttl or counter_ttl < 1
-  or counter_ttl > MAX_TTL_MS or not wait or wait < 0 or wait > MAX_TTL_MS then
-  return redis.error_reply('task_locks: ttl out of range 1..MAX_TTL_MS ms')
+
+def _lua(*parts: str) -> str:
+    """A script: the shared functions it needs, then its body, placeholders filled."""
+    return Template("".join(parts)).substitute(max_ttl_ms=MAX_TTL_MS)
+
+
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# ARGV[1] - token
+# ARGV[2] - ttl (ms)
+# ARGV[3] - owner JSON
+# ARGV[4] - the fence counter's ttl (ms)
+# Returns the fence (integer) when the lock is now ours: taken now, or already held by
+# this token (a retried acquire), whose TTL then restarts and owner is replaced, keeping
+# its fence. Else {holder pttl ms, owner JSON, fence, acquired ms}, and the caller is
+# counted as a waiter. Refuses (having written nothing) a ttl not in 1..MAX_TTL_MS.
+ACQUIRE = _lua(
+    _CHECKS,
+    _RECORD,
+    _FENCE,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local token = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local owner = ARGV[3]
+local counter_ttl = tonumber(ARGV[4])
+if not ttls_ok(ttl, counter_ttl) then return redis.error_reply(TTL_ERROR) end
+local held = read_record(key)
+if held and held.token and held.token ~= token then return refuse(key, held, true) end
+if held and held.token then
+  held.owner = owner
+  write_record(key, held, ttl)
+  return tonumber(held.fence)
 end
-local entry = KEYS[1] .. ':wait:' .. ARGV[1]
-local held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
-if held[1] == ARGV[1] then
-  redis.call('hset', KEYS[1], 'owner', ARGV[3], 'ttl', ARGV[2])
-  redis.call('pexpire', KEYS[1], ARGV[2])
-  redis.call('zrem', KEYS[3], ARGV[1])
-  redis.call('del', entry, KEYS[1] .. ':grant:' .. ARGV[1])
-  return tonumber(held[2])
+local fence, now_ms = next_fence(counter_key, counter_ttl)
+write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
+  waiters = held and held.waiters or '0', rid = held and held.rid or '', owner = owner}, ttl)
+return tonumber(fence)
+""",
+)
+
+# KEYS[i] - a lock's record
+# ARGV[2i-1] - the token that should hold KEYS[i]
+# ARGV[2i] - its new ttl (ms)
+# Returns, for each key, 1 if its TTL was restarted, 0 if the token is not the holder's
+# (that lease is lost). Refuses (having written nothing) a ttl not in 1..MAX_TTL_MS. The
+# watchdog's batches: one call for many leases costs far less than one each.
+RENEW_MANY = _lua(
+    _CHECKS,
+    _RECORD,
+    """
+for i = 1, #KEYS do
+  if not ttls_ok(tonumber(ARGV[2 * i])) then return redis.error_reply(TTL_ERROR) end
 end
-if not held[1] then
-  local head, waiting = pop_live(KEYS[1], KEYS[3])
-  if not head or head == ARGV[1] then
-    return tonumber(take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]))
+local renewed = {}
+for i, key in ipairs(KEYS) do
+  local token, ttl = ARGV[2 * i - 1], ARGV[2 * i]
+  local held = read_record(key)
+  renewed[i] = 0
+  if held and held.token == token and not held.legacy then
+    held.renewals = tostring((tonumber(held.renewals) or 0) + 1)
+    write_record(key, held, ttl)
+    renewed[i] = 1
   end
-  grant_to(KEYS[1], KEYS[2], head, waiting, ARGV[4])
-  held = redis.call('hmget', KEYS[1], 'token', 'fence', 'owner', 'acquired')
 end
--- Not ours. A grant still in our list is stale (a force release drops the grant with
--- the lock, but one may outlive its lock's expiry by a moment): it is left to its pop,
--- which drops it, its fence being at most the holder's reported below (fences only
--- grow); a grant made after this call has a larger one (await_grant's ``above``).
+return renewed
+""",
+)
+
+# KEYS[1] - the lock's record
+# KEYS[2] - the signal list
+# ARGV[1] - token, or '' to release whoever holds it (operator override)
+# ARGV[2] - fence, or '': with a fence, only a holder with this fence is released, so an
+#           operator's force release cannot free a holder that came after the one they saw
+# ARGV[3] - this call's release id (one per call: a resend repeats it)
+# ARGV[4] - the tombstone's ttl (ms)
+# ARGV[5] - the signal's ttl (ms)
+# Returns 1 if the lock was released; 2 if this very call already released it (redis-py
+# resent it after losing the reply); 0 if not held / not ours / held under another fence.
+RELEASE = _lua(
+    _RECORD,
+    _RELEASE,
+    """
+local key = KEYS[1]
+local signal_key = KEYS[2]
+local token = ARGV[1]
+local fence = ARGV[2]
+local release_id = ARGV[3]
+local tombstone_ttl = ARGV[4]
+local signal_ttl = ARGV[5]
+local held = read_record(key)
+if not names_holder(held, token, fence) then return not_released(held, release_id) end
+bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+return 1
+""",
+)
+
+# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
+
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# KEYS[3] - the wait queue
+# ARGV[1] - token
+# ARGV[2] - ttl (ms)
+# ARGV[3] - owner JSON
+# ARGV[4] - the fence counter's ttl (ms)
+# ARGV[5] - how long the wait entry lives (ms; 0: try once, do not queue)
+# Returns the fence (integer) when the lock is now ours: already held by this token (a
+# grant that raced in, or a retried call: TTL and owner anew, as in ACQUIRE), or free with
+# no live waiter ahead of us. A lock found free with live waiters ahead goes to the first
+# of them (as a release would). Else the caller is queued (or its entry refreshed,
+# keeping its place) and gets {holder pttl ms, owner JSON, fence, acquired ms}. A grant
+# still in the caller's list then is stale (fences only grow: at most the holder's
+# reported here), and its pop drops it. Refuses a ttl not in 1..MAX_TTL_MS.
+ENQUEUE = _lua(
+    _CHECKS,
+    _RECORD,
+    _FENCE,
+    _HANDOFF,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local queue_key = KEYS[3]
+local token = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local owner = ARGV[3]
+local counter_ttl = tonumber(ARGV[4])
+local wait = tonumber(ARGV[5])
+if not ttls_ok(ttl, counter_ttl) or not wait or wait < 0 or wait > $max_ttl_ms then
+  return redis.error_reply(TTL_ERROR)
+end
+local entry_key = key .. ':wait:' .. token
+local held = read_record(key)
+if held and held.token == token then
+  held.owner = owner
+  write_record(key, held, ttl)
+  redis.call('zrem', queue_key, token)
+  redis.call('del', entry_key, key .. ':grant:' .. token)
+  return tonumber(held.fence)
+end
+if not held or not held.token then
+  -- Free. Without a record (its holder expired) waiters may still be queued: the first
+  -- live one comes first. A tombstone's release already found the queue empty.
+  local head, entry = false, false
+  if not held then head, entry = pop_live(key, queue_key) end
+  if not head or head == token then
+    local fence, now_ms = next_fence(counter_key, counter_ttl)
+    local waiters = (head and '1') or (held and held.waiters) or '0'
+    write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
+      waiters = waiters, rid = held and held.rid or '', owner = owner}, ttl)
+    return tonumber(fence)
+  end
+  grant(key, counter_key, counter_ttl, head, entry, nil, '1', '')
+  held = read_record(key)
+end
+local queued = false
 if wait > 0 then
-  redis.call('set', entry, ARGV[2] .. '|' .. ARGV[3], 'px', wait)
+  redis.call('set', entry_key, ARGV[2] .. '|' .. owner, 'px', wait)
   local now = redis.call('time')
   -- NX: a refresh keeps its place in line. The queue outlives the entry just written,
-  -- and a short waiter never shortens it for the others (-1: no expiry yet); extended
-  -- to twice the entry's time, so the waiters' next tries seldom need to extend it.
-  redis.call('zadd', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), ARGV[1])
-  if redis.call('pttl', KEYS[3]) < wait then
-    redis.call('pexpire', KEYS[3], math.min(2 * wait, MAX_TTL_MS))
+  -- and a short waiter never shortens it for the others; extended to twice the entry's
+  -- time, so the waiters' next tries seldom need to extend it.
+  queued = redis.call('zadd', queue_key, 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]),
+    token) == 1
+  if redis.call('pttl', queue_key) < wait then
+    redis.call('pexpire', queue_key, math.min(2 * wait, $max_ttl_ms))
   end
 end
-return {redis.call('pttl', KEYS[1]), held[3], held[2], held[4]}
-""".replace("MAX_TTL_MS", str(MAX_TTL_MS))
+return refuse(key, held, queued)
+""",
 )
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
-# KEYS[5] release tombstone
-# ARGV[1] token, or '' to release whoever holds it (operator override)
-# ARGV[2] fence, or '' (as in RELEASE), ARGV[3] this call's release id, ARGV[4] tombstone
-# ttl ms, ARGV[5] fence counter ttl ms
-# Returns 1 if the lock was released (and handed to the first live waiter, who now holds
-# it, or else deleted and a BLPOP waiter signalled); 2 if this very call already released
-# it (a resend: the tombstone names its release id, as in RELEASE); 0 if not held / not
-# ours / another fence. The release writes the tombstone as RELEASE does.
-RELEASE_HANDOFF = (
-    _HANDOFF_LIB
-    + """
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[5])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then
-  -- An operator's release may free a grant its waiter has not popped yet (paused between
-  -- the try that queued it and its pop): the grant goes too, or the waiter would pop it
-  -- later as the lock while someone else holds it. A holder's own release has no grant
-  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
-  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
-end
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[5], held[3])
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# KEYS[3] - the wait queue
+# KEYS[4] - the signal list
+# ARGV[1] - token, or '' to release whoever holds it (operator override)
+# ARGV[2] - fence, or '' (as in RELEASE)
+# ARGV[3] - this call's release id
+# ARGV[4] - the tombstone's ttl (ms)
+# ARGV[5] - the fence counter's ttl (ms)
+# ARGV[6] - the signal's ttl (ms)
+# Returns 1 if the lock was released (handed to the first live waiter, who now holds it,
+# or else released as by RELEASE); 2 for a resend of a call that did; 0 if not held /
+# not ours / another fence.
+RELEASE_HANDOFF = _lua(
+    _RECORD,
+    _FENCE,
+    _RELEASE,
+    _HANDOFF,
+    _HAND_ON,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local queue_key = KEYS[3]
+local signal_key = KEYS[4]
+local token = ARGV[1]
+local fence = ARGV[2]
+local release_id = ARGV[3]
+local tombstone_ttl = ARGV[4]
+local counter_ttl = ARGV[5]
+local signal_ttl = ARGV[6]
+local held = read_record(key)
+if not names_holder(held, token, fence) then return not_released(held, release_id) end
+hand_on(key, counter_key, queue_key, signal_key, held, token, release_id, tombstone_ttl,
+  counter_ttl, signal_ttl)
 return 1
-"""
+""",
 )
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] signal list,
-# KEYS[5] release tombstone
-# ARGV[1] token, ARGV[2] fence counter ttl ms, ARGV[3] this call's release id, ARGV[4]
-# tombstone ttl ms
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# KEYS[3] - the wait queue
+# KEYS[4] - the signal list
+# ARGV[1] - token
+# ARGV[2] - the fence counter's ttl (ms)
+# ARGV[3] - this call's release id
+# ARGV[4] - the tombstone's ttl (ms)
+# ARGV[5] - the signal's ttl (ms)
 # A waiter that gives up: leaves the queue, drops its entry and grant list, and gives
-# back (token-checked) a grant that raced in, which goes on to the next live waiter; the
-# give-back writes the tombstone as RELEASE does.
-# Returns 1 if a grant was given back, 2 if this very call already gave it back (a
-# resend), 0 if the token held nothing.
-DEQUEUE = (
-    _HANDOFF_LIB
-    + """
-redis.call('zrem', KEYS[3], ARGV[1])
-redis.call('del', KEYS[1] .. ':wait:' .. ARGV[1], KEYS[1] .. ':grant:' .. ARGV[1])
-local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if held[1] ~= ARGV[1] then
-  local tombstone = redis.call('get', KEYS[5])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], held[2], ARGV[2], held[3])
+# back a grant that raced in, which goes on to the next live waiter as a release would.
+# Returns 1 if a grant was given back, 2 for a resend of a call that did, 0 otherwise.
+DEQUEUE = _lua(
+    _RECORD,
+    _FENCE,
+    _RELEASE,
+    _HANDOFF,
+    _HAND_ON,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local queue_key = KEYS[3]
+local signal_key = KEYS[4]
+local token = ARGV[1]
+local counter_ttl = ARGV[2]
+local release_id = ARGV[3]
+local tombstone_ttl = ARGV[4]
+local signal_ttl = ARGV[5]
+redis.call('zrem', queue_key, token)
+redis.call('del', key .. ':wait:' .. token, key .. ':grant:' .. token)
+local held = read_record(key)
+if not names_holder(held, token, '') then return not_released(held, release_id) end
+hand_on(key, counter_key, queue_key, signal_key, held, token, release_id, tombstone_ttl,
+  counter_ttl, signal_ttl)
 return 1
-"""
+""",
+)
+
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# ARGV[1] - token
+# ARGV[2] - the fence a majority of Redlock's masters agreed on
+# ARGV[3] - the fence counter's ttl (ms)
+# Raises the counter to that fence (counters only grow) and records it in the lock, if
+# this token holds it, so every master reports the same fence. Returns 1.
+BUMP_FENCE = _lua(
+    _RECORD,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local token = ARGV[1]
+local fence = ARGV[2]
+local counter_ttl = ARGV[3]
+local last = tonumber(redis.call('get', counter_key) or '0') or 0
+if last < tonumber(fence) then redis.call('set', counter_key, fence, 'px', counter_ttl) end
+local held = read_record(key)
+if held and held.token == token and not held.legacy then
+  local pttl = redis.call('pttl', key)
+  if pttl > 0 then
+    held.fence = fence
+    write_record(key, held, pttl)
+  end
+end
+return 1
+""",
 )
 
 
@@ -312,9 +491,10 @@ class _Scripts:
         self.register("enqueue", ENQUEUE)
         self.register("release_handoff", RELEASE_HANDOFF)
         self.register("dequeue", DEQUEUE)
+        self.register("bump_fence", BUMP_FENCE)
 
     def register(self, name: str, source: str) -> None:
-        """Add a script (backends built on this one bring their own)."""
+        """Add a script by name."""
         self.source[name] = source
         self.sha[name] = hashlib.sha1(source.encode()).hexdigest()
 
@@ -335,3 +515,98 @@ def script_command(which: str, by_sha: bool, args: Sequence[Any]) -> tuple[Any, 
     if by_sha:
         return ("EVALSHA", SCRIPTS.sha[which], *args)
     return ("EVAL", SCRIPTS.source[which], *args)
+
+
+#: A held record's fields, in order (``h<token>|<fence>|...``).
+RECORD_FIELDS = ("token", "fence", "renewals", "acquired", "waiters", "rid", "owner")
+
+
+def record_fields(record: Any) -> dict[str, str] | None:
+    """A lock record's fields as stored (bytes or text, as GET answers), or ``None``:
+    released, or absent. A dict is the hash an earlier version wrote (HGETALL's)."""
+    if isinstance(record, dict):
+        fields = {_text(k): _text(v) for k, v in record.items()}
+        return fields if fields.get("token") else None
+    if not isinstance(record, bytes | str):
+        return None
+    text = _text(record)
+    if not text.startswith("h"):
+        return None
+    parts = text[1:].split("|", len(RECORD_FIELDS) - 1)
+    if len(parts) < len(RECORD_FIELDS):
+        return None
+    return dict(zip(RECORD_FIELDS, parts, strict=True))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def hash_tag(name: str) -> str:
+    """``name`` as a Redis Cluster hash tag: the tag ends at the first ``}``, so a ``}``
+    in a name (or an empty tag) would scatter one lock's keys over several slots.
+
+    ``%`` and ``}`` are percent-encoded; names without them keep their plain keys.
+    """
+    if "%" not in name and "}" not in name:
+        return name
+    return name.replace("%", "%25").replace("}", "%7D")
+
+
+def untag(tag: str) -> str:
+    """The lock name a hash tag stands for (:func:`hash_tag` undone)."""
+    if "%" not in tag:
+        return tag
+    return tag.replace("%7D", "}").replace("%25", "%")
+
+
+def counter_key(prefix: str, name: str) -> str:
+    """The fence counter serving lock ``name``: its hash slot's."""
+    return f"{prefix}fence:{{{slot_tag(key_slot(hash_tag(name)))}}}"
+
+
+def key_slot(tag: str) -> int:
+    """The cluster hash slot of a key whose hash tag is ``tag`` (CRC16-XMODEM)."""
+    return binascii.crc_hqx(tag.encode(), 0) % SLOTS
+
+
+#: Slot tags are four characters from ``@`` (0x40) to ``_`` (0x5F): the low five bits of
+#: each are free (20 bits, rank 14: every slot reachable), the rest fixed, never a brace.
+_TAG_BASE = b"@@@@"
+
+
+def _tag_basis() -> list[tuple[int, int] | None]:
+    """CRC16 has no initial value or final xor here, so it is linear over GF(2): flipping
+    a set of the tag's free bits flips the CRC by the xor of what each flip alone does.
+    A basis of those effects on the slot's 14 bits (by highest bit) solves for any slot."""
+    base = binascii.crc_hqx(_TAG_BASE, 0)
+    basis: list[tuple[int, int] | None] = [None] * 14
+    for bit in range(5 * len(_TAG_BASE)):
+        flipped = bytearray(_TAG_BASE)
+        flipped[bit // 5] ^= 1 << (bit % 5)
+        value, combo = (binascii.crc_hqx(bytes(flipped), 0) ^ base) % SLOTS, 1 << bit
+        for high in range(13, -1, -1):
+            if not value >> high & 1:
+                continue
+            known = basis[high]
+            if known is None:
+                basis[high] = (value, combo)
+                break
+            value, combo = value ^ known[0], combo ^ known[1]
+    return basis
+
+
+_BASIS = _tag_basis()
+_BASE_SLOT = binascii.crc_hqx(_TAG_BASE, 0) % SLOTS
+
+
+@functools.lru_cache(maxsize=SLOTS)
+def slot_tag(slot: int) -> str:
+    """A four-character hash tag of ``slot``: the fence counter of a slot is named
+    with it. Solved, not searched: microseconds, and no table to build."""
+    want, combo = (slot ^ _BASE_SLOT) % SLOTS, 0
+    for high in range(13, -1, -1):
+        if want >> high & 1:
+            value, bits = _BASIS[high]  # type: ignore[misc]  # full rank: checked in tests
+            want, combo = want ^ value, combo ^ bits
+    return bytes(c | (combo >> (5 * i) & 31) for i, c in enumerate(_TAG_BASE)).decode()

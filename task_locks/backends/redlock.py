@@ -95,22 +95,10 @@ from ..types import AcquireResult, Holder, Owner, RenewItem
 from ._redis_compat import aget_connection, get_connection
 from .base import Backend, Capability, check_ttl_ms
 from .redis import RedisBackend
-from .redis_scripts import SCRIPTS, Commands, script_command
+from .redis_scripts import BUMP_FENCE, Commands, script_command
 
 T = TypeVar("T")
 
-# KEYS[1] lock hash, KEYS[2] fence counter; ARGV[1] token, ARGV[2] fence, ARGV[3] counter
-# ttl ms. Raise the counter to the fence a majority just agreed on (counters only grow),
-# and record that fence in our lock hash so every master reports the same one.
-BUMP_FENCE = """
-local last = tonumber(redis.call('get', KEYS[2]) or '0')
-if last < tonumber(ARGV[2]) then redis.call('set', KEYS[2], ARGV[2], 'px', ARGV[3]) end
-if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
-  redis.call('hset', KEYS[1], 'fence', ARGV[2])
-end
-return 1
-"""
-SCRIPTS.register("bump_fence", BUMP_FENCE)
 
 _OPTIONS: Final = {
     "prefix",
@@ -191,7 +179,7 @@ class _MasterBackend(RedisBackend):
 
     def _bump_commands(self, name: str, token: str, fence: int) -> Commands:
         key = self._key(name)
-        args = [2, key, key + ":fence", token, fence, self.fence_ttl_ms]
+        args = [2, key, self._counter(name), token, fence, self.fence_ttl_ms]
         return lambda by_sha: [script_command("bump_fence", by_sha, args)]
 
     # -- sync ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import redis
 from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
+from task_locks.backends.redis_scripts import counter_key, record_fields
 from task_locks.backends.redlock import RedlockBackend
 from task_locks.errors import RenewalUndecided
 from task_locks.types import RenewItem
@@ -121,7 +122,7 @@ def test_fences_grow_when_masters_disagree(
     masters = masters_factory(3)
     url = masters.url(fence_sync=fence_sync)
     ahead = int((time.time() + 3600) * 1e6)
-    redis.Redis(port=masters[2].port).set("task_locks:{skew}:fence", ahead)
+    redis.Redis(port=masters[2].port).set(counter_key("task_locks:", "skew"), ahead)
     masters[1].kill()  # so the first majority must include the master that is ahead
     first = Lock("skew", ttl=5, backend=url).acquire(timeout=0)
     assert first.fence > ahead
@@ -198,7 +199,7 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
     # Each master far apart: the fences they hand out for one acquire all differ.
     for offset, server in enumerate(masters):
         ahead = int((time.time() + 3600 * offset) * 1e6)
-        redis.Redis(port=server.port).set("task_locks:{audit}:fence", ahead)
+        redis.Redis(port=server.port).set(counter_key("task_locks:", "audit"), ahead)
 
     def force(fence: int) -> bool:
         if mode == "sync":
@@ -214,8 +215,11 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
 
     assert backend.acquire("audit", "token-a", 30_000, Owner()).acquired
 
-    def stored() -> set[bytes | None]:
-        return {redis.Redis(port=s.port).hget("task_locks:{audit}", "fence") for s in masters}
+    def stored() -> set[str | None]:
+        records = (
+            record_fields(redis.Redis(port=s.port).get("task_locks:{audit}")) for s in masters
+        )
+        return {None if r is None else r["fence"] for r in records}
 
     # The acquire returns once a majority took the synced fence; the last master's copy
     # of it may still be on its way.
@@ -229,8 +233,7 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
     assert now is not None and now.token == "token-b"
     assert force(now.fence) is True
     for server in masters:
-        assert redis.Redis(port=server.port).exists("task_locks:{audit}") == 0
-
+        assert record_fields(redis.Redis(port=server.port).get("task_locks:{audit}")) is None
 
 
 def test_force_release_of_a_minority_remnant_reports_nothing_held(
@@ -248,7 +251,9 @@ def test_force_release_of_a_minority_remnant_reports_nothing_held(
     assert single.acquire("remnant", "token-old", 30_000, Owner()).acquired
     assert backend.holder("remnant") is None
     assert backend.force_release("remnant") is False
-    assert redis.Redis(port=masters.servers[2].port).exists("task_locks:{remnant}") == 0
+    assert (
+        record_fields(redis.Redis(port=masters.servers[2].port).get("task_locks:{remnant}")) is None
+    )
     lease = Lock("remnant", ttl=30, backend=url).acquire(timeout=0)
     assert backend.force_release("remnant") is True  # a majority held it
     with pytest.raises(NotOwned):
@@ -287,12 +292,10 @@ def test_holder_is_the_majoritys_copy_when_the_first_master_differs(
     assert seen is not None and seen.token == "token-y" and seen.owner.task_id == "new"
 
 
-def _delete_lock_hash(server: object, name: str) -> None:
-    """Delete ``name``'s lock hash on one master only (that master now says "not yours")."""
+def _delete_lock_record(server: object, name: str) -> None:
+    """Delete ``name``'s lock record on one master only (that master now says "not yours")."""
     client = redis.Redis(port=server.port)  # type: ignore[attr-defined]
-    hashes = [k for k in client.scan_iter(match=f"*{name}*") if client.type(k) == b"hash"]
-    assert hashes, f"no lock hash for {name!r} on master {server.port}"  # type: ignore[attr-defined]
-    client.delete(*hashes)
+    assert client.delete(f"task_locks:{{{name}}}"), f"no lock {name!r} on {server.port}"  # type: ignore[attr-defined]
     client.close()
 
 
@@ -309,7 +312,7 @@ def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
     backend = get_backend(url)
     a = Lock("per-lease-a", ttl=ttl, backend=backend).acquire(timeout=0)
     b = Lock("per-lease-b", ttl=ttl, backend=backend).acquire(timeout=0)
-    _delete_lock_hash(masters[1], "per-lease-a")
+    _delete_lock_record(masters[1], "per-lease-a")
     masters[2].pause()
     try:
         items = [RenewItem("per-lease-a", a.token, 1500), RenewItem("per-lease-b", b.token, 1500)]

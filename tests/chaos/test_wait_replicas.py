@@ -17,6 +17,7 @@ from chaoskit.clusters import FAST_SYNC, SentinelRedis
 from servers import RedisServer, wait_until
 
 from task_locks import BackendUnavailable, Lock, LockLost, StaleFence
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.fencing import FencedStore
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]
@@ -38,8 +39,8 @@ def master_and_replica():
 
 
 def _replica_fence(replica: RedisServer, name: str) -> int | None:
-    value = redis.Redis(port=replica.port).hget(f"task_locks:{{{name}}}", "fence")
-    return None if value is None else int(value)
+    record = record_fields(redis.Redis(port=replica.port).get(f"task_locks:{{{name}}}"))
+    return None if record is None else int(record["fence"])
 
 
 def test_an_acquire_returns_only_once_the_replica_has_the_lock(master_and_replica) -> None:

@@ -27,6 +27,7 @@ import redis
 
 from task_locks import AsyncLock, Lock, get_backend
 from task_locks.backends.base import Backend
+from task_locks.backends.redis_scripts import record_fields
 
 HOLDER_SCRIPT = Path(__file__).with_name("holder.py")
 #: Bound on any single wait for a child's answer.
@@ -251,9 +252,9 @@ def blocked_clients(url: str) -> int:
 
 
 def lock_fields(url: str, name: str) -> dict[str, str]:
-    """The lock's hash as stored in Redis (token, fence, renewals...)."""
+    """The lock's record as stored in Redis (token, fence, renewals...); {} if none."""
     with redis.Redis.from_url(url, decode_responses=True) as client:
-        return dict(client.hgetall(f"task_locks:{{{name}}}"))
+        return record_fields(client.get(f"task_locks:{{{name}}}")) or {}
 
 
 def holder_token(url: str, name: str) -> str | None:

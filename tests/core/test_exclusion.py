@@ -6,6 +6,8 @@ from itertools import pairwise
 
 import redis
 
+from task_locks.backends.redis_scripts import counter_key
+
 from .holder import hammer_async, hammer_sync
 from .support import SyncDriver
 
@@ -49,7 +51,7 @@ def test_fence_increases_over_1000_acquisitions_and_across_restart(
     assert all(later > earlier for earlier, later in pairwise(fences))
 
     server.restart()  # no persistence: the fence counter is gone
-    assert not redis.Redis(port=server.port).exists("task_locks:{fenced}:fence")
+    assert not redis.Redis(port=server.port).exists(counter_key("task_locks:", "fenced"))
     handle = driver.acquire("fenced", timeout=0, backend=url, ttl=5)
     assert handle.fence > fences[-1]
     handle.release()

@@ -5,8 +5,8 @@ a real redis-server, which frees the lock, then resets the connection instead of
 passing the reply on; redis-py's own retry sends the release again, on a new connection.
 That resend finds the lock gone. Without a trace of the first attempt it would answer
 "not ours" (``NotOwned``: "nothing was released"), the opposite of what happened; the
-release script leaves a short-lived tombstone, ``<prefix>{name}:released``, that the
-resend recognises.
+release script leaves a short-lived tombstone in the lock's own key, ``<prefix>{name}``
+(``r<waiters>|<release id>``), that the resend recognises.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def test_a_release_resent_after_its_reply_was_lost_reports_success(
     direct = get_backend(redis_url)
     assert direct.holder("resent") is None
 
-    # The tombstone expires: max(60 s, 4 x socket_timeout).
-    tombstone = "task_locks:{resent}:released"
+    # The tombstone, in the lock's own key, expires: max(60 s, 4 x socket_timeout).
+    tombstone = "task_locks:{resent}"
     assert 0 < server.pttl(tombstone) <= 60_000
     assert direct.release("resent", "another-token") is False
     assert direct.release("resent", lease.token) is False  # a new call: no resend
@@ -135,10 +135,28 @@ def test_a_new_release_call_is_no_resend(redis_url: str, server: redis.Redis) ->
     backend = get_backend(redis_url)
     assert backend.acquire("again", "tok", 30_000, Owner()).acquired
     assert backend.release("again", "tok") is True
-    release_id, fence, token = server.get("task_locks:{again}:released").decode().split(":")
-    assert release_id and fence.isdigit() and token == "tok"
+    tombstone = server.get("task_locks:{again}").decode()
+    waiters, release_id = tombstone[1:].split("|")
+    assert tombstone.startswith("r") and waiters == "0" and len(release_id) == 16
     assert backend.release("again", "tok") is False
     taken = backend.acquire("again", "tok2", 30_000, Owner())
     assert backend.force_release("again", fence=taken.fence) is True
     assert backend.force_release("again", fence=taken.fence) is False
     assert backend.force_release("again") is False
+
+
+def test_a_resend_that_arrives_after_the_next_acquire_still_reports_released(
+    redis_url: str, server: redis.Redis
+) -> None:
+    """The tombstone lives in the lock's own key; the next holder's record keeps its
+    release id, so a resend delayed past someone else's acquire is still recognised."""
+    backend = get_backend(redis_url)
+    assert backend.acquire("overtaken", "first", 30_000, Owner()).acquired
+    key = "task_locks:{overtaken}"
+    release = [2, key, key + ":signal", "first", "", "0123456789abcdef", 60_000, 5_000]
+    assert server.eval(SCRIPTS.source["release"], *release) == 1
+    assert backend.acquire("overtaken", "second", 30_000, Owner()).acquired
+    assert server.eval(SCRIPTS.source["release"], *release) == 2  # the resend
+    release[-3] = "fedcba9876543210"  # a new call of the same token
+    assert server.eval(SCRIPTS.source["release"], *release) == 0
+    assert backend.holder("overtaken").token == "second"  # type: ignore[union-attr]

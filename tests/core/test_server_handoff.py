@@ -22,6 +22,7 @@ from servers import RedisServer, wait_until
 
 from task_locks import AsyncLock, Lock, LockError, LockHeld, get_backend
 from task_locks._plan import entry_ms
+from task_locks.backends.redis_scripts import counter_key, record_fields
 from task_locks.types import Owner
 
 from .holder import hammer_async, hammer_sync
@@ -228,14 +229,16 @@ def test_a_hand_off_fence_is_above_the_holders_even_with_the_clock_and_counter_b
     backend = get_backend(url)
     client = raw(url)
     assert backend.acquire("behind", "holder", 10_000, Owner()).acquired
-    ahead = int(client.hget("task_locks:{behind}", "fence")) + 10**12  # ~11 days ahead
-    client.hset("task_locks:{behind}", "fence", ahead)
-    client.delete("task_locks:{behind}:fence")
+    record = client.get("task_locks:{behind}").decode()
+    fence = record_fields(record)["fence"]  # type: ignore[index]
+    ahead = int(fence) + 10**12  # ~11 days ahead
+    client.set("task_locks:{behind}", record.replace(fence, str(ahead), 1), keepttl=True)
+    client.delete(counter_key("task_locks:", "behind"))
     queued = backend.enqueue("behind", "next", 10_000, Owner(), 5_000)
     assert queued.fence is None and queued.holder_fence == ahead
     assert backend.release("behind", "holder")
     assert backend.await_grant("behind", "next", 1.0, queued.holder_fence) == ahead + 1
-    assert int(client.get("task_locks:{behind}:fence")) == ahead + 1
+    assert int(client.get(counter_key("task_locks:", "behind"))) == ahead + 1
     assert backend.release("behind", "next")
     assert backend.acquire("behind", "later", 10_000, Owner()).fence == ahead + 2
 

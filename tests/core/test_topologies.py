@@ -9,6 +9,7 @@ import redis
 from servers import RedisClusterNodes, RedisSentinel, RedisServer, wait_until
 
 from task_locks import NotOwned, get_backend
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.types import RenewItem
 
 from .support import SyncDriver
@@ -76,6 +77,6 @@ def test_sentinel_url_finds_the_master(driver: SyncDriver, sentinel: RedisSentin
     url = sentinel.url(socket_timeout=2)
     handle = driver.acquire("via-sentinel", backend=url, ttl=1)
     with redis.Redis(port=sentinel.master.port) as client:
-        assert client.hget("task_locks:{via-sentinel}", "fence") == str(handle.fence).encode()
+        assert record_fields(client.get("task_locks:{via-sentinel}"))["fence"] == str(handle.fence)
     handle.release()
     assert get_backend(url).holder("via-sentinel") is None

@@ -22,6 +22,7 @@ from servers import RedisClusterNodes, RedisServer, wait_until
 
 from task_locks import BackendUnavailable, get_backend
 from task_locks.backends.redis import SCRIPTS, RedisBackend
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.types import Owner
 
 WAIT = {"wait_replicas": 1, "wait_timeout": 100}
@@ -134,7 +135,7 @@ def test_wait_runs_on_the_connection_that_ran_the_acquire(
     assert thief.taken, "the interleaving under test did not happen"
     pool.release(thief.taken[0])
     monkeypatch.undo()
-    assert redis.Redis(port=master.port).exists("task_locks:{sync-report}") == 0
+    assert record_fields(redis.Redis(port=master.port).get("task_locks:{sync-report}")) is None
     _until_acknowledged(master)
     assert backend.acquire("sync-report", "tok", 5000, Owner()).acquired
 
@@ -164,7 +165,7 @@ def test_async_wait_runs_on_the_connection_that_ran_the_acquire(
         await backend.aclose()
 
     asyncio.run(run())
-    assert redis.Redis(port=master.port).exists("task_locks:{async-report}") == 0
+    assert record_fields(redis.Redis(port=master.port).get("task_locks:{async-report}")) is None
 
 
 def _primaries(cluster: RedisClusterNodes) -> list[int]:
@@ -221,7 +222,7 @@ def test_cluster_wait_goes_to_the_locks_primary(
                 asyncio.run(attempt())
         finally:
             replica.resume()
-        assert redis.Redis(port=primary).exists(f"task_locks:{{{name}}}") == 0
+        assert record_fields(redis.Redis(port=primary).get(f"task_locks:{{{name}}}")) is None
 
         def acquired(name: str = name) -> bool:
             try:

@@ -51,6 +51,7 @@ from typing import Any
 import greenlet
 
 from task_locks.backends.redis import RedisBackend
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.election import Election
 from task_locks.election import lock_name as election_lock_name
 from task_locks.errors import BackendUnavailable, LockError, LockHeld, LockLost, NotOwned
@@ -320,8 +321,8 @@ class Checker:
             return
         if command[0] == "FAILOVER":  # the replica's holders: old grants, not new ones
             for name, key in self.keys.items():
-                fields = model.get_value(key)
-                token = fields.get("token") if isinstance(fields, dict) else None
+                fields = record_fields(model.get_value(key)) or {}
+                token = fields.get("token")
                 self.current[name] = token
                 self.current_fence[name] = fields.get("fence") if token is not None else None
                 self.expiry[name] = self._expiry_sim(key) if token is not None else None
@@ -334,8 +335,8 @@ class Checker:
             if token in self.forced:  # a grant popped after its lock was taken back
                 self.stale.add(token)
         for name, key in self.keys.items():
-            fields = model.get_value(key)
-            token = fields.get("token") if isinstance(fields, dict) else None
+            fields = record_fields(model.get_value(key)) or {}
+            token = fields.get("token")
             fence_text = fields.get("fence") if token is not None else None
             before = self.current[name]
             # The same token with a new fence is a new grant (its first one expired).

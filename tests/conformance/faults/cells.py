@@ -29,6 +29,7 @@ from typing import Any
 
 from task_locks import AsyncLock, Lock, LockError, NotOwned
 from task_locks.backends import Backend, get_backend
+from task_locks.backends.redis_scripts import record_fields
 
 from .targets import DELAY, SLOW_TIMEOUT, TTL, Target, wait_until
 
@@ -251,8 +252,8 @@ class Cell:
         replica = self.target.replica
         if replica is None or lease is None or not lease.held:
             return
-        token = replica.hget(f"{self.target.prefix}{{{self.name}}}", "token")
-        if token is None or token.decode() != lease.token:
+        record = record_fields(replica.get(f"{self.target.prefix}{{{self.name}}}"))
+        if record is None or record["token"] != lease.token:
             self.fail(
                 f"acquire under {self.fault}: granted with wait_replicas=1 while the "
                 "replica was cut off and never got the lock (the WAIT did not cover the "

@@ -1,0 +1,49 @@
+"""What a Redis lock leaves in the server: one key while held, a short tombstone after.
+
+The fence counter is the only state that outlives a release, and there is one per hash
+slot (so a script's keys share a slot on a cluster), whatever the number of names or
+runs; the waiters' signal is written only when someone waits.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from task_locks import Lock, get_backend
+from task_locks.backends.redis_scripts import SLOTS, counter_key, key_slot, slot_tag
+
+
+def test_every_slot_has_a_counter_tag_in_that_slot() -> None:
+    assert all(key_slot(slot_tag(slot)) == slot for slot in range(SLOTS))
+    assert all("{" not in slot_tag(s) and "}" not in slot_tag(s) for s in range(SLOTS))
+
+
+def test_released_names_leave_only_expiring_tombstones_and_slot_counters(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    backend = get_backend(redis_url)
+    names = [f"layout:{i}" for i in range(300)]
+    for name in names:
+        with Lock(name, ttl=30, backend=backend, renew=False).acquire(timeout=0):
+            assert client.keys(f"task_locks:{{{name}}}*") == [f"task_locks:{{{name}}}"]
+    counters = {counter_key("task_locks:", name) for name in names}
+    left = set(client.scan_iter(match="task_locks:*"))
+    tombstones = {f"task_locks:{{{name}}}" for name in names}
+    assert left - counters == tombstones  # no :signal (nobody waited), no :fence, :released
+    assert all(0 < client.pttl(key) <= 60_000 for key in tombstones)
+    assert all(client.get(key).startswith("r") for key in tombstones)
+    assert len(counters) <= SLOTS
+
+
+def test_the_signal_is_written_only_when_someone_waited(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    backend = get_backend(redis_url)
+    lease = Lock("layout:signal", ttl=30, backend=backend, renew=False).acquire(timeout=0)
+    lease.release()
+    assert not client.exists("task_locks:{layout:signal}:signal")
+    lease = Lock("layout:signal", ttl=30, backend=backend, renew=False).acquire(timeout=0)
+    assert Lock("layout:signal", ttl=30, backend=backend).try_acquire() is None  # one waiter
+    lease.release()
+    assert client.llen("task_locks:{layout:signal}:signal") == 1
+    assert 0 < client.pttl("task_locks:{layout:signal}:signal") <= 5_000  # socket_timeout
