@@ -20,6 +20,7 @@ from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, InvalidArgument, Lock, get_backend
 from task_locks.backends.base import MAX_TTL, Backend
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.semaphore import Semaphore
 from task_locks.types import Owner
 
@@ -85,7 +86,8 @@ def on_every_server(servers: list[int], name: str) -> None:
     def everywhere() -> bool:
         clients = [redis.Redis(port=port) for port in servers]
         try:
-            return all(client.exists(f"task_locks:{{{name}}}") for client in clients)
+            # Held, not merely there: a release's tombstone lives in the same key.
+            return all(record_fields(c.get(f"task_locks:{{{name}}}")) for c in clients)
         finally:
             for client in clients:
                 client.close()
