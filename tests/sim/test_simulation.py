@@ -127,3 +127,30 @@ RENEW_TTL_RACES = [
 def test_renew_with_a_longer_ttl_raced_by_the_watchdog(scenario: Scenario) -> None:
     violation, story = sim.story(scenario)
     assert violation is None, "\n".join(story)
+
+
+#: Issue 23 item 3, found by the simulation (``generate(61, slow_on_lost=True)``, shrunk):
+#: a lease force-released from under client1 calls its 3 s ``on_lost`` on the renewal
+#: lane, and client1's next lease (TTL 0.5 s) is not renewed in that time.
+SLOW_ON_LOST_FINDING = Scenario(
+    seed=61,
+    protocol="redis-handoff",
+    programs=(
+        (Iteration("job", 1.0, 3.0, 0.6, 0, 0.405500042895381, None, True, 0.0),),
+        (
+            Iteration("job", 1.0, 3.0, 1.2, 1, None, None, True, 3.0),
+            Iteration("job", 0.5, 3.0, 0.5, 0, None, None, True, 3.0),
+        ),
+        (Iteration("job", 0.3, 6.0, 0.36, 1, None, None, True, 0.5),),
+    ),
+    rates=(1.0001, 1.001, 1.001),
+    faults=(Fault("force", -1, 2.130930733893041, 3.0, "job"),),
+    delay=(0.001, 0.05),
+    socket_timeout=1.0,
+)
+
+
+@pytest.mark.xfail(reason="issue 23 item 3 (a slow on_lost runs on the renewal lane)")
+def test_a_slow_on_lost_callback_stops_no_other_lease_renewal() -> None:
+    violation, story = sim.story(SLOW_ON_LOST_FINDING)
+    assert violation is None, "\n".join(story)

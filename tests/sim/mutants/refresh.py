@@ -339,5 +339,22 @@ lease is declared lost with no renewal tried.
     pending=True,
 )
 
+mutant(
+    "slow_on_lost_runs_on_the_lane",
+    """
+Issue 23 item 3: the on_lost callback runs right where the loss is found, the renewal
+lane or the deadline watch included: a slow one stops the renewals of the process's
+other leases.
+""",
+    [
+        (
+            "task_locks/lock.py",
+            """self._runtime.run_callback(self, self._call_on_lost)""",
+            """self._call_on_lost()""",
+        )
+    ],
+    pending=True,
+)
+
 if STALE:
     raise SystemExit(1)
