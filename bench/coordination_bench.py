@@ -95,7 +95,7 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
     for _ in range(rounds):
         elected_at: list[float] = []
         waiting = threading.Event()
-        original_wait = backend.wait
+        original_wait = backend.wait_release
 
         def spied_wait(
             lock_name: str,
@@ -106,7 +106,7 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
             waiting.set()
             original_wait(lock_name, timeout)
 
-        backend.wait = spied_wait  # type: ignore[method-assign]  # to know it is blocked
+        backend.wait_release = spied_wait  # type: ignore[method-assign]  # to know it is blocked
 
         def campaign(candidate: Election = waiter, out: list[float] = elected_at) -> None:
             candidate.campaign(timeout=10)
@@ -117,7 +117,7 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
         if not waiting.wait(5):
             raise RuntimeError("the candidate never blocked in campaign()")
         time.sleep(0.005)  # let it settle into the blocking read
-        backend.wait = original_wait  # type: ignore[method-assign]
+        backend.wait_release = original_wait  # type: ignore[method-assign]
         resigned = time.perf_counter()
         leader.resign()
         thread.join(10)

@@ -841,7 +841,7 @@ class DjangoBackend(Backend):
             finally:
                 cursor.execute(f"UNLISTEN {CHANNEL}")
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         """Return once ``name`` is probably free, or after ``timeout`` seconds.
 
         The caller bounds ``timeout`` by the holder's remaining TTL, so an expiring

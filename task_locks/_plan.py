@@ -220,7 +220,7 @@ def _answer(op: Op, backend: Backend) -> Any:
         case Release(name, token):
             return backend.release(name, token)
         case Wait(name, seconds):
-            return backend.wait(name, seconds)
+            return backend.wait_release(name, seconds)
         case WaitAny(names, seconds):
             return backend.wait_any(names, seconds)
         case Enqueue(name, token, ttl_ms, owner, wait_ms):

@@ -369,13 +369,18 @@ class Backend(abc.ABC):
         """
         return None
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         """Block until ``name`` is probably released, or ``timeout`` seconds pass.
 
         A spurious early return is fine (the caller retries the acquire); sleeping past
-        a release is what costs. The default polls: it sleeps at most 50 ms.
+        a release is what costs. The default polls: it sleeps at most 50 ms. The asyncio
+        twin is :meth:`await_release` (``a`` + this name, like every pair).
         """
         time.sleep(min(timeout, 0.05))
+
+    def wait(self, name: str, timeout: float) -> None:
+        """:meth:`wait_release` under its first name (kept: :class:`Backend` is public)."""
+        self.wait_release(name, timeout)
 
     def wait_any(self, names: Sequence[str], timeout: float) -> None:
         """Block until any of ``names`` is probably released, or ``timeout`` seconds pass.
@@ -385,7 +390,7 @@ class Backend(abc.ABC):
         name is noticed within a slice; backends that can watch several names at once
         override it (Redis: one BLPOP on every signal list).
         """
-        self.wait(names[0], timeout if len(names) == 1 else min(timeout, WAIT_ANY_SLICE))
+        self.wait_release(names[0], timeout if len(names) == 1 else min(timeout, WAIT_ANY_SLICE))
 
     def holder(self, name: str) -> Holder | None:
         """The holder of exactly ``name``, if any."""
@@ -454,8 +459,9 @@ class Backend(abc.ABC):
         return await asyncio.to_thread(self.release, name, token)
 
     async def await_release(self, name: str, timeout: float) -> None:
-        """The asyncio twin of :meth:`wait`: until ``name`` may be free, at most ``timeout`` seconds."""
-        await _wait_in_thread(lambda remaining: self.wait(name, remaining), timeout)
+        """The asyncio twin of :meth:`wait_release`: until ``name`` may be free, at most
+        ``timeout`` seconds."""
+        await _wait_in_thread(lambda remaining: self.wait_release(name, remaining), timeout)
 
     async def await_any(self, names: Sequence[str], timeout: float) -> None:
         """The asyncio twin of :meth:`wait_any`."""

@@ -778,7 +778,7 @@ class EtcdBackend(Backend):
         kvs = self._range(name, self._key(name))
         return self._holder(kvs[0]) if kvs else None
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         seen = self._seen.get(name)
         if seen is None:  # we never saw it held: look once
             answer = self._post(name, "/kv/range", {"key": _b64(self._key(name))}, retry=True)

@@ -93,7 +93,7 @@ class MemoryBackend(Backend):
         log_forced(log, name, self.server)
         return True
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         with self._cond:
             if self._live(name, time.monotonic()) is not None:
                 self._cond.wait(timeout)

@@ -711,7 +711,7 @@ class RedisBackend(Backend):
         except CLIENT_ERRORS as exc:
             self._fail(names[0], exc)
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         self._blpop([name], timeout)
 
     def wait_any(self, names: Sequence[str], timeout: float) -> None:

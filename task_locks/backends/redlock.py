@@ -731,7 +731,7 @@ class RedlockBackend(Backend):
     ) -> Generator[tuple[_Master, float], None, None]:
         """Which master to block on, and for how long, until one wait works.
 
-        Written once for :meth:`wait` and :meth:`await_release`, which step it with
+        Written once for :meth:`wait_release` and :meth:`await_release`, which step it with
         :func:`task_locks._steps.run` / ``arun``: a wait's error is thrown in at its
         ``yield`` (a wait that returns ends the plan).
         """
@@ -755,7 +755,7 @@ class RedlockBackend(Backend):
             server=self.server,
         )
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait_release(self, name: str, timeout: float) -> None:
         if timeout <= self.retry_delay:
             time.sleep(max(0.0, timeout))  # a (random) back-off, not a wait for a holder
             return

@@ -208,7 +208,7 @@ def blocking_wait(backend: Any, asynchronous: bool) -> str:
     (``TASK_LOCKS_TEST_HANDOFF=server``) it is the pop of its grant."""
     if backend.server_handoff:
         return "aawait_grant" if asynchronous else "await_grant"
-    return "await_release" if asynchronous else "wait"
+    return "await_release" if asynchronous else "wait_release"
 
 
 def test_release_wakes_a_waiter_at_once(

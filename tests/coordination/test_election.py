@@ -26,7 +26,7 @@ def unique(prefix: str = "e") -> str:
 def spy_backend(url: str, event: threading.Event, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The real backend for ``url``, whose waits also say that a candidate is waiting."""
     backend = get_backend(url)
-    wait, await_release = backend.wait, backend.await_release
+    wait, await_release = backend.wait_release, backend.await_release
 
     def spied_wait(name: str, timeout: float) -> None:
         event.set()
@@ -36,7 +36,7 @@ def spy_backend(url: str, event: threading.Event, monkeypatch: pytest.MonkeyPatc
         event.set()
         await await_release(name, timeout)
 
-    monkeypatch.setattr(backend, "wait", spied_wait)
+    monkeypatch.setattr(backend, "wait_release", spied_wait)
     monkeypatch.setattr(backend, "await_release", spied_await_release)
     return backend
 

@@ -7,6 +7,11 @@ scheme or a capability must read them, so these tests fail when a copy creeps ba
 
 from __future__ import annotations
 
+import inspect
+import threading
+import time
+import uuid
+
 import pytest
 
 from task_locks import (
@@ -18,6 +23,7 @@ from task_locks import (
     MissingCapability,
     Semaphore,
     backends,
+    get_backend,
 )
 from task_locks.backends import BUILTIN_SCHEMES, PREFIX_SCHEMES, backend_class, known_schemes
 from task_locks.backends.base import CAPABILITIES, Backend
@@ -129,3 +135,31 @@ def test_missing_capability_names_what_is_missing() -> None:
     assert caught.value.missing == {Capability.CONSENSUS}
     assert "requires ['consensus']" in str(caught.value)
     assert caught.value.name == "vocab"
+
+
+@pytest.mark.parametrize("scheme", sorted(BUILTIN_SCHEMES))
+def test_every_asyncio_method_is_a_plus_its_blocking_twin(scheme: str) -> None:
+    """A backend's asyncio methods are named ``a`` + their blocking twin's name
+    (``wait_release`` / ``await_release``, ``renew`` / ``arenew``), so each is found from
+    the other."""
+    cls = backend_class(scheme)
+    names = {name for klass in cls.__mro__ for name in vars(klass)}
+    asynchronous = sorted(
+        name
+        for name in names
+        if not name.startswith("_") and inspect.iscoroutinefunction(getattr(cls, name))
+    )
+    assert asynchronous, "no asyncio method found"
+    assert [name for name in asynchronous if name[:1] != "a" or name[1:] not in names] == []
+
+
+def test_the_first_name_of_wait_release_still_waits() -> None:
+    """``Backend.wait`` (public since the first backends) is ``wait_release``: it blocks
+    until the release, not a poll's slice."""
+    backend = get_backend(f"memory://{uuid.uuid4().hex}")
+    lease = Lock("first-name", ttl=30, backend=backend).acquire()
+    threading.Timer(0.05, lease.release).start()
+    started = time.monotonic()
+    backend.wait("first-name", 10)
+    waited = time.monotonic() - started
+    assert 0.04 < waited < 5, f"returned after {waited:.3f}s: not when the lock was released"

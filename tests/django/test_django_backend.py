@@ -349,7 +349,7 @@ def test_a_waiter_wakes_soon_after_the_release(alias: str, url: str) -> None:
     releaser = threading.Thread(target=release_soon)
     releaser.start()
     started = time.monotonic()
-    backend.wait("wake", 20)  # the holder's TTL is 30 s: only the release ends this early
+    backend.wait_release("wake", 20)  # the holder's TTL is 30 s: only the release ends this early
     woke = time.monotonic()
     releaser.join(10)
     assert woke - started < 5
