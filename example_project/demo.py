@@ -72,9 +72,9 @@ from shop import tasks  # noqa: E402
 from shop.models import Invoice, JobRun  # noqa: E402
 
 from django_app import conf  # noqa: E402
-from task_locks.celery import SKIPPED  # noqa: E402
+from task_locks.celery import SKIPPED, Skipped  # noqa: E402
 
-FINISHED = {states.SUCCESS, states.FAILURE, states.REVOKED, SKIPPED}
+FINISHED = {states.SUCCESS, states.FAILURE, states.REVOKED}
 
 
 def say(text: str = "") -> None:
@@ -233,6 +233,8 @@ def main() -> int:
             for ident, (key, result) in list(pending.items()):
                 state = result.state
                 if state in FINISHED:
+                    if state == states.SUCCESS and isinstance(result.result, Skipped):
+                        state = SKIPPED  # a skipped run's result (a ready SUCCESS)
                     key.states[state] += 1
                     del pending[ident]
             # The second run starts once the first holds the lock, so the clash is certain;

@@ -180,7 +180,7 @@ RABBITMQ = ("127.0.0.1", 5672)
 
 def test_the_plain_celery_app_runs_on_rabbitmq(redis_url: str, tmp_path: Path) -> None:
     """docs/celery.md's RabbitMQ app with the quick start's worker command and send.py: one
-    call runs, its duplicate ends SKIPPED, as on the Redis broker."""
+    call runs, its duplicate is skipped (a ready Skipped result), as on the Redis broker."""
     import socket
 
     from tests.test_readme import WITH_A_WORKER, readme_blocks, run_plain_celery_app

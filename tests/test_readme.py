@@ -406,8 +406,8 @@ def test_shell_blocks_run(redis_url: str, tmp_path: Path) -> None:
 
 def test_plain_celery_app_with_a_worker(redis_url: str, tmp_path: Path) -> None:
     """The plain (non-Django) Celery app as written: ``tasks.py`` in a folder, the README's
-    worker command started there, then ``send.py``: one call runs, its duplicate ends
-    ``SKIPPED``."""
+    worker command started there, then ``send.py``: one call runs, its duplicate is
+    skipped, and both ``.get()``."""
     run_plain_celery_app(redis_url, tmp_path, Path(sys.executable).parent, [ROOT])
 
 
@@ -445,7 +445,7 @@ def run_plain_celery_app(
             start_new_session=True,
         )
     try:
-        # send.py waits up to 30 s for both states: enough for the worker to start.
+        # send.py waits up to 30 s for both results: enough for the worker to start.
         sent = subprocess.run(
             [str(bin_dir / "python"), "send.py"],
             cwd=tmp_path,
@@ -463,7 +463,7 @@ def run_plain_celery_app(
             worker.wait(timeout=5)
     worker_log = log.read_text(errors="replace")
     assert sent.returncode == 0, f"{sent.stdout}\n{sent.stderr}\n{worker_log}"
-    assert sent.stdout.strip().splitlines()[-1] == "['SKIPPED', 'SUCCESS']", worker_log
+    assert sent.stdout.strip().splitlines()[-1] == "['skipped', 'synced 42']", worker_log
     assert "skipped: lock 'sync:42' is held by" in worker_log, worker_log
 
 

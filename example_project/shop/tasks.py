@@ -37,7 +37,7 @@ def _run(job: str, key: str, seconds: float, retries: int = 0) -> int:
 
 @singleton_task(key="sync:{account_id}", ttl=30, on_conflict="skip")
 def sync_account(account_id: int, seconds: float = 1.0) -> int:
-    """Skip: a duplicate call while one runs is dropped and shows as SKIPPED."""
+    """Skip: a duplicate call while one runs is dropped; its result is a Skipped."""
     return _run("sync_account", f"sync:{account_id}", seconds)
 
 

@@ -6,11 +6,15 @@
     def sync_account(account_id): ...
 
 - The lock name is the rendered key, so ``Lock("sync:42")`` anywhere is the same lock.
-- ``on_conflict``: ``"skip"`` (log at INFO naming the holder, finish in state
-  ``SKIPPED``: not a success; ``AsyncResult.get()`` does not return for it, poll
-  ``.state``), ``"retry"`` (``self.retry`` with a jittered countdown, ``max_retries``
+- ``on_conflict``: ``"skip"`` (log at INFO naming the holder; the run ends ``SUCCESS``
+  with a :class:`Skipped` result, or with ``skip_as="failure"`` ``FAILURE`` with
+  :class:`DuplicateTask`: ready either way, so ``.get()`` returns and canvases go on),
+  ``"retry"`` (``self.retry`` with a jittered countdown, ``max_retries``
   applies, then fails with ``LockHeld``), ``"wait"`` (up to ``wait_timeout``, woken by
   the release), ``"raise"`` (fails with ``LockHeld`` naming the holder).
+- ``on_lost``: a lock lost while the body runs: ``"interrupt"`` (default) raises
+  ``LockLost`` in the body, ``"fail"`` lets it finish, and both end the run ``FAILURE``
+  with ``LockLost``; ``"ignore"`` keeps its result (:mod:`task_locks.celery.interrupt`).
 - ``limit=N`` (default 1): at most N runs of one key at once, through a
   :class:`~task_locks.Semaphore` named by the key (``current_lease()`` is the run's
   :class:`~task_locks.semaphore.Permit`); ``on_conflict`` applies when all N permits are
@@ -44,11 +48,14 @@ from . import signals as _signals
 from .task import (
     LOCK_ON,
     ON_CONFLICT,
+    ON_LOST,
+    SKIP_AS,
     SKIPPED,
     STALE_TICK,
     TOKEN_HEADER,
     DuplicateTask,
     SingletonTask,
+    Skipped,
     current_lease,
     singleton_task,
 )
@@ -63,12 +70,15 @@ AlreadyQueued = DuplicateTask
 __all__ = [
     "LOCK_ON",
     "ON_CONFLICT",
+    "ON_LOST",
     "SKIPPED",
+    "SKIP_AS",
     "STALE_TICK",
     "TOKEN_HEADER",
     "AlreadyQueued",
     "DuplicateTask",
     "SingletonTask",
+    "Skipped",
     "current_lease",
     "singleton_task",
 ]

@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from kombu.utils.json import register_type
+
 from ..context import AnyLease, current_lease
 from ..errors import LockHeld
 from ..policies import ON_CONFLICT
@@ -20,8 +22,15 @@ from ..policies import ON_CONFLICT
 if TYPE_CHECKING:
     from .task import SingletonTask
 
-#: The state a skipped run finishes in (``AsyncResult(id).state``); not a success.
+#: The word skipped runs are reported with (the worker's INFO line, :class:`Skipped`'s
+#: ``state``). A skipped run no longer *ends* in this custom state, which Celery never
+#: counts as ready (``.get()`` hung, chords never fired): it ends ``SUCCESS`` with a
+#: :class:`Skipped` result, or ``FAILURE`` with :class:`DuplicateTask` (``skip_as``).
 SKIPPED: Final = "SKIPPED"
+#: ``skip_as``: how a skipped run ends, in Celery's own states.
+SKIP_AS: Final = ("success", "failure")
+#: ``on_lost``: what a run does when its lock is lost while the body runs.
+ON_LOST: Final = ("interrupt", "fail", "ignore")
 #: The state of a beat tick refused because it was sent under an old leader's term.
 STALE_TICK: Final = "STALE_TICK"
 LOCK_ON: Final = ("run", "enqueue", "both")
@@ -42,7 +51,8 @@ class LockedTask:
 
 
 class DuplicateTask(LockHeld):
-    """A publish was dropped because the same key is already queued (or running).
+    """A publish was dropped because the same key is already queued (or running), or,
+    with ``skip_as="failure"``, a run was skipped because its key was held.
 
     ``existing`` is the :class:`~celery.result.AsyncResult` of the task that holds the
     key, when its id is known. ``apply_async``/``delay`` return it instead of raising
@@ -54,6 +64,49 @@ class DuplicateTask(LockHeld):
     ) -> None:
         super().__init__(message, name=name, holder=holder)
         self.existing = existing
+
+
+class Skipped:
+    """The result of a run skipped because its key was held (``on_conflict="skip"``).
+
+    ``AsyncResult.get()`` of a skipped call returns one (state ``SUCCESS``), a chain
+    passes it to the next task and a chord's callback gets it in its list. It is falsy,
+    compares by value, and survives the ``json`` serializer (a registered kombu type:
+    the reading side must have imported :mod:`task_locks.celery`, else it gets the dict
+    ``{"__type__": "task_locks.skipped", "__value__": {...}}``) and ``pickle``.
+    """
+
+    __slots__ = ("holder", "holder_task_id", "lock")
+    #: The word the worker's log line uses (:data:`SKIPPED`).
+    state: Final = SKIPPED
+
+    def __init__(
+        self, lock: str, holder_task_id: str | None = None, holder: str | None = None
+    ) -> None:
+        self.lock = lock
+        self.holder_task_id = holder_task_id
+        self.holder = holder
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lock": self.lock, "holder_task_id": self.holder_task_id, "holder": self.holder}
+
+    def __reduce__(self) -> tuple[type[Skipped], tuple[str, str | None, str | None]]:
+        return Skipped, (self.lock, self.holder_task_id, self.holder)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Skipped) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash((self.lock, self.holder_task_id, self.holder))
+
+    def __repr__(self) -> str:
+        return f"Skipped(lock={self.lock!r}, holder_task_id={self.holder_task_id!r})"
+
+
+register_type(Skipped, "task_locks.skipped", Skipped.as_dict, lambda fields: Skipped(**fields))
 
 
 def hand_over_to_retry(
@@ -95,11 +148,14 @@ __all__ = [
     "FENCE_HEADER",
     "LOCK_ON",
     "ON_CONFLICT",
+    "ON_LOST",
     "SKIPPED",
+    "SKIP_AS",
     "STALE_TICK",
     "TOKEN_HEADER",
     "DuplicateTask",
     "LockedTask",
+    "Skipped",
     "hand_over_to_retry",
     "message_arguments",
     "park_for_retry",

@@ -35,7 +35,7 @@ from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
 from ..context import AnyLease, _current, current_lease  # shared with @locked
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
-from ..lock import AsyncLease, AsyncLock, Lease, Lock, validate_timeout
+from ..lock import AsyncLease, AsyncLock, Lease, LeaseBase, Lock, validate_timeout
 from ..owner import owner_context
 from ..policies import Outcome, attempts, check_on_conflict, decide, holder_of, take
 from ..semaphore import MAX_LIMIT, AsyncSemaphore, Semaphore, slot_name
@@ -45,11 +45,14 @@ from ._common import (
     FENCE_HEADER,
     LOCK_ON,
     ON_CONFLICT,
+    ON_LOST,
+    SKIP_AS,
     SKIPPED,
     STALE_TICK,
     TOKEN_HEADER,
     DuplicateTask,
     LockedTask,
+    Skipped,
     unpark,
 )
 from .beat import (
@@ -63,6 +66,7 @@ from .beat import (
     election_holder,
     stale_tick_term,
 )
+from .interrupt import RunWatch
 from .keys import KeySpec, TaskKey
 from .options import call_options, for_this_call, with_lock_options
 from .publish import install_publish_guard
@@ -109,10 +113,18 @@ def check_options(
     enqueue_ttl: object,
     limit: object = 1,
     lock_unavailable: object = "fail",
+    on_lost: object = "interrupt",
+    skip_as: object = "success",
 ) -> TaskKey:
     """Validate a singleton task's lock options; the compiled key, or InvalidArgument."""
     check_on_conflict(on_conflict, f"task {task_name}", ON_CONFLICT)
     check_lock_unavailable(task_name, lock_unavailable)
+    for what, value, allowed in (("on_lost", on_lost, ON_LOST), ("skip_as", skip_as, SKIP_AS)):
+        if not isinstance(value, str) or value not in allowed:
+            raise InvalidArgument(
+                f"task {task_name}: {what} must be one of {', '.join(map(repr, allowed))}, "
+                f"got {value!r}"
+            )
     if lock_on not in LOCK_ON:
         raise InvalidArgument(
             f"task {task_name}: lock_on must be one of {', '.join(map(repr, LOCK_ON))}, "
@@ -180,6 +192,16 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     #: What a run does when its acquire meets ``BackendUnavailable``: ``"fail"`` or
     #: ``"retry"`` (:mod:`task_locks.celery.unavailable`).
     lock_unavailable: str = "fail"
+    #: A lock lost while the body runs: ``"interrupt"`` raises ``LockLost`` in the body,
+    #: ``"fail"`` fails the run when the body ends, ``"ignore"`` keeps its result
+    #: (:mod:`task_locks.celery.interrupt`).
+    on_lost: str = "interrupt"
+    #: A skipped run ends ``"success"`` (result: a :class:`Skipped`) or ``"failure"``
+    #: (:class:`DuplicateTask`).
+    skip_as: str = "success"
+    #: A run that lost its lock fails with one line, not a traceback (Celery's expected
+    #: errors); a task's own ``throws`` are kept beside it.
+    throws: tuple[type[BaseException], ...] = (LockLost,)
 
     #: The worker's main process recovers locks of killed children through this class.
     Request = "task_locks.celery.request:SingletonRequest"
@@ -208,7 +230,11 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             enqueue_ttl=cls.enqueue_ttl,
             limit=cls.lock_limit,
             lock_unavailable=cls.lock_unavailable,
+            on_lost=cls.on_lost,
+            skip_as=cls.skip_as,
         )
+        if LockLost not in cls.throws:
+            cls.throws = (*cls.throws, LockLost)
         cls._is_async = inspect.iscoroutinefunction(function)
 
     @classmethod
@@ -396,56 +422,65 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         if releaser.pending(name):  # this process's last run of the key is letting go
             releaser.flush_key(name)
         task_id = request.id
-        guard = None
+        guard: AnyLease | None = None
         guard_name = self._guard_name(name, task_id)
         if guard_name is not None:
-            guard = yield from self._take(guard_name, None, guard=True)
-            if guard is None:
-                return None
+            taken = yield from self._take(guard_name, None, guard=True)
+            if not isinstance(taken, LeaseBase):
+                return None if request.called_directly or task_id is None else taken
+            guard = taken
         try:
             lease = yield from self._take(name, self._run_token(handed), guard=False)
-        except BaseException:
+        except BaseException as exc:
             yield from self._release_guard(guard, task_id)
+            if isinstance(exc, LockHeld):
+                yield from self._free_refused(name, handed)
             raise
-        if lease is None:
+        if not isinstance(lease, LeaseBase):
             yield from self._release_guard(guard, task_id)
-            return None
+            yield from self._free_refused(name, handed)
+            return None if request.called_directly or task_id is None else lease
         if handed and _queued_fence(request) not in (None, lease.fence):
             self._queued_lock_expired(name)
         reset = _current.set(lease)
         live_leases.add(task_id, lease)
         if guard is not None:
             live_leases.add(task_id, guard)
+        watch = RunWatch(lease, self.on_lost, f"task {self.name}[{task_id}]")
+        run = watch.abody(body) if self._is_async else watch.body(body)
         try:
-            result = yield Call(body, args, kwargs)
-        except BaseException:
-            yield from self._release(lease, task_id, failing=True)
+            result = yield Call(run, args, kwargs)
+        except BaseException as exc:
+            watch.end()
+            yield from self._release(lease, task_id)
             yield from self._release_guard(guard, task_id)
+            if watch.is_interrupt(exc):
+                raise watch.failure() from None
             raise
         finally:
             _current.reset(reset)
+        watch.end()
         later = name if self._releases_later(request) else None
-        yield from self._release(lease, task_id, failing=False, later=later)
+        yield from self._release(lease, task_id, later=later)
         yield from self._release_guard(guard, task_id, later=later)
-        return result
+        return watch.outcome(result)
 
     def _take(
         self, name: str, token: str | None, *, guard: bool
-    ) -> Generator[_Step, Any, AnyLease | None]:
-        """Acquire as ``on_conflict`` says (the run guard if ``guard``); ``None``: return
-        without running."""
+    ) -> Generator[_Step, Any, AnyLease | Skipped | None]:
+        """Acquire as ``on_conflict`` says (the run guard if ``guard``); a
+        :class:`Skipped` (or ``None``): return it without running."""
         watched = False
+        refused: list[Skipped] = []
         while True:
             timeouts = self._attempts()
             try:
-                return (
-                    yield from take(
-                        functools.partial(_Acquire, self, name, token, guard),
-                        timeouts,
-                        self.on_conflict,
-                        f"task {self.name}",
-                        functools.partial(self._on_held, name, timeouts, not watched),
-                    )
+                lease = yield from take(
+                    functools.partial(_Acquire, self, name, token, guard),
+                    timeouts,
+                    self.on_conflict,
+                    f"task {self.name}",
+                    functools.partial(self._on_held, name, timeouts, not watched, refused),
                 )
             except BackendUnavailable as exc:
                 on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
@@ -455,11 +490,40 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 if not (yield from watch(self._lock_backend(), copy.held.name, copy.held)):
                     self._refuse_copy(copy.who)  # renewed, or released: never run it again
                 self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
+            else:
+                return lease if lease is not None or not refused else refused[0]
 
     def _on_held(
-        self, name: str, timeouts: list[float | None], watch: bool, held: LockHeld, number: int
+        self,
+        name: str,
+        timeouts: list[float | None],
+        watch: bool,
+        refused: list[Skipped],
+        held: LockHeld,
+        number: int,
     ) -> bool:
-        return self._conflict(name, held, timeouts, number, watch=watch)
+        skipped = self._conflict(name, held, timeouts, number, watch=watch)
+        if skipped is not None:
+            refused.append(skipped)
+        return skipped is not None
+
+    def _free_refused(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
+        """A ``lock_on="both"`` run refused by another holder frees its publish-time lock
+        (token-checked), else that lock would drop every publish of the key as a
+        duplicate of this message until ``enqueue_ttl`` (issue 23 bug 6: an old
+        library's key met by :class:`~task_locks.celery.peers.PeerCheckedTask`). A
+        second delivery of a running message never comes here: it is ignored."""
+        if handed and self.lock_on == "both":
+            try:
+                yield _DropQueued(self._lock_backend(), name, handed)
+            except LockError as exc:  # it expires by its TTL; the refusal goes on
+                log.warning(
+                    "task %s[%s]: freeing the queued lock %r: %s",
+                    self.name,
+                    self.request.id,
+                    name,
+                    exc,
+                )
 
     def _release_guard(
         self, guard: AnyLease | None, task_id: str | None, later: str | None = None
@@ -475,7 +539,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             live_leases.discard(task_id, guard)
 
     def _release(
-        self, lease: AnyLease, task_id: str | None, *, failing: bool, later: str | None = None
+        self, lease: AnyLease, task_id: str | None, later: str | None = None
     ) -> Generator[_Step, Any, None]:
         keep = unpark(lease)
         try:
@@ -484,8 +548,11 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 self._parked(lease, (yield _Renew(lease, int(keep * 1000))))
                 return
             yield _Release(lease, self._late(lease, later, task_id))
-        except (LockLost, BackendUnavailable) as exc:
-            self._release_failed(lease, exc, failing=failing)
+        except (LockLost, BackendUnavailable):
+            # The lease is marked lost, and that was logged (task_locks.events). The run's
+            # outcome was decided when its body ended (RunWatch.end): the same whether
+            # this release is sent now or after the run (issue 23 bug 4).
+            pass
         finally:
             live_leases.discard(task_id, lease)
 
@@ -543,17 +610,11 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     def _late(self, lease: AnyLease, later: str | None, task_id: str | None) -> _Late | None:
         """How to hand ``lease``'s release to the releaser, or ``None``: release it now.
 
-        A lease already lost here is released now, so that the run fails loudly as ever.
+        A lease already lost here is released now (the releaser is for live ones).
         """
         if later is None or not isinstance(lease, Lease) or not lease.held:
             return None
         return _Late(later, functools.partial(_late_release_failed, self.name, task_id))
-
-    def _release_failed(self, lease: AnyLease, exc: LockError, *, failing: bool) -> None:
-        """A lease lost while the body ran fails an otherwise successful run, loudly."""
-        if isinstance(exc, LockLost) and not failing:
-            raise exc
-        # Either way the lease was marked lost, and that was logged (task_locks.events).
 
     def _drop_queued_lock(self, name: str, token: str) -> Generator[_Step, Any, None]:
         """Free the lock taken when this message was published (token-checked).
@@ -623,12 +684,13 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         number: int,
         *,
         watch: bool = False,
-    ) -> bool:
-        """Act on a held lock: ``True`` to return without running; raise to end the run.
+    ) -> Skipped | None:
+        """Act on a held lock: a :class:`Skipped` to return without running; raise to end
+        the run.
 
         ``number`` is the attempt of ``attempts`` (timeouts) that found the lock held;
-        ``False`` means: go on with the next one (``on_conflict="wait"``, or a retry
-        waiting for its previous attempt).
+        ``None`` means: go on with the next one (``on_conflict="wait"``, a retry waiting
+        for its previous attempt, or a direct call's retry).
         """
         request = self.request
         holder_id = held.holder.owner.task_id if held.holder is not None else None
@@ -641,7 +703,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             # little for that first.
             if request.retries and number == 1:
                 attempts.insert(1, RETRY_HANDOVER_WAIT)
-                return False
+                return None
             if watch and held.holder is not None and redelivered(request):
                 raise _OwnCopy(held.holder, who)  # alive? (task_locks.celery.redelivery)
             self._refuse_copy(who)
@@ -656,9 +718,17 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             note=f" (holder task id {holder_id})",
         )
         if outcome is Outcome.AGAIN:
-            return False
+            return None
         if outcome is Outcome.RETRY:
             countdown = self.retry_countdown * random.uniform(0.5, 1.5)
+            if request.called_directly:
+                # No message to send again (a direct call; each item of chunks/map/starmap
+                # is one): Celery's retry would re-raise at once. Wait here instead, up to
+                # the countdown per retry (woken by the release), max_retries times.
+                if self.max_retries is not None and number > self.max_retries:
+                    raise held
+                attempts.append(countdown)
+                return None
             log.info(
                 "task %s[%s]: lock %r is held by %s; retrying in %.2fs",
                 self.name,
@@ -668,13 +738,13 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 countdown,
             )
             raise self.retry(exc=held, countdown=countdown)
-        if request.called_directly or request.id is None:
-            return True
-        meta: dict[str, Any] = {"lock": name, "holder_task_id": holder_id, "holder": who}
-        if self.lock_limit > 1:
-            meta["limit"] = self.lock_limit
-        self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
-        raise Ignore()
+        if self.skip_as == "failure":
+            raise DuplicateTask(
+                f"task {self.name}[{request.id}] skipped: lock {name!r} is held by {who}",
+                name=name,
+                holder=held.holder,
+            ) from None
+        return Skipped(name, holder_id, who)
 
 
 # -- the run's I/O: each step's blocking and awaited form, and the two drivers -----------
@@ -834,6 +904,8 @@ def singleton_task(
     enqueue_ttl: float | None = None,
     limit: int = 1,
     lock_unavailable: str = "fail",
+    on_lost: str = "interrupt",
+    skip_as: str = "success",
     app: Any = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -845,6 +917,9 @@ def singleton_task(
     named by the key; ``on_conflict`` applies when all N permits are taken).
     ``lock_unavailable="retry"`` retries a run whose lock service does not answer, as
     ``autoretry_for`` would (:mod:`task_locks.celery.unavailable`).
+    ``skip_as``: a skipped run ends ``"success"`` (its result a :class:`Skipped`) or
+    ``"failure"`` (:class:`DuplicateTask`). ``on_lost``: ``"interrupt"`` (``LockLost``
+    raised in the body), ``"fail"`` or ``"ignore"`` (:mod:`task_locks.celery.interrupt`).
     Usable bare (``@singleton_task``) or with options; with ``app=`` it registers on that
     app (``app.task``), else it is a ``shared_task``. Other keyword arguments are ordinary
     task options (``bind``, ``max_retries``, ``acks_late``, ``soft_time_limit``...). Bad
@@ -871,6 +946,8 @@ def singleton_task(
             enqueue_ttl=enqueue_ttl,
             limit=limit,
             lock_unavailable=lock_unavailable,
+            on_lost=on_lost,
+            skip_as=skip_as,
         )
         options: dict[str, Any] = {
             **task_options,
@@ -886,6 +963,8 @@ def singleton_task(
             "enqueue_ttl": enqueue_ttl,
             "lock_limit": limit,
             "lock_unavailable": lock_unavailable,
+            "on_lost": on_lost,
+            "skip_as": skip_as,
         }
         register = shared_task if app is None else app.task
         return register(**options)(function)
@@ -914,11 +993,14 @@ def _queued_fence(request: Any) -> int | None:
 __all__ = [
     "LOCK_ON",
     "ON_CONFLICT",
+    "ON_LOST",
     "SKIPPED",
+    "SKIP_AS",
     "STALE_TICK",
     "TOKEN_HEADER",
     "DuplicateTask",
     "SingletonTask",
+    "Skipped",
     "current_lease",
     "singleton_task",
 ]

@@ -17,18 +17,25 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from task_locks import LockLost
 from task_locks.celery import current_lease, singleton_task
+from task_locks.celery.peers import PeerCheckedTask
+from task_locks.peers import PeerKeys
 
 BROKER = os.environ.get("TL_CELERY_BROKER", "redis://127.0.0.1:6379/13")
 RESULTS = os.environ.get("TL_CELERY_RESULTS", "redis://127.0.0.1:6379/14")
 LOCKS = os.environ.get("TL_CELERY_LOCKS", "redis://127.0.0.1:6379/15")
+if RESULTS == "django-db":  # django-celery-results: results in the Django database
+    import django
+
+    django.setup()  # DJANGO_SETTINGS_MODULE=dbresults_settings (test_celery_canvas.py)
 
 app = Celery("celery_tasks", broker=BROKER, backend=RESULTS, set_as_current=False)
 app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=600,
-    task_default_queue="tl_default",
+    task_default_queue=os.environ.get("TL_CELERY_QUEUE", "tl_default"),
     task_routes={
         "celery_tasks.enqueue_task": {"queue": "tl_pending"},
         "celery_tasks.both_task": {"queue": "tl_pending"},
@@ -135,7 +142,7 @@ def hard_limited_task(self: Any, key: str, log: str) -> None:
     time.sleep(20)  # the worker's main process kills this child after 1 s
 
 
-@singleton_task(**common, ttl=30, on_conflict="raise", max_hold=2)
+@singleton_task(**common, ttl=30, on_conflict="raise", max_hold=2, on_lost="fail")
 def hung_task(self: Any, key: str, log: str, seconds: float) -> str:
     """Hangs; max_hold=2 must mark its lease lost and free the key after about 2 s."""
     lease = current_lease()
@@ -404,3 +411,129 @@ def crash_task(self: Any, key: str, log: str, seconds: float) -> str:
     if _first_delivery(self, log):
         time.sleep(seconds)
     return "finished"
+
+
+# -- canvases (tests/celery/test_celery_canvas.py): one task per outcome of a held key ------
+
+
+@singleton_task(**common, ttl=10, on_conflict="skip")
+def canvas_skip(self: Any, key: str, n: int) -> int:
+    return n
+
+
+@singleton_task(**common, ttl=10, on_conflict="skip", skip_as="failure")
+def canvas_skip_failure(self: Any, key: str, n: int) -> int:
+    return n
+
+
+@singleton_task(**common, ttl=10, on_conflict="raise")
+def canvas_raise(self: Any, key: str, n: int) -> int:
+    return n
+
+
+@singleton_task(**common, ttl=10, on_conflict="wait", wait_timeout=30)
+def canvas_wait(self: Any, key: str, n: int) -> int:
+    return n
+
+
+@singleton_task(**common, ttl=10, on_conflict="retry", retry_countdown=0.3, max_retries=None)
+def canvas_retry(self: Any, key: str, n: int) -> int:
+    return n
+
+
+@app.task
+def echo(value: Any) -> Any:
+    """A chain's next link: what it was given (a skipped link's Skipped marker)."""
+    return value
+
+
+@app.task
+def collect(values: list[Any]) -> list[Any]:
+    """A chord's callback: the header's results."""
+    return values
+
+
+@app.task
+def chord_failed(request: Any, exc: BaseException, traceback: Any, log: str) -> None:
+    """A chord's errback: records that it ran and what failed."""
+    record(log, errback=type(exc).__name__)
+
+
+# -- on_lost (tests/celery/test_celery_outcomes.py): a run whose lock is force-released -----
+
+
+def _lost_body(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    """Holds the key, says so, then "works" for ``seconds`` (sleeps of ``step``) unless
+    interrupted."""
+    start = time.time()
+    record(log, event="started", task_id=self.request.id, at=start)
+    try:
+        while time.time() - start < seconds:
+            time.sleep(step)
+    except LockLost as exc:
+        record(log, event="interrupted", after=time.time() - start, error=str(exc))
+        raise
+    record(log, event="finished", after=time.time() - start)
+    return "finished"
+
+
+@singleton_task(**common, ttl=1.5, on_conflict="raise")
+def lost_interrupt(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    return _lost_body(self, key, log, seconds, step)
+
+
+@singleton_task(**common, ttl=1.5, on_conflict="raise", on_lost="fail")
+def lost_fail(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    return _lost_body(self, key, log, seconds, step)
+
+
+@singleton_task(**common, ttl=1.5, on_conflict="raise", on_lost="ignore")
+def lost_ignore(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    return _lost_body(self, key, log, seconds, step)
+
+
+@singleton_task(**common, ttl=1.5, on_conflict="raise", ignore_result=True)
+def lost_interrupt_unstored(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    """No result stored: its outcome must be the same (issue 23 bug 4)."""
+    return _lost_body(self, key, log, seconds, step)
+
+
+@singleton_task(**common, ttl=1.5, on_conflict="raise", on_lost="fail", ignore_result=True)
+def lost_fail_unstored(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    return _lost_body(self, key, log, seconds, step)
+
+
+@signals.task_failure.connect
+def _record_failure(
+    sender: Any, task_id: str, exception: BaseException, args: Any, **_: Any
+) -> None:
+    """How a lost_* run ended, seen in the worker (no result backend needed)."""
+    if sender.name.startswith("celery_tasks.lost_"):
+        record(
+            args[1] + ":end",
+            state="FAILURE",
+            error=type(exception).__name__,
+            message=str(exception),
+        )
+
+
+@signals.task_success.connect
+def _record_success(sender: Any, result: Any, **_: Any) -> None:
+    if sender.name.startswith("celery_tasks.lost_"):
+        record(sender.request.args[1] + ":end", state="SUCCESS", result=result)
+
+
+# -- issue 23 bug 6: a lock_on="both" PeerCheckedTask meeting an old library's key ---------
+
+
+@singleton_task(
+    **common,
+    ttl=10,
+    lock_on="both",
+    on_conflict="skip",
+    base=PeerCheckedTask,
+    lock_peers=PeerKeys(LOCKS, "peer:{name}"),
+)
+def peer_both_task(self: Any, key: str, log: str) -> str:
+    record(log, event="ran", task_id=self.request.id)
+    return "ran"

@@ -59,6 +59,9 @@ def app() -> Iterator[Celery]:
         ({"limit": 2, "lock_on": "enqueue"}, "limit=2 needs lock_on='run', got 'enqueue'"),
         ({"limit": 3, "lock_on": "both"}, "limit=3 needs lock_on='run', got 'both'"),
         ({"lock_unavailable": "wait"}, "lock_unavailable must be one of 'fail', 'retry'"),
+        ({"on_lost": "retry"}, "on_lost must be one of 'interrupt', 'fail', 'ignore', got 'retry'"),
+        ({"on_lost": None}, "on_lost must be one of 'interrupt', 'fail', 'ignore', got None"),
+        ({"skip_as": "skipped"}, "skip_as must be one of 'success', 'failure', got 'skipped'"),
     ],
 )
 def test_bad_definitions_raise_at_definition_time(
@@ -84,6 +87,24 @@ def test_base_class_checks_its_options_when_the_task_class_is_built(app: Celery)
             on_conflict = "sometimes"
 
             def run(self, x: int) -> None: ...
+
+    with pytest.raises(InvalidArgument, match="on_lost must be one of"):
+
+        class Careless(SingletonTask):  # type: ignore[misc]
+            on_lost = "shrug"
+
+            def run(self, x: int) -> None: ...
+
+
+def test_a_singleton_task_expects_lock_lost_beside_its_own_throws(app: Celery) -> None:
+    """``LockLost`` is logged as one line (an expected error); a task's own ``throws``
+    stay expected too."""
+    from task_locks import LockLost
+
+    @singleton_task(app=app, shared=False, throws=(KeyError,))
+    def sync_account(account_id: int) -> None: ...
+
+    assert set(sync_account.throws) == {KeyError, LockLost}
 
 
 def test_base_must_be_a_singleton_task() -> None:
@@ -259,3 +280,17 @@ def test_async_task_with_a_limit_runs_under_an_async_permit(app: Celery, redis_u
     kind, name, held = render(1)
     assert kind == "AsyncPermit" and name.startswith("semaphore:render:1#") and held == 1
     assert Semaphore("render:1", limit=2, backend=redis_url).holders() == []
+
+
+def test_a_skipped_marker_survives_json_and_pickle() -> None:
+    """A skipped run's result crosses the result backend as itself (json: a kombu type)."""
+    import pickle
+
+    from kombu.utils.json import dumps, loads
+
+    from task_locks.celery import SKIPPED, Skipped
+
+    marker = Skipped("sync:42", "a1b2", "task t[a1b2] on w1 pid 7")
+    assert loads(dumps(marker)) == marker and pickle.loads(pickle.dumps(marker)) == marker
+    assert not marker and marker.state == SKIPPED
+    assert repr(marker) == "Skipped(lock='sync:42', holder_task_id='a1b2')"

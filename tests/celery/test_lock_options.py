@@ -19,7 +19,13 @@ from celery import Celery
 from deployments import REDIS_TOPOLOGIES, build_deployment, deployment_params
 
 from task_locks import InvalidArgument, Lock, LockHeld, get_backend
-from task_locks.celery import AlreadyQueued, DuplicateTask, current_lease, singleton_task
+from task_locks.celery import (
+    AlreadyQueued,
+    DuplicateTask,
+    Skipped,
+    current_lease,
+    singleton_task,
+)
 
 
 @contextlib.contextmanager
@@ -78,8 +84,8 @@ def test_lock_options_apply_to_one_call(eager: tuple[Celery, Any]) -> None:
 def test_on_conflict_and_timeout_per_call(eager: tuple[Celery, Any], lock_url: str) -> None:
     _app, job = eager
     with Lock("opt:1", ttl=10, backend=lock_url):
-        skipped = job.apply_async((1,))  # the task's own choice: skip
-        assert skipped.state != "SUCCESS"
+        skipped = job.apply_async((1,))  # the task's own choice: skip, a ready result
+        assert isinstance(skipped.get(), Skipped) and skipped.get().lock == "opt:1"
         with pytest.raises(LockHeld):
             job.apply_async((1,), lock_options={"on_conflict": "raise"})
         started = time.monotonic()
