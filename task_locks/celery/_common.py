@@ -88,6 +88,7 @@ class Skipped:
         self.holder = holder
 
     def as_dict(self) -> dict[str, Any]:
+        """Its fields, as the ``json`` serializer carries them."""
         return {"lock": self.lock, "holder_task_id": self.holder_task_id, "holder": self.holder}
 
     def __reduce__(self) -> tuple[type[Skipped], tuple[str, str | None, str | None]]:
