@@ -108,8 +108,10 @@ def test_copies_delivered_at_once_run_once(
             "every task id's final state",
         )
         assert all(state == "SUCCESS" for state in states.values()), states
+        # An id none of whose copies ran was skipped; one that ran may still show a copy
+        # skipped after the run ended (both are ready SUCCESS results).
         skipped = {i for i in ids if isinstance(task.AsyncResult(i).result, Skipped)}
-        assert skipped == set(ids) - ran, (skipped, ran)
+        assert set(ids) - ran <= skipped, (skipped, ran)
 
 
 @pytest.mark.parametrize(("on_conflict", "limit"), CELLS)
