@@ -12,6 +12,17 @@ speaks asyncio natively override them. The adapter's *waits* (``await_release``,
 pool of their own (:data:`ASYNC_WAIT_THREADS`), never in the event loop's default
 executor: there, a few waiters would hold up the holder's renewal and release queued
 behind them, until its lease expired.
+
+One word per concept, here and across the package:
+
+- a **hand-off** is the server's: a release hands the lock to the first queued waiter
+  (:attr:`Backend.server_handoff`: ``enqueue``, ``await_grant``, ``dequeue``; the waiter
+  is *granted* it);
+- a **hand-over** is a holder's: a lease passed on with its token to another run or
+  process (Celery's publish-time lock to its worker, a run to its retry, a beat tick to
+  its message); here it ends as a release with reason ``handed_over``;
+- a **deferred release** is a release given to :meth:`Backend.defer_release`, to ride the
+  next acquire's round trip (Celery's background releaser) or be sent by its owner.
 """
 
 from __future__ import annotations
@@ -82,7 +93,7 @@ def unknown_options(
 
 
 class DeferredRelease(abc.ABC):
-    """A release handed to :meth:`Backend.defer_release`: sent ahead of that backend's
+    """A release deferred with :meth:`Backend.defer_release`: sent ahead of that backend's
     next acquire, in the acquire's round trip, unless someone else sends it first.
 
     Exactly one party sends it: whoever wins :meth:`claim` (the acquire that carries it,
