@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -110,6 +111,19 @@ class Cluster:
             self.wait_ready(worker, broker=broker)
         return started
 
+    @contextmanager
+    def running(
+        self, specs: list[tuple[str, list[str], dict[str, str]]], broker: str | None = None
+    ) -> Iterator[list[Worker]]:
+        """:meth:`start` these workers, and stop them when done (a test module's own)."""
+        workers = self.start(specs, broker)
+        try:
+            yield workers
+        finally:
+            self.stop(workers)
+            for worker in workers:
+                self.workers.pop(worker.name, None)
+
     def wait_ready(self, worker: Worker, timeout: float = 30.0, broker: str | None = None) -> None:
         def ready() -> bool:
             if worker.proc.poll() is not None:
@@ -130,10 +144,14 @@ class Cluster:
 
     def stop_all(self) -> None:
         """Cold shutdown (SIGQUIT) for all at once, then SIGKILL what is left."""
-        for worker in self.workers.values():
+        self.stop(list(self.workers.values()))
+
+    def stop(self, workers: list[Worker]) -> None:
+        """Cold shutdown (SIGQUIT) for ``workers`` at once, then SIGKILL what is left."""
+        for worker in workers:
             worker.signal(signal.SIGQUIT)
         deadline = time.monotonic() + 3
-        for worker in self.workers.values():
+        for worker in workers:
             try:
                 worker.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

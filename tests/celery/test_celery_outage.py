@@ -33,10 +33,11 @@ def lock_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def outage_worker(cluster: Any, lock_server: RedisServer) -> Any:
+def outage_worker(cluster: Any, lock_server: RedisServer) -> Iterator[Any]:
     url = f"redis://:{PASSWORD}@127.0.0.1:{lock_server.port}/0?socket_timeout=1"
     options = ["-P", "threads", "-c", "2", "-Q", "tl_outage"]
-    return cluster.start([("outage", options, {"TL_OUTAGE_LOCKS": url})])[0]
+    with cluster.running([("outage", options, {"TL_OUTAGE_LOCKS": url})]) as started:
+        yield started[0]
 
 
 def run(cluster: Any, task_name: str) -> tuple[Any, str]:

@@ -44,25 +44,28 @@ def holder(cluster: Any, name: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def acks_worker(cluster: Any) -> Any:
-    return cluster.start([("acks", ["-P", "prefork", "-c", "2", "-Q", "tl_acks"], {})])[0]
+def acks_worker(cluster: Any) -> Iterator[Any]:
+    with cluster.running([("acks", ["-P", "prefork", "-c", "2", "-Q", "tl_acks"], {})]) as started:
+        yield started[0]
 
 
 @pytest.fixture(scope="module")
-def amqp_workers(cluster: Any) -> list[Any]:
+def amqp_workers(cluster: Any) -> Iterator[list[Any]]:
     """Two workers on RabbitMQ, one process each (one is killed whole by a test)."""
     options = ["-P", "prefork", "-c", "1", "-Q", AMQP_QUEUE]
     env = {"TL_CELERY_BROKER": AMQP}
-    return cluster.start([("amqp-a", options, env), ("amqp-b", options, env)], broker=AMQP)
+    with cluster.running([("amqp-a", options, env), ("amqp-b", options, env)], AMQP) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def redis_crash_workers(cluster: Any) -> list[Any]:
+def redis_crash_workers(cluster: Any) -> Iterator[list[Any]]:
     """Two workers on the Redis broker, one process each, unacked messages restored after
     2 s (one is killed whole by a test)."""
     options = ["-P", "prefork", "-c", "1", "-Q", "tl_crash"]
     env = {"TL_VISIBILITY_TIMEOUT": "2"}
-    return cluster.start([("crash-a", options, env), ("crash-b", options, env)])
+    with cluster.running([("crash-a", options, env), ("crash-b", options, env)]) as started:
+        yield started
 
 
 @contextmanager
@@ -141,10 +144,10 @@ def test_a_recycled_child_sends_its_runs_release_before_it_exits(
     is over it after its first task); results not stored, so each release follows its
     run. ``on_conflict="raise"`` refuses a run that finds the key taken: all three run."""
     queue = f"tl_recycle_{recycle.split('-')[3]}"
-    cluster.start([(queue, ["-P", "prefork", "-c", "1", recycle, "-Q", queue], {})])
     log = f"log:{key}"
-    for _ in range(3):
-        cluster.tasks.fire_and_forget_task.apply_async((key, log), queue=queue)
-    wait_until(lambda: len(intervals(log)) >= 3, 30, "three runs")
-    assert len({r["pid"] for r in intervals(log)}) == 3  # three children: one run each
-    wait_until(lambda: holder(cluster, f"t:{key}") is None, 5, "the key to be free")
+    with cluster.running([(queue, ["-P", "prefork", "-c", "1", recycle, "-Q", queue], {})]):
+        for _ in range(3):
+            cluster.tasks.fire_and_forget_task.apply_async((key, log), queue=queue)
+        wait_until(lambda: len(intervals(log)) >= 3, 30, "three runs")
+        assert len({r["pid"] for r in intervals(log)}) == 3  # three children: one run each
+        wait_until(lambda: holder(cluster, f"t:{key}") is None, 5, "the key to be free")
