@@ -456,7 +456,7 @@ class RedisModel:
 
     def cmd_set(self, args: list[str]) -> Any:
         key, value = args[0], args[1]
-        when, nx, xx, keepttl = None, False, False, False
+        when, nx, xx, keepttl, get = None, False, False, False, False
         i = 2
         while i < len(args):
             option = args[i].lower()
@@ -477,18 +477,21 @@ class RedisModel:
                 xx = True
             elif option == "keepttl":
                 keepttl = True
+            elif option == "get":  # Redis 6.2: answer the old value
+                get = True
             else:
                 raise CommandError("ERR syntax error")
             i += 1
         exists = self._alive(key)
+        old = self.get_value(key, str) if get else None  # WRONGTYPE if not a string
         if (nx and exists) or (xx and not exists):
-            return None
+            return old if get else None
         self.data[key] = value
         if when is not None:
             self.expires[key] = when
         elif not keepttl:
             self.expires.pop(key, None)
-        return Status("OK")
+        return old if get else Status("OK")
 
     # -- hashes ------------------------------------------------------------------------
 
