@@ -16,6 +16,9 @@ thread found it, and does what the task's ``on_lost`` says:
   - a body on another thread (the ``threads`` pool) gets it through
     ``PyThreadState_SetAsyncExc`` at its next Python bytecode: a blocking C call
     (``sleep``, a socket read) finishes first;
+  - a body in a greenlet (the ``gevent`` and ``eventlet`` pools) gets it thrown in by
+    its hub at the body's next switch: a sleep, a socket wait, or any other yield to
+    the hub (a body that never yields cannot be interrupted, nor renewed);
   - an ``async def`` body has its task cancelled and sees ``CancelledError`` at its
     current ``await``; the run then ends with ``LockLost``.
 
@@ -37,6 +40,7 @@ import asyncio
 import ctypes
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from types import FrameType
@@ -113,6 +117,7 @@ class RunWatch:
         self._ident = 0
         self._on_main = False
         self._task: asyncio.Task[Any] | None = None
+        self._green: Any = None  # the body's greenlet (gevent, eventlet)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lost_at_end = False
         self._previous = lease._on_lost
@@ -146,8 +151,11 @@ class RunWatch:
         def run(*args: Any, **kwargs: Any) -> Any:
             global _main_run
             self._ident = threading.get_ident()
-            self._on_main = self.mode == "interrupt" and (
-                threading.current_thread() is threading.main_thread() and _install()
+            self._green = _greenlet() if self.mode == "interrupt" else None
+            self._on_main = (
+                self.mode == "interrupt"
+                and self._green is None
+                and (threading.current_thread() is threading.main_thread() and _install())
             )
             if self._on_main:
                 _main_run = self
@@ -188,7 +196,7 @@ class RunWatch:
     def _leave(self) -> None:
         with self._guard:
             self._in_body = False
-            if self._sent and not self._on_main and self._task is None:
+            if self._sent and not self._on_main and self._task is None and self._green is None:
                 # Not raised yet (the body ended first): take the pending one back.
                 _set_async_exc(self._ident, None)
 
@@ -201,11 +209,15 @@ class RunWatch:
         with self._guard:
             if not self._in_body or self._sent:
                 return outcome
-            if threading.get_ident() == self._ident and self._task is None:
+            if _greenlet() is self._green is not None or (
+                self._green is None and threading.get_ident() == self._ident and not self._task
+            ):
                 # The body's own check()/renew() found it, and raises LockLost itself.
                 return outcome
             self._sent = True
-            if self._task is not None and self._loop is not None:
+            if self._green is not None:
+                _throw_green(self._green, self._throw)
+            elif self._task is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._cancel)
             elif self._on_main:
                 signal.pthread_kill(self._ident, LOST_SIGNAL)
@@ -213,6 +225,12 @@ class RunWatch:
                 _set_async_exc(self._ident, _Interrupt)
         log.info("%s: its lock %r was lost; interrupting the task", self.label, lease.name)
         return outcome
+
+    def _throw(self) -> None:
+        """In the hub: raise the interrupt in the body's greenlet, if it is still there."""
+        if self._in_body and self._green is not None and not self._raised:
+            self._raised = True
+            self._green.throw(self.interrupt_error())
 
     def _cancel(self) -> None:
         if self._in_body and self._task is not None:
@@ -242,6 +260,28 @@ class RunWatch:
             )
             return result
         raise self.failure()
+
+
+def _greenlet() -> Any:
+    """The greenlet running this code if it is a hub's child (gevent, eventlet), else None."""
+    module = sys.modules.get("greenlet")
+    if module is None or not ("gevent" in sys.modules or "eventlet" in sys.modules):
+        return None
+    current = module.getcurrent()
+    return current if current.parent is not None else None
+
+
+def _throw_green(green: Any, throw: Callable[[], None]) -> None:
+    """Have the body's hub call ``throw`` at its next turn (the body is not running now:
+    whoever found the loss is, in the same thread)."""
+    if "gevent" in sys.modules:
+        import gevent
+
+        gevent.get_hub().loop.run_callback_threadsafe(throw)
+    elif "eventlet" in sys.modules:
+        from eventlet import hubs
+
+        hubs.get_hub().schedule_call_global(0, throw)
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:

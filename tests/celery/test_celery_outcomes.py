@@ -19,7 +19,13 @@ from servers import wait_until
 from task_locks import LockLost, get_backend
 from task_locks.celery import Skipped
 
-QUEUES = {"prefork": "tl_default", "threads": "tl_threads", "solo": "tl_solo"}
+QUEUES = {
+    "prefork": "tl_default",
+    "threads": "tl_threads",
+    "solo": "tl_solo",
+    "gevent": "tl_gevent",
+    "eventlet": "tl_eventlet",
+}
 
 
 def start_and_lose(
@@ -49,14 +55,21 @@ def ended(cluster: Any, key: str) -> dict[str, Any]:
     return dict(json.loads(found[0]))
 
 
-@pytest.mark.parametrize("stored", [True, False], ids=["result-stored", "ignore-result"])
-@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+@pytest.mark.parametrize(
+    ("pool", "stored"),
+    [
+        *((pool, stored) for pool in ("prefork", "threads", "solo") for stored in (True, False)),
+        ("gevent", True),
+        ("eventlet", True),
+    ],
+)
 def test_interrupt_raises_lock_lost_in_the_body_as_soon_as_the_loss_is_known(
     cluster: Any, request: pytest.FixtureRequest, key: str, pool: str, stored: bool
 ) -> None:
     task = cluster.tasks.lost_interrupt if stored else cluster.tasks.lost_interrupt_unstored
-    # prefork/solo: one 30 s sleep, cut short by the signal; threads: the async exception
-    # lands between two Python bytecodes, so the body sleeps in short steps.
+    # prefork/solo: one 30 s sleep, cut short by the signal; gevent/eventlet: the hub throws
+    # it into the sleeping greenlet; threads: the async exception lands between two Python
+    # bytecodes, so the body sleeps in short steps.
     step = 0.05 if pool == "threads" else 30.0
     result, released = start_and_lose(cluster, request, task, pool, key, 30.0, step)
     end = ended(cluster, key)
