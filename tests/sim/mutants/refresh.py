@@ -68,29 +68,14 @@ mutant(
     "force_release_frees_a_new_holder",
     """
 Issue 12 item 2: an operator's force release frees whoever holds the lock now, not the
-holder the operator saw (the fence condition is gone from the release script).
+holder the operator saw (the fence condition is gone from the release).
 """,
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[3])""",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then
-  local tombstone = redis.call('get', KEYS[3])""",
-        ),
-        (
-            "task_locks/backends/redis_scripts.py",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[5])""",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1]) then
-  local tombstone = redis.call('get', KEYS[5])""",
-        ),
+            """  return fence == '' or held.fence == fence""",
+            """  return true""",
+        )
     ],
 )
 
@@ -130,29 +115,15 @@ mutant(
     "retried_release_reports_not_owned",
     """
 Issue 12, matrix M2: a release that redis-py resent after its first reply was lost
-answers "not ours" although the first attempt freed the lock (no tombstone check).
+answers "not ours" although the first attempt freed the lock (the release id left in
+the record is not looked at).
 """,
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """  local tombstone = redis.call('get', KEYS[3])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-""",
+            """  if held and held.rid == release_id then return 2 end""",
             """""",
-        ),
-        (
-            "task_locks/backends/redis_scripts.py",
-            """  local tombstone = redis.call('get', KEYS[5])
-  if tombstone and string.match(tombstone, '^([^:]*):') == ARGV[3] then return 2 end
-  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then""",
-            """  return 0
-end
-redis.call('set', KEYS[5], ARGV[3] .. ':' .. (held[3] or '') .. ':' .. held[1], 'px', ARGV[4])
-if ARGV[1] == '' then""",
-        ),
+        )
     ],
 )
 
@@ -167,16 +138,18 @@ any fence).
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """  -- later as the lock while someone else holds it. A holder's own release has no grant
-  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
-  redis.call('del', KEYS[1] .. ':grant:' .. held[1])
-""",
-            """  -- later as the lock while someone else holds it. A holder's own release has no grant
-  -- left (popped, or dropped by the ENQUEUE that found the lock its own).
-""",
+            """  if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
+end""",
+            """end""",
         ),
         (
             "task_locks/backends/redis_scripts.py",
+            """      if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
+""",
+            """""",
+        ),
+        (
+            "task_locks/backends/redis.py",
             """        if reply is None or above is None:
             return None
         fence = int(reply)
@@ -228,18 +201,12 @@ TIME)): from the counter alone, the first fence after a restart repeats an old o
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """  local last = tonumber(redis.call('get', KEYS[2]) or '0')
-  if last >= next_fence then next_fence = last + 1 end""",
-            """  local last = tonumber(redis.call('get', KEYS[2]) or '0')
-  next_fence = last + 1""",
-        ),
-        (
-            "task_locks/backends/redis_scripts.py",
-            """  last = tonumber(last or redis.call('get', counter) or '0')
-  if last >= next_fence then next_fence = last + 1 end""",
-            """  last = tonumber(last or redis.call('get', counter) or '0')
-  next_fence = last + 1""",
-        ),
+            """  local fence = us
+  last = tonumber(last or '0') or 0
+  if last >= fence then fence = last + 1 end""",
+            """  last = tonumber(last or '0') or 0
+  local fence = last + 1""",
+        )
     ],
 )
 
@@ -269,13 +236,9 @@ so a holder whose lease ran out frees the next holder's lock.
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[1] ~= '' and held[1] ~= ARGV[1])
-  or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[3])""",
-            """local held = redis.call('hmget', KEYS[1], 'token', 'ttl', 'fence')
-if not held[1] or (ARGV[2] ~= '' and held[3] ~= ARGV[2]) then
-  local tombstone = redis.call('get', KEYS[3])""",
+            """  if token ~= '' and held.token ~= token then return false end
+""",
+            """""",
         )
     ],
 )
@@ -290,12 +253,14 @@ on a lock that has been free most of its wait (the liveness check, on fair sched
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """if redis.call('exists', KEYS[2]) == 0 then
-  redis.call('rpush', KEYS[2], '1')
-  redis.call('pexpire', KEYS[2], held[2] or 60000)
-end
-return 1""",
-            """return 1""",
+            """  if waiters > 0 then
+    redis.call('rpush', signal_key, '1')
+    redis.call('pexpire', signal_key, signal_ttl)
+    waiters = waiters - 1
+  end""",
+            """  if waiters > 0 then
+    waiters = waiters - 1
+  end""",
         )
     ],
 )
