@@ -54,6 +54,10 @@ class Plan:
     renew_ttl: float
     renew_periods: float
     block_seconds: float = 0.5  # cap per subject per round, so slow backends stay cheap
+    #: Unique-name cycles per library whose leftovers the footprint cell counts
+    #: (``--footprint-cycles`` overrides), and the locks it holds at once.
+    footprint_cycles: int = 100_000
+    footprint_live: int = 10_000
     other_backends: bool = True  # redlock:// and etcd:// on servers of their own
     celery: bool = True
     libraries: tuple[str, ...] = (
@@ -82,7 +86,20 @@ PLANS = {
         "full", 15, 300, (2, 4, 8), (0.0, 0.001, 0.01), 1.5, 2, 4, (100, 1000, 10000), 3.0, 3
     ),
     "quick": Plan(
-        "quick", 5, 150, (2, 4, 8), (0.001,), 1.0, 1, 2, (100, 1000), 1.5, 2, block_seconds=0.25
+        "quick",
+        5,
+        150,
+        (2, 4, 8),
+        (0.001,),
+        1.0,
+        1,
+        2,
+        (100, 1000),
+        1.5,
+        2,
+        block_seconds=0.25,
+        footprint_cycles=10_000,
+        footprint_live=2_000,
     ),
     "smoke": Plan(
         "smoke",
@@ -97,6 +114,8 @@ PLANS = {
         1.5,
         1.5,
         block_seconds=0.2,
+        footprint_cycles=300,
+        footprint_live=100,
         other_backends=False,
         celery=False,
         libraries=("task-locks", "task-locks-handoff", "redis-py"),

@@ -567,6 +567,32 @@ def contention_libraries(
     return libs
 
 
+def measure_footprint(
+    libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Per library, alone on a database of its own (12): the bytes and keys of a live
+    lock, and what ``plan.footprint_cycles`` unique-name cycles leave behind."""
+    db_url = url.rsplit("/", 1)[0] + "/12"
+    results: dict[str, dict[str, Any]] = {}
+    for label, python, adapter in libraries:
+        worker = Worker(python, f"footprint-{adapter}", log_dir)
+        try:
+            worker.call(op="setup", adapter=adapter, url=db_url, name="bench:fp", ttl=TTL)
+            results[label] = worker.call(
+                timeout=60 + plan.footprint_cycles * 0.01,
+                op="footprint",
+                url=db_url,
+                n=plan.footprint_cycles,
+                live=plan.footprint_live,
+            )
+        except WorkerError as exc:
+            results[label] = {"error": str(exc).splitlines()[-1][:300]}
+        finally:
+            worker.close()
+        log(f"footprint: {label} {results[label]}")
+    return results
+
+
 def hooks(
     plan: Plan, celery: bool, url: str, peers_python: str | None, peers: dict[str, str]
 ) -> dict[str, Any]:
@@ -698,6 +724,10 @@ def measure_all(
         log(f"renewal: {plan.leases} leases")
         renewal = measure_renewal(url, plan, log_dir, admin.flushall)
         admin.flushall()
+        log(f"footprint: {plan.footprint_cycles:,} unique-name cycles per library")
+        footprint = measure_footprint(
+            contention_libraries(plan, peers_python, peers), url, plan, log_dir
+        )
         hooked = hooks(plan, celery, url, peers_python, peers)
     finally:
         for worker in workers:
@@ -720,6 +750,7 @@ def measure_all(
         "wakeup": wakeup,
         "renewal": renewal,
         "renewal_ttl": plan.renew_ttl,
+        "footprint": footprint,
         "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
         "celery_profile": {k: v for k, v in hooked["celery_profile"].items() if k != "traceback"},
         "backends": hooked["backends"],

@@ -208,6 +208,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         )
     add("")
 
+    out.extend(footprint_markdown(results.get("footprint", {}), results["plan"]))
     add("## Celery (`bench/celery_bench.py`)\n")
     out.extend(celery_markdown(results.get("celery", {})))
     out.extend(profile_markdown(results.get("celery_profile", {})))
@@ -231,6 +232,32 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         out.extend(f"- {note}" for note in results["notes"])
         add("")
     path.write_text("\n".join(out) + "\n")
+
+
+def footprint_markdown(footprint: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """What each library keeps in Redis: per live lock, and after unique-name cycles."""
+    if not footprint:
+        return []
+    lines = [
+        "## Redis footprint: what a lock keeps in Redis\n",
+        f"Each library alone on a flushed database. Live: {plan['footprint_live']:,} locks "
+        "held at once, `used_memory` and keys per lock. Left: right after "
+        f"{plan['footprint_cycles']:,} acquire+release cycles, each of a name of its own; "
+        '"beyond 60 s" counts the keys left without an expiry or with a longer one.\n',
+        "| library | bytes / live lock | keys / live lock | keys left | bytes left "
+        "| keys left beyond 60 s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in footprint.items():
+        if "error" in r:
+            lines.append(f"| {label} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {label} | {fmt(r['live_bytes_per_lock'], 0)} | {fmt(r['live_keys_per_lock'], 2)} "
+            f"| {r['left_keys']:,} | {r['left_bytes']:,} | {r['left_keys_beyond_60s']:,} |"
+        )
+    lines.append("")
+    return lines
 
 
 def celery_markdown(celery: dict[str, Any]) -> list[str]:

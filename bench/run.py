@@ -41,9 +41,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
 from common import PLANS, log  # noqa: E402
-from measure import machine_facts, measure_all  # noqa: E402
+from measure import (  # noqa: E402
+    contention_libraries,
+    machine_facts,
+    measure_all,
+    measure_footprint,
+)
 from peers import ensure_peers, versions_of  # noqa: E402
-from report import write_results  # noqa: E402
+from report import footprint_markdown, write_results  # noqa: E402
 from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
 from targets import target_rows  # noqa: E402
 
@@ -58,12 +63,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-celery", action="store_true", help="skip bench/celery_bench.py and celery_profile.py"
     )
     parser.add_argument("--out", type=Path, default=BENCH, help="where results.* go")
+    parser.add_argument(
+        "--footprint-cycles", type=int, help="unique-name cycles of the footprint cell"
+    )
+    parser.add_argument(
+        "--only-footprint",
+        action="store_true",
+        help="run only the footprint cell (and print it): what each lock leaves in Redis",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.footprint_cycles:
+        plan = dataclasses.replace(plan, footprint_cycles=args.footprint_cycles)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     # Worker logs (their stderr) live in a temp dir, kept only when the run fails.
@@ -78,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{plan.mode} run; redis-server on port {server.port}; peers: "
             + ", ".join(f"{k} {v}" for k, v in peers.items())
         )
+        if args.only_footprint:
+            found = measure_footprint(
+                contention_libraries(plan, peers_python, peers), url, plan, log_dir
+            )
+            print("\n".join(footprint_markdown(found, dataclasses.asdict(plan))))
+            return 0
         measured = measure_all(plan, url, peers_python, peers, log_dir, celery=not args.no_celery)
         machine["loadavg_end"] = os.getloadavg()
         results: dict[str, Any] = {

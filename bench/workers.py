@@ -34,6 +34,8 @@ class Adapter:
 
     library = "?"
     client: Any = None  # a raw redis-py client on the same server, for the floor
+    lock: Any = None
+    make_lock: Callable[[str], Any]  # the library's lock object for another name
 
     def acquire(self) -> None:
         raise NotImplementedError
@@ -68,7 +70,8 @@ class TaskLocks(Adapter):
 
         self.backend = get_backend(url)
         self.client = getattr(self.backend, "client", None)
-        self.lock = Lock(name, ttl=ttl, backend=self.backend, renew=renew)
+        self.make_lock = lambda name: Lock(name, ttl=ttl, backend=self.backend, renew=renew)
+        self.lock = self.make_lock(name)
         self.lease: Any = None
 
     def acquire(self) -> None:
@@ -90,7 +93,8 @@ class RedisPyLock(Adapter):
         import redis
 
         self.client = redis.Redis.from_url(url)
-        self.lock = self.client.lock(name, timeout=ttl)
+        self.make_lock = lambda name: self.client.lock(name, timeout=ttl)
+        self.lock = self.make_lock(name)
 
     def acquire(self) -> None:
         self.lock.acquire()
@@ -112,7 +116,8 @@ class PythonRedisLock(Adapter):
         import redis_lock
 
         self.client = redis.Redis.from_url(url)
-        self.lock = redis_lock.Lock(self.client, name, expire=int(max(1, ttl)))
+        self.make_lock = lambda name: redis_lock.Lock(self.client, name, expire=int(max(1, ttl)))
+        self.lock = self.make_lock(name)
 
     def acquire(self) -> None:
         self.lock.acquire()
@@ -134,7 +139,10 @@ class Pottery(Adapter):
         from pottery import Redlock
 
         self.client = redis.Redis.from_url(url)
-        self.lock = Redlock(key=name, masters={self.client}, auto_release_time=ttl)
+        self.make_lock = lambda name: Redlock(
+            key=name, masters={self.client}, auto_release_time=ttl
+        )
+        self.lock = self.make_lock(name)
 
     def acquire(self) -> None:
         if not self.lock.acquire():
@@ -157,9 +165,10 @@ class Sherlock(Adapter):
         import sherlock
 
         self.client = redis.Redis.from_url(url)
-        self.lock = sherlock.RedisLock(
+        self.make_lock = lambda name: sherlock.RedisLock(
             name, client=self.client, expire=int(max(1, ttl)), timeout=60
         )
+        self.lock = self.make_lock(name)
 
     def acquire(self) -> None:
         if not self.lock.acquire():
@@ -395,6 +404,53 @@ def wake_push(url: str, key: str, n: int, gap: float) -> dict[str, Any]:
     return {"ping": pings}
 
 
+def footprint(adapter: Adapter, url: str, n: int, live: int) -> dict[str, Any]:
+    """What this library leaves in Redis (its own database, flushed first).
+
+    ``live`` locks held at once: bytes (``used_memory``) and keys each. Then ``n``
+    acquire+release cycles, each of a name of its own: the keys and bytes left right
+    after, and how many of those keys outlive 60 s (no expiry, or a longer one).
+    """
+    import redis
+
+    admin = redis.Redis.from_url(url)
+
+    def used() -> int:
+        return int(admin.info("memory")["used_memory"])
+
+    admin.flushdb()
+    base = used()
+    held = []
+    for i in range(live):
+        adapter.lock = adapter.make_lock(f"bench:fp:live:{i}")
+        adapter.acquire()
+        held.append(adapter.lock)
+    live_bytes, live_keys = (used() - base) / live, admin.dbsize() / live
+    for lock in held:
+        adapter.lock = lock
+        adapter.release()
+    admin.flushdb()
+    base = used()
+    for i in range(n):
+        adapter.lock = adapter.make_lock(f"bench:fp:{i}")
+        adapter.acquire()
+        adapter.release()
+    left_bytes, left_keys = used() - base, admin.dbsize()
+    lasting = 0
+    for key in admin.scan_iter(count=1000):
+        pttl = admin.pttl(key)
+        lasting += pttl == -1 or pttl > 60_000
+    admin.flushdb()
+    return {
+        "live_bytes_per_lock": live_bytes,
+        "live_keys_per_lock": live_keys,
+        "cycles": n,
+        "left_keys": left_keys,
+        "left_bytes": left_bytes,
+        "left_keys_beyond_60s": lasting,
+    }
+
+
 # -- the command loop --------------------------------------------------------------------
 
 
@@ -429,6 +485,8 @@ def serve() -> None:
                     reply = cycles(adapter, **request)
                 elif op == "floor":
                     reply = floor(adapter, request["n"])
+                elif op == "footprint":
+                    reply = footprint(adapter, **request)
                 elif op == "contend":
                     reply = {"records": contend(adapter, **request)}
                 else:

@@ -341,7 +341,8 @@ class LeaseBase:
         """
         if self.lost.is_set():
             self._mark_lost(
-                LostReason.DEADLINE, DEADLINE_REASON + "; the renewal's reply came after the deadline"
+                LostReason.DEADLINE,
+                DEADLINE_REASON + "; the renewal's reply came after the deadline",
             )
             return False
         valid = self._valid_for
@@ -841,7 +842,9 @@ class LockBase:
                 if queued:
                     yield Dequeue(name, token)
                 held = _held_message(name, result, now - start)
-                report_conflict(name, backend, held, now - start, timeout, owner, result.holder_fence)
+                report_conflict(
+                    name, backend, held, now - start, timeout, owner, result.holder_fence
+                )
                 raise held
             if (
                 mine is not None

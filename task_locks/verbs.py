@@ -69,6 +69,7 @@ EX_TEMPFAIL: Final = 75
 #: The backend answered but disagrees with its URL (password, TLS, not Redis): fix the URL.
 EX_CONFIG: Final = 78
 
+
 class Audit(Protocol):
     """Where the verbs report lock events (the Django app also writes ``LockEvent`` rows):
     a :class:`~task_locks.events.Forced` release, or a :class:`~task_locks.events.Conflict`
@@ -128,7 +129,6 @@ def positive_seconds(text: str) -> float:
     if not value > 0 or math.isinf(value):  # NaN too
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text!r}")
     return value
-
 
 
 def add_verbs(parser: argparse.ArgumentParser, *, where: str = "") -> Any:

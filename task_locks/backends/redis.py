@@ -49,7 +49,14 @@ from functools import partial
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
@@ -147,6 +154,8 @@ class RedisBackend(Backend):
             )
         self.scheme = parts.scheme.lower()
         self.cluster = self.scheme == "redis+cluster"
+        #: Fence counters per hash slot: on a cluster, or once a plain URL met a node.
+        self._slotted = self.cluster
         # (not urlunsplit: it would turn unix:///path into unix:/path)
         base = url.split("?", 1)[0].split("#", 1)[0]
         self._clients = ClientFactory(
@@ -205,7 +214,15 @@ class RedisBackend(Backend):
         return f"{self.prefix}{{{hash_tag(name)}}}"
 
     def _counter(self, name: str) -> str:
-        return counter_key(self.prefix, name)
+        """The fence counter for ``name``: the database's, or on a cluster its slot's."""
+        return counter_key(self.prefix, name if self._slotted else None)
+
+    def _reslot(self, args: list[Any]) -> list[Any]:
+        """Script arguments with the database's counter replaced by the slot's."""
+        plain, keys = counter_key(self.prefix), int(args[0])
+        name = self._name(args[1])
+        return [counter_key(self.prefix, name) if 0 < i <= keys and a == plain else a
+                for i, a in enumerate(args)]  # fmt: skip
 
     def _name(self, key: Any) -> str:
         return untag(_text(key)[len(self.prefix) + 1 : -1])
@@ -217,6 +234,8 @@ class RedisBackend(Backend):
     # -- errors -------------------------------------------------------------------------
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
+        if isinstance(exc, ClusterCrossSlotError):  # a pipeline's: the next call is slotted
+            self._slotted = True
         what = f"lock {name!r}" if name else "listing locks"
         raise translate(exc, what=what, name=name, server=self.server, prefix=self.prefix) from exc
 
@@ -430,9 +449,15 @@ class RedisBackend(Backend):
 
     def _eval(self, client: Any, script: str, args: list[Any]) -> Any:
         try:
-            return client.evalsha(SCRIPTS.sha[script], *args)
-        except NoScriptError:  # a fresh or flushed server: EVAL also caches the script
-            return client.eval(SCRIPTS.source[script], *args)
+            try:
+                return client.evalsha(SCRIPTS.sha[script], *args)
+            except NoScriptError:  # a fresh or flushed server: EVAL also caches the script
+                return client.eval(SCRIPTS.source[script], *args)
+        except ClusterCrossSlotError:
+            if self._slotted:
+                raise
+            self._slotted = True  # a cluster node behind a plain URL (refused unrun)
+            return self._eval(client, script, self._reslot(args))
 
     @staticmethod
     def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -760,9 +785,15 @@ class RedisBackend(Backend):
 
     async def _aeval(self, client: Any, script: str, args: list[Any]) -> Any:
         try:
-            return await client.evalsha(SCRIPTS.sha[script], *args)
-        except NoScriptError:
-            return await client.eval(SCRIPTS.source[script], *args)
+            try:
+                return await client.evalsha(SCRIPTS.sha[script], *args)
+            except NoScriptError:
+                return await client.eval(SCRIPTS.source[script], *args)
+        except ClusterCrossSlotError:
+            if self._slotted:
+                raise
+            self._slotted = True
+            return await self._aeval(client, script, self._reslot(args))
 
     @staticmethod
     async def _apipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:

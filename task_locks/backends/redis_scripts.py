@@ -16,12 +16,12 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
   and never writes a signal when nobody waits. The release id of a held record is that
   of the release that freed the lock for this holder (its tombstone's) or handed it on
   (server hand-off), so a resend arriving after the next acquire still finds it.
-- ``<prefix>fence:{<tag>}`` the **fence counter** of the lock's hash slot, shared by
-  every lock of that slot (:func:`counter_key`: the tag is one of that slot,
-  :func:`slot_tag`), so a script's keys share a slot on a cluster, and on a cluster
-  node reached by a plain ``redis://`` URL too. At most 16,384 per database, whatever
-  the number of names or runs; each expires ``fence_ttl`` after the last acquire in its
-  slot.
+- ``<prefix>fence`` the **fence counter**, one for the database, shared by every lock;
+  on a cluster one per hash slot, ``<prefix>fence:{<tag>}`` with a tag of that slot
+  (:func:`counter_key`, :func:`slot_tag`), so a script's keys share the lock's slot (a
+  plain ``redis://`` URL that turns out to reach a cluster node switches to these at its
+  first CROSSSLOT refusal). Their number does not grow with names or runs; each expires
+  ``fence_ttl`` after the last acquire it served.
 - ``<prefix>{name}:signal`` a list a release pushes to when someone waits; waiters
   BLPOP it. It lives ``signal_ms`` (the socket timeout: no BLPOP blocks longer).
 - ``handoff=server`` waiters: ``<prefix>{name}:queue`` (zset of tokens by arrival),
@@ -560,8 +560,11 @@ def untag(tag: str) -> str:
     return tag.replace("%7D", "}").replace("%25", "%")
 
 
-def counter_key(prefix: str, name: str) -> str:
-    """The fence counter serving lock ``name``: its hash slot's."""
+def counter_key(prefix: str, name: str | None = None) -> str:
+    """The fence counter serving lock ``name`` on a cluster: its hash slot's; without a
+    name, the database's one counter (a server that is no cluster node)."""
+    if name is None:
+        return f"{prefix}fence"
     return f"{prefix}fence:{{{slot_tag(key_slot(hash_tag(name)))}}}"
 
 

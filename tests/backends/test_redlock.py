@@ -122,7 +122,7 @@ def test_fences_grow_when_masters_disagree(
     masters = masters_factory(3)
     url = masters.url(fence_sync=fence_sync)
     ahead = int((time.time() + 3600) * 1e6)
-    redis.Redis(port=masters[2].port).set(counter_key("task_locks:", "skew"), ahead)
+    redis.Redis(port=masters[2].port).set(counter_key("task_locks:"), ahead)
     masters[1].kill()  # so the first majority must include the master that is ahead
     first = Lock("skew", ttl=5, backend=url).acquire(timeout=0)
     assert first.fence > ahead
@@ -199,7 +199,7 @@ def test_force_release_by_fence_frees_the_holder_on_every_master(
     # Each master far apart: the fences they hand out for one acquire all differ.
     for offset, server in enumerate(masters):
         ahead = int((time.time() + 3600 * offset) * 1e6)
-        redis.Redis(port=server.port).set(counter_key("task_locks:", "audit"), ahead)
+        redis.Redis(port=server.port).set(counter_key("task_locks:"), ahead)
 
     def force(fence: int) -> bool:
         if mode == "sync":

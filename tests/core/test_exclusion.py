@@ -51,7 +51,7 @@ def test_fence_increases_over_1000_acquisitions_and_across_restart(
     assert all(later > earlier for earlier, later in pairwise(fences))
 
     server.restart()  # no persistence: the fence counter is gone
-    assert not redis.Redis(port=server.port).exists(counter_key("task_locks:", "fenced"))
+    assert not redis.Redis(port=server.port).exists(counter_key("task_locks:"))
     handle = driver.acquire("fenced", timeout=0, backend=url, ttl=5)
     assert handle.fence > fences[-1]
     handle.release()
