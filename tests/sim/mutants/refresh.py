@@ -35,9 +35,23 @@ def _find(hint: str, old: str, texts: dict[str, tuple[str, str]]) -> str:
     raise Pending(f"no module holds {old[:60]!r}")
 
 
-def mutant(name: str, why: str, edits: list[tuple[str, str, str]], pending: bool = False) -> None:
+def mutant(
+    name: str,
+    why: str,
+    edits: list[tuple[str, str, str]],
+    pending: bool = False,
+    otherwise: list[tuple[str, str, str]] | None = None,
+) -> None:
     """Write ``NAME.diff``. ``pending``: the fix it reverts may not have landed yet (then
-    no diff is written); otherwise a snippet not found means the mutant needs updating."""
+    no diff is written); otherwise a snippet not found means the mutant needs updating.
+    ``otherwise``: the same bug in the code's other shape (before or after a refactor
+    in flight), used when ``edits`` do not apply."""
+    if otherwise is not None:
+        try:
+            for hint, old, _ in edits:
+                _find(hint, old, {})
+        except Pending:
+            edits = otherwise
     texts: dict[str, tuple[str, str]] = {}
     for hint, old, new in edits:
         try:
@@ -103,6 +117,28 @@ no deadline watch).
             """    def _watch(self) -> None:
         self._watched = True
         deadline_watch().add(self)
+""",
+            """    def _watch(self) -> None:
+        self._watched = False
+""",
+        ),
+    ],
+    otherwise=[  # the lease on an injected runtime (task_locks.leasing)
+        (
+            "task_locks/lock.py",
+            "return self._set or self._now() >= self._deadline",
+            "return self._set",
+        ),
+        (
+            "task_locks/lock.py",
+            "            and self._clock.monotonic() < self._book.deadline\n",
+            "",
+        ),
+        (
+            "task_locks/lock.py",
+            """    def _watch(self) -> None:
+        self._watched = True
+        self._runtime.watch(self)
 """,
             """    def _watch(self) -> None:
         self._watched = False
@@ -188,6 +224,16 @@ reply moves the local deadline past the server's expiry.
             "task_locks/watchdog.py",
             """            if lease._renewed(sent_at):""",
             """            if lease._renewed(now):""",
+        )
+    ],
+    otherwise=[  # the lease on an injected runtime (task_locks.leasing)
+        (
+            "task_locks/leasing.py",
+            """            if outcome is True:
+                if lease._renewed(call):""",
+            """            if outcome is True:
+                call.sent_at = now
+                if lease._renewed(call):""",
         )
     ],
 )
