@@ -30,7 +30,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import secrets
 import sys
+import threading
 import time as real_time
 from collections import deque
 from collections.abc import Callable
@@ -201,24 +203,34 @@ class _Raise:
 
 
 class SimTime:
-    """Stands in for the ``time`` module inside ``task_locks``: the active client's clocks."""
+    """Stands in for the ``time`` module inside ``task_locks``: the active client's clocks.
+
+    Only for the simulation's own thread: any other thread of the process (a test's
+    leftover renewal thread, the event hub) keeps the real clock."""
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
+        self.thread = threading.get_ident()
 
     def monotonic(self) -> float:
+        if threading.get_ident() != self.thread:
+            return real_time.monotonic()
         client = self.sim.active
         return self.sim.now if client is None else client.monotonic()
 
     perf_counter = monotonic
 
     def time(self) -> float:
+        if threading.get_ident() != self.thread:
+            return real_time.time()
         client = self.sim.active
         return 1_700_000_000.0 + self.sim.now if client is None else client.wall()
 
     def sleep(self, seconds: float) -> None:
         client = self.sim.active
-        assert client is not None, "time.sleep outside a simulated client"
+        if threading.get_ident() != self.thread or client is None:
+            real_time.sleep(seconds)
+            return
         client.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
@@ -230,8 +242,11 @@ class SimSecrets:
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
+        self.thread = threading.get_ident()
 
     def token_hex(self, nbytes: int = 32) -> str:
+        if threading.get_ident() != self.thread:
+            return secrets.token_hex(nbytes)
         client = self.sim.active
         rng = client.rng if client is not None else random.Random(self.sim.seed)
         return f"{rng.getrandbits(nbytes * 8):0{nbytes * 2}x}"
@@ -242,8 +257,11 @@ class SimRandom:
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
+        self.thread = threading.get_ident()
 
     def __getattr__(self, name: str) -> Any:
+        if threading.get_ident() != self.thread:
+            return getattr(random, name)
         client = self.sim.active
         rng = client.rng if client is not None else random.Random(self.sim.seed)
         return getattr(rng, name)
