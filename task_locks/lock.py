@@ -61,10 +61,11 @@ from .errors import (
     NotOwned,
 )
 from .events import HANDED_OVER, LostReason, ReleaseReason
+from .leasing import Clock, Lane, LeaseBook, LeaseRuntime, RenewCall, current_runtime, retry_delay
 from .owner import current_owner
 from .owner import internal as owner_internal
 from .types import AcquireResult, Holder
-from .watchdog import Lane, async_renewer, deadline_watch, thread_renewer
+from .watchdog import process_runtime
 
 log = logging.getLogger("task_locks.lock")
 
@@ -173,15 +174,19 @@ class LostFlag:
     about a kilobyte, on every acquire.
     """
 
-    __slots__ = ("_deadline", "_event", "_set")
+    __slots__ = ("_clock", "_deadline", "_event", "_set")
 
-    def __init__(self, deadline: float = math.inf) -> None:
+    def __init__(self, deadline: float = math.inf, clock: Clock | None = None) -> None:
         self._set = False
         self._event: threading.Event | None = None
         self._deadline = deadline
+        self._clock = clock
+
+    def _now(self) -> float:
+        return time.monotonic() if self._clock is None else self._clock.monotonic()
 
     def is_set(self) -> bool:
-        return self._set or time.monotonic() >= self._deadline
+        return self._set or self._now() >= self._deadline
 
     def set(self) -> None:
         self._claim()
@@ -202,11 +207,11 @@ class LostFlag:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else self._now() + timeout
         while True:
             if self.is_set():
                 return True
-            now = time.monotonic()
+            now = self._now()
             # Wake at the deadline too: it may pass with nobody calling set().
             left = self._deadline - now
             if end is not None:
@@ -224,7 +229,12 @@ class LostFlag:
 
 
 class LeaseBase:
-    """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`."""
+    """State and non-I/O logic shared by :class:`Lease` and :class:`AsyncLease`.
+
+    The deadline and the renewal schedule are its :class:`~task_locks.leasing.LeaseBook`'s
+    (``_book``); the clock, the renewal lane, the deadline watch and where callbacks run
+    are its runtime's (``_runtime``, :mod:`task_locks.leasing`).
+    """
 
     #: The renewal lane this lease was handed to (``None``: not renewed in the background).
     _renewer: Lane | None = None
@@ -246,31 +256,32 @@ class LeaseBase:
         *,
         on_lost: Callable[[Any], object] | None = None,
         max_hold: float | None = None,
+        runtime: LeaseRuntime | None = None,
     ) -> None:
         self.name = name
         self.token = token
         self.fence = fence
-        self.ttl = ttl
         self.backend = backend
-        self.acquired_at = time.time()
+        self._runtime: LeaseRuntime = runtime or process_runtime()
+        self._clock = self._runtime.clock
+        self.acquired_at = self._clock.time()
         self._acquired_mono = sent_at
         # The server set the TTL after we sent the request, so counting from the send is
         # never late; the backend's clock margin (Redlock's drift) makes it early enough.
-        self._valid_for = ttl - backend.clock_margin(ttl)
-        self._expires_mono = sent_at + self._valid_for
-        # renew(ttl=...): the smallest validity any TTL this lease has had gives, and when
-        # the TTL last changed (a watchdog renewal sent before that used an older TTL).
-        self._ttl_since = -math.inf
-        self._valid_before = self._valid_for
+        self._book = LeaseBook(
+            ttl,
+            ttl - backend.clock_margin(ttl),
+            sent_at,
+            None if max_hold is None else sent_at + max_hold,
+        )
         #: Set when the lease is known lost (expired, taken over, renewal refused), and
         #: by itself at the local deadline, whatever renewal call is still in flight.
-        self.lost = LostFlag(self._expires_mono)
+        self.lost = LostFlag(self._book.deadline, self._clock)
         self._lost_reason: str | None = None
         #: The last renewal failure, to say why the lease ran out.
         self._renew_error: BaseException | None = None
         self._released = False
         self._on_lost = on_lost
-        self._hold_deadline = None if max_hold is None else sent_at + max_hold
         self.renewals = 0
         #: What the front end said when it took the lock (for the events it reports).
         self._detail = events.current_context().detail
@@ -280,6 +291,20 @@ class LeaseBase:
         self._pid = os.getpid()
 
     # -- what users read --------------------------------------------------------
+
+    @property
+    def ttl(self) -> float:
+        """The TTL (seconds) this lease's renewals set (``renew(ttl=...)`` changes it)."""
+        return self._book.ttl
+
+    @property
+    def _expires_mono(self) -> float:
+        """The local deadline (monotonic): see :class:`~task_locks.leasing.LeaseBook`."""
+        return self._book.deadline
+
+    @property
+    def _hold_deadline(self) -> float | None:
+        return self._book.hold_deadline
 
     @property
     def lost_reason(self) -> str | None:
@@ -295,7 +320,7 @@ class LeaseBase:
             not self._released
             and not self.lost.is_set()
             and not self._foreign()
-            and time.monotonic() < self._expires_mono
+            and self._clock.monotonic() < self._book.deadline
         )
 
     def _foreign(self) -> bool:
@@ -305,12 +330,12 @@ class LeaseBase:
     @property
     def expires_at(self) -> float:
         """Epoch seconds by which the lease ends unless renewed (a safe, early estimate)."""
-        return time.time() + (self._expires_mono - time.monotonic())
+        return self._clock.time() + (self._book.deadline - self._clock.monotonic())
 
     @property
     def remaining(self) -> float:
         """Seconds left before the lease's local deadline (0 once it passed); no round trip."""
-        return max(0.0, self._expires_mono - time.monotonic())
+        return max(0.0, self._book.deadline - self._clock.monotonic())
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless the lease is still ours (local knowledge).
@@ -330,27 +355,28 @@ class LeaseBase:
                 name=self.name,
             )
 
-    # -- renewal bookkeeping (called by the watchdog and by renew()) ---------------
+    # -- renewal bookkeeping (called by the renewal queue and by renew()) ------------
 
-    def _renewed(self, sent_at: float) -> bool:
+    def _begin_call(self, now: float) -> RenewCall:
+        """A watchdog renewal of this lease is sent at ``now`` (with the current TTL)."""
+        return self._book.begin(now)
+
+    def _renewed(self, call: RenewCall) -> bool:
         """Record a renewal the server granted; ``False`` if its reply came too late.
 
         A reply that arrives after the local deadline must not bring the lease back: for
         a while the lease counted as lost, and its holder (``run``, a command, a task)
         may already have stopped or been stopped, or another process taken the lock.
+        The deadline moves only as far as the calls still open allow (see the book).
         """
         if self.lost.is_set():
+            self._book.failed(call)
             self._mark_lost(
                 LostReason.DEADLINE,
                 DEADLINE_REASON + "; the renewal's reply came after the deadline",
             )
             return False
-        valid = self._valid_for
-        if sent_at < self._ttl_since:
-            # Sent before renew(ttl=...) changed the TTL: it may have carried the old TTL
-            # and reached the server last, so count the shortest TTL this lease has had.
-            valid = min(valid, self._valid_before)
-        self._expires_mono = self.lost._deadline = sent_at + valid
+        self.lost._deadline = self._book.granted(call)
         self.renewals += 1
         return True
 
@@ -364,36 +390,44 @@ class LeaseBase:
             return LostReason.DEADLINE, DEADLINE_REASON
         return LostReason.UNREACHABLE, _unreachable(self._renew_error)
 
-    def _begin_renew(self, ttl: object) -> tuple[float, int]:
-        """Check the lease and put ``ttl`` (if given) in force: ``(sent_at, ttl_ms)``.
+    def _begin_renew(self, ttl: object) -> RenewCall:
+        """Check the lease and send a renewal now (with ``ttl`` if given): the call.
 
         The new TTL is in force before the request leaves, so every later watchdog batch
-        carries it too. A shorter TTL shortens the local deadline at once: if the request
-        fails, the server may hold either TTL, and the shorter one is the safe guess.
+        carries it too. A shorter TTL shortens the local deadline at once (the request
+        may reach the server any moment), and the next watchdog renewal follows it: the
+        lease is renewed on the schedule of the TTL it counts with, whether this call
+        succeeds or not.
         """
         self.check()
-        sent_at = time.monotonic()
-        if ttl is not None:
-            new_ttl = validate_ttl(ttl, name=self.name)
-            new_valid = new_ttl - self.backend.clock_margin(new_ttl)
-            self._valid_before = min(self._valid_before, self._valid_for, new_valid)
-            self._ttl_since = sent_at
-            self.ttl, self._valid_for = new_ttl, new_valid
-            if sent_at + new_valid < self._expires_mono:
-                # The deadline moved earlier: the lost flag and the deadline watch follow.
-                self._expires_mono = self.lost._deadline = sent_at + new_valid
-                if self._watched:
-                    deadline_watch().add(self)
-        return sent_at, max(1, int(self.ttl * 1000))
+        now = self._clock.monotonic()
+        if ttl is None:
+            return self._book.begin(now)
+        new_ttl = validate_ttl(ttl, name=self.name)
+        before = self._book.deadline
+        call = self._book.begin(now, new_ttl, new_ttl - self.backend.clock_margin(new_ttl))
+        if self._book.deadline < before:
+            # The deadline moved earlier: the lost flag and the deadline watch follow.
+            self.lost._deadline = self._book.deadline
+            if self._watched:
+                self._runtime.watch(self)
+        if self._renewer is not None and not self._released and not self.lost.is_set():
+            self._renewer.add(self, earlier_only=True)
+        return call
+
+    def _renew_call_failed(self, call: RenewCall) -> None:
+        """``renew()`` got no answer: the call may or may not have reached the server."""
+        self._book.failed(call)
 
     def _reschedule(self) -> None:
-        """After renew(ttl=...): the watchdog's next renewal is a third of the new TTL on."""
+        """After renew(ttl=...) succeeded: the watchdog's next renewal follows the book."""
         if self._renewer is not None and not self._released and not self.lost.is_set():
             self._renewer.add(self)
 
-    def _renew_failed(self, now: float, error: BaseException) -> bool:
+    def _renew_failed(self, call: RenewCall, error: BaseException, now: float) -> bool:
         """A renewal could not reach the server: retry (``True``) while time remains."""
-        if now + min(self.ttl / 10, 1.0) >= self._expires_mono:
+        self._book.failed(call)
+        if now + retry_delay(self.ttl) >= self._book.deadline:
             self._mark_lost(LostReason.UNREACHABLE, _unreachable(error))
             return False
         self._renew_error = error
@@ -444,19 +478,25 @@ class LeaseBase:
                     name=self.name,
                     backend=self.backend.server,
                     fence=self.fence,
-                    held=time.monotonic() - self._acquired_mono,
+                    held=self._clock.monotonic() - self._acquired_mono,
                     reason=reason,
                     message=message,
                     detail=self._detail,
                 )
             )
         if self._on_lost is not None:
-            try:
-                outcome = self._on_lost(self)
-                if inspect.isawaitable(outcome):
-                    _spawn(outcome)
-            except Exception:
-                log.exception("on_lost callback for lock %r failed", self.name)
+            # Never here: this may be a renewal lane or the deadline watch, and a slow
+            # callback would hold up every other lease's renewals.
+            self._runtime.run_callback(self, self._call_on_lost)
+
+    def _call_on_lost(self) -> None:
+        assert self._on_lost is not None
+        try:
+            outcome = self._on_lost(self)
+            if inspect.isawaitable(outcome):
+                _spawn(outcome)
+        except Exception:
+            log.exception("on_lost callback for lock %r failed", self.name)
 
     def _schedule(self) -> None:
         """Hand the lease to the renewer of this thread's process or this event loop."""
@@ -469,7 +509,7 @@ class LeaseBase:
     def _unwatch(self) -> None:
         if self._watched:
             self._watched = False
-            deadline_watch().remove(self)
+            self._runtime.unwatch(self)
 
     def _unschedule(self) -> None:
         # The renewer it was given, not the current thread's or loop's: a lease may be
@@ -532,7 +572,7 @@ class LeaseBase:
                         name=self.name,
                         backend=self.backend.server,
                         fence=self.fence,
-                        held=time.monotonic() - self._acquired_mono,
+                        held=self._clock.monotonic() - self._acquired_mono,
                         reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
                         detail=self._detail if handed_to is None else f"handed to {handed_to}",
                     )
@@ -545,7 +585,7 @@ class LeaseBase:
             return
         # Known without asking the server: before our (clock-margin-safe) expiry the TTL
         # cannot have run out, so someone removed the lock.
-        forced = time.monotonic() < self._expires_mono
+        forced = self._clock.monotonic() < self._expires_mono
         why = FORCED_REASON if forced else "it expired"
         self._mark_lost(
             LostReason.FORCED if forced else LostReason.DEADLINE,
@@ -558,10 +598,13 @@ class LeaseBase:
             name=self.name,
         )
 
-    def _finish_renew(self, ok: bool, sent_at: float) -> None:
+    def _finish_renew(self, call: RenewCall, ok: bool, new_ttl: bool = False) -> None:
+        """``renew()``'s answer (``new_ttl``: it set a TTL, the schedule follows it)."""
         if ok:
-            if not self._renewed(sent_at):
+            if not self._renewed(call):
                 raise LockLost(f"lock {self.name!r} was lost: {self.lost_reason}", name=self.name)
+            if new_ttl:
+                self._reschedule()
             return
         self._renewal_refused()
         raise NotOwned(
@@ -577,11 +620,11 @@ class Lease(LeaseBase):
     """Proof of holding a lock, renewed in the background until released."""
 
     def _schedule(self) -> None:
-        self._renewer = thread_renewer().add(self)
+        self._renewer = self._runtime.schedule(self, asynchronous=False)
 
     def _watch(self) -> None:
         self._watched = True
-        deadline_watch().add(self)
+        self._runtime.watch(self)
 
     def renew(self, ttl: float | None = None) -> None:
         """Extend the TTL now (the watchdog also does this on its own), token-checked.
@@ -590,10 +633,13 @@ class Lease(LeaseBase):
         from now, and the watchdog renews to ``ttl`` (every ``ttl/3``) from then on.
         Raises :class:`NotOwned` if the lock is no longer ours.
         """
-        sent_at, ttl_ms = self._begin_renew(ttl)
-        self._finish_renew(self.backend.renew(self.name, self.token, ttl_ms), sent_at)
-        if ttl is not None:
-            self._reschedule()
+        call = self._begin_renew(ttl)
+        try:
+            ok = self.backend.renew(self.name, self.token, call.ttl_ms)
+        except BaseException:
+            self._renew_call_failed(call)
+            raise
+        self._finish_renew(call, ok, ttl is not None)
 
     def release(self) -> None:
         """Free the lock if it is still ours; raise :class:`NotOwned` if it was lost.
@@ -626,30 +672,23 @@ class AsyncLease(LeaseBase):
     _loop: asyncio.AbstractEventLoop | None = None
 
     def _schedule(self) -> None:
-        self._renewer = async_renewer().add(self)
+        self._renewer = self._runtime.schedule(self, asynchronous=True)
 
     def _watch(self) -> None:
+        # The lease's callbacks run on this loop (the runtime sends them there).
         self._loop = asyncio.get_running_loop()
         self._watched = True
-        deadline_watch().add(self)
-
-    def _deadline_passed(self) -> None:
-        # The watch runs in its own thread; the lease's callbacks belong to its loop.
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            self._mark_lost(*self._deadline_reason())
-            return
-        try:
-            loop.call_soon_threadsafe(self._mark_lost, *self._deadline_reason())
-        except RuntimeError:  # the loop closed in between
-            self._mark_lost(*self._deadline_reason())
+        self._runtime.watch(self)
 
     async def renew(self, ttl: float | None = None) -> None:
         """The asyncio twin of :meth:`Lease.renew` (same ``ttl``)."""
-        sent_at, ttl_ms = self._begin_renew(ttl)
-        self._finish_renew(await self.backend.arenew(self.name, self.token, ttl_ms), sent_at)
-        if ttl is not None:
-            self._reschedule()
+        call = self._begin_renew(ttl)
+        try:
+            ok = await self.backend.arenew(self.name, self.token, call.ttl_ms)
+        except BaseException:
+            self._renew_call_failed(call)
+            raise
+        self._finish_renew(call, ok, ttl is not None)
 
     def _release_in_background(self) -> None:
         # Called from the loop's renewal task: release without blocking the loop.
@@ -766,6 +805,10 @@ class LockBase:
     def _timeout(self, timeout: float | Unset | None) -> float | None:
         return self.timeout if isinstance(timeout, Unset) else validate_timeout(timeout, self.name)
 
+    def _lease_runtime(self) -> LeaseRuntime:
+        """What leases acquired now run under (:func:`task_locks.leasing.use_runtime`)."""
+        return current_runtime() or process_runtime()
+
     def _plan(
         self,
         backend: Backend,
@@ -789,10 +832,11 @@ class LockBase:
         before the try, and taken back since by a force release): it is dropped.
         """
         name, ttl = self.name, self.effective_ttl
+        clock = self._lease_runtime().clock
         ttl_ms = max(1, int(ttl * 1000))
         token = self._token or secrets.token_hex(16)
         owner = current_owner()
-        start = time.monotonic()
+        start = clock.monotonic()
         deadline = None if timeout is None else start + timeout
         handoff = backend.server_handoff
         grant_slice = handoff_slice(ttl)
@@ -804,7 +848,7 @@ class LockBase:
                 # Handed over after the last try was sent: the lease counts from that send.
                 result, granted = AcquireResult(granted), None
             elif handoff:
-                sent_at = time.monotonic()
+                sent_at = clock.monotonic()
                 # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
                 wait_ms = 0 if deadline is not None and sent_at >= deadline else entry_ms(ttl)
                 queued = queued or wait_ms > 0
@@ -817,10 +861,10 @@ class LockBase:
                         yield from _give_back(name, token)
                     raise
             else:
-                sent_at = time.monotonic()
+                sent_at = clock.monotonic()
                 result = yield Acquire(name, token, ttl_ms, owner)
             if result.fence is not None:
-                now = time.monotonic()
+                now = clock.monotonic()
                 if now < sent_at + ttl - backend.clock_margin(ttl):
                     log.debug("acquired lock %r (fence %s)", name, result.fence)
                     report_acquired(name, backend, result.fence, owner, now - start)
@@ -829,7 +873,7 @@ class LockBase:
                 # Give it back (token-checked) rather than hand out a dead lease.
                 log.warning("lock %r: the acquire's reply came after the TTL; retrying", name)
                 yield Release(name, token)
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and clock.monotonic() >= deadline:
                     raise BackendUnavailable(
                         f"lock {name!r}: the acquire's reply took longer than the TTL "
                         f"({ttl}s) at {backend.server}",
@@ -837,7 +881,7 @@ class LockBase:
                         server=backend.server,
                     )
                 continue
-            now = time.monotonic()
+            now = clock.monotonic()
             if deadline is not None and now >= deadline:
                 if queued:
                     yield Dequeue(name, token)
@@ -892,6 +936,7 @@ class LockBase:
             sent_at,
             on_lost=self.on_lost,
             max_hold=self.max_hold,
+            runtime=self._lease_runtime(),
         )
 
     def _keep(self, lease: L, holder: weakref.ref[Any] | None = None) -> L:

@@ -24,7 +24,6 @@ import asyncio
 import random
 import secrets
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
@@ -173,23 +172,24 @@ class _SemaphoreBase(LockBase):
         ttl_ms = max(1, int(self.effective_ttl * 1000))
         token = secrets.token_hex(16)
         owner = replace(current_owner(), limit=self.limit)
-        start = time.monotonic()
+        clock = self._lease_runtime().clock
+        start = clock.monotonic()
         deadline = None if timeout is None else start + timeout
         while True:
             soonest: float | None = None
             for index in random.sample(range(self.limit), self.limit):
-                sent_at = time.monotonic()
+                sent_at = clock.monotonic()
                 result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner)
                 if result.fence is not None:
                     report_acquired(
-                        names[index], backend, result.fence, owner, time.monotonic() - start
+                        names[index], backend, result.fence, owner, clock.monotonic() - start
                     )
                     return index, token, result.fence, sent_at
                 if result.retry_after is not None and (
                     soonest is None or result.retry_after < soonest
                 ):
                     soonest = result.retry_after
-            now = time.monotonic()
+            now = clock.monotonic()
             if deadline is not None and now >= deadline:
                 full = self._full(now - start)
                 report_conflict(self.name, backend, full, now - start, timeout, owner)

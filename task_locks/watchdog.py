@@ -19,211 +19,73 @@ blackholed link the call only returns at its socket timeout, which may be long a
 server let the lock go. A reply that comes after the deadline does not bring the lease
 back (``_renewed`` refuses it).
 
-The bookkeeping (:class:`Schedule`) has no I/O; the thread and asyncio lanes only differ
-in how they wait and how they call the backend.
+User callbacks (``on_lost``) run on the :class:`CallbackThread` (or, for an asyncio
+lease, on its event loop), never on a lane or the watch: a slow one (an alert over HTTP,
+a re-acquire) must not hold up the renewals of every other lease.
+
+Everything here is a thin driver: the decisions (schedule, batches, deadlines, what an
+answer means) are :mod:`task_locks.leasing`'s, with no I/O, which the simulator drives
+under virtual time. :class:`ProcessRuntime` is the process's ``LeaseRuntime``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import heapq
 import inspect
-import itertools
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Generic, TypeVar
 
-from . import events
-from .errors import RenewalUndecided
-from .types import RenewItem
+from .leasing import (
+    GC_REASON as GC_REASON,
+)
+from .leasing import (
+    RENEWAL_LATE_FRACTION as RENEWAL_LATE_FRACTION,
+)
+from .leasing import (
+    SYSTEM_CLOCK,
+    DeadlineHeap,
+    Lane,
+    Renewable,
+    RenewalQueue,
+    RenewBatch,
+    in_driver,
+    mark_driver,
+)
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
+__all__ = [
+    "AsyncLane",
+    "AsyncRenewer",
+    "CallbackThread",
+    "DeadlineWatch",
+    "Lane",
+    "ProcessRuntime",
+    "ThreadLane",
+    "ThreadRenewer",
+    "async_renewer",
+    "callback_thread",
+    "deadline_watch",
+    "process_runtime",
+    "thread_renewer",
+]
 
 log = logging.getLogger("task_locks.watchdog")
 
-#: Leases due within this window are renewed together with the first due one.
-BATCH_WINDOW = 0.25
-#: A lane's thread (and the deadline watch) exits after this long with nothing to do.
+#: A lane's thread (and the deadline watch, and the callback thread) exits after this
+#: long with nothing to do.
 IDLE_EXIT = 5.0
-#: A renewal granted after a round trip longer than this share of the lease's TTL is
-#: reported ``renewal_late``: renewals go out a third of the TTL in, so such a reply
-#: came with less than 5/12 of the TTL left, and a little more delay costs the lease.
-RENEWAL_LATE_FRACTION = 0.25
-#: A renewed lease that was garbage-collected while held is reported lost with this.
-GC_REASON = "garbage-collected while held: renewal stopped, and it ends within its TTL"
-#: The shortest timeout a renewal call is given (a lease with less left is as good as lost).
-MIN_CALL_TIMEOUT = 0.01
+#: User callbacks waiting for the callback thread, at most (more are dropped, logged).
+CALLBACK_QUEUE = 10_000
 
-
-class Renewable(Protocol):
-    """What the schedule needs from a lease (implemented by ``LeaseBase``)."""
-
-    name: str
-    token: str
-    ttl: float
-    backend: Backend
-    _hold_deadline: float | None
-    _expires_mono: float
-    _released: bool
-    #: ``False`` for the library's own records (``Owner.internal``): no events.
-    _reported: bool
-
-    @property
-    def lost(self) -> Any: ...
-    def _renewed(self, sent_at: float) -> bool: ...
-    def _deadline_passed(self) -> None: ...
-    def _renew_failed(self, now: float, error: BaseException) -> bool: ...
-    def _mark_lost(self, reason: events.LostReason, message: str) -> None: ...
-    def _renewal_refused(self) -> None: ...
-    def _hold_expired(self, now: float) -> bool: ...
-
-
-@dataclass(order=True, slots=True)
-class _Entry:
-    due: float
-    seq: int
-    #: A weak reference: a lease nobody can release any more must not be renewed forever
-    #: (the "no TTL" mistake by another door). Its name and fence outlive it, for the warning.
-    ref: weakref.ref[Renewable] = field(compare=False)
-    key: int = field(compare=False)
-    name: str = field(compare=False)
-    fence: int | None = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
-
-
-class Schedule:
-    """A heap of leases by next renewal time. Thread-safe; no I/O."""
-
-    def __init__(self) -> None:
-        self._heap: list[_Entry] = []
-        self._entries: dict[int, _Entry] = {}
-        self._seq = itertools.count()
-        self.lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, lease: Renewable, due: float) -> bool:
-        """Schedule ``lease``; ``True`` if it is now the earliest (the driver must wake)."""
-        with self.lock:
-            old = self._entries.pop(id(lease), None)
-            if old is not None:
-                old.cancelled = True
-            entry = _Entry(
-                due,
-                next(self._seq),
-                weakref.ref(lease),
-                id(lease),
-                lease.name,
-                getattr(lease, "fence", None),
-            )
-            self._entries[id(lease)] = entry
-            heapq.heappush(self._heap, entry)
-            return self._heap[0] is entry
-
-    def remove(self, lease: Renewable) -> None:
-        with self.lock:
-            entry = self._entries.pop(id(lease), None)
-            if entry is not None:
-                entry.cancelled = True
-                # Released leases stay in the heap until popped; compact when they
-                # outnumber the live ones, so fast acquire/release loops stay small.
-                if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entries):
-                    self._heap = [e for e in self._heap if not e.cancelled]
-                    heapq.heapify(self._heap)
-
-    def next_due(self) -> float | None:
-        """When the earliest lease is due (``None``: nothing scheduled).
-
-        From then on :meth:`take_due` returns at least that lease, so a driver that
-        waits until this time never loops without work.
-        """
-        with self.lock:
-            while self._heap and self._heap[0].cancelled:
-                heapq.heappop(self._heap)
-            return self._heap[0].due if self._heap else None
-
-    def take_due(self, now: float) -> dict[Backend, list[Renewable]]:
-        """Pop every lease due now (or within the batch window), grouped by backend.
-
-        A lease that was garbage-collected while held is dropped here, with a warning: its
-        lock ends within its TTL, as a dead holder's would.
-        """
-        batches: dict[Backend, list[Renewable]] = {}
-        dropped: list[_Entry] = []
-        with self.lock:
-            while self._heap:
-                top = self._heap[0]
-                if top.cancelled:
-                    heapq.heappop(self._heap)
-                    continue
-                if _ready_at(top) > now:
-                    break
-                heapq.heappop(self._heap)
-                del self._entries[top.key]
-                lease = top.ref()
-                if lease is None:
-                    dropped.append(top)
-                else:
-                    batches.setdefault(lease.backend, []).append(lease)
-        for entry in dropped:  # a `lost` this process will not see otherwise (logged once)
-            events.emit(
-                events.Lost(
-                    name=entry.name,
-                    fence=entry.fence,
-                    reason=events.LostReason.DROPPED,
-                    message=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
-                )
-            )
-        return batches
-
-    def clear(self) -> None:
-        with self.lock:
-            self._heap.clear()
-            self._entries.clear()
-
-
-def _ready_at(entry: _Entry) -> float:
-    # Leases due a little later ride along with an earlier batch (renewed a bit early);
-    # a max_hold deadline is kept to the letter (taken early, it would be renewed again).
-    lease = entry.ref()
-    if lease is None:  # garbage-collected: take it out now
-        return -math.inf
-    hold = lease._hold_deadline
-    if hold is not None and entry.due >= hold:
-        return entry.due
-    return entry.due - min(BATCH_WINDOW, lease.ttl / 10)
-
-
-def next_renewal(lease: Renewable, base: float) -> float:
-    """When to look at ``lease`` next: a third of its TTL on, or its ``max_hold`` if sooner."""
-    due = base + lease.ttl / 3
-    hold = lease._hold_deadline
-    return due if hold is None else min(due, hold)
-
-
-def split_batch(leases: list[Renewable], now: float) -> tuple[list[Renewable], list[RenewItem]]:
-    """Drop leases past their ``max_hold`` (marked lost) or their deadline; the rest become
-    renew items."""
-    keep = [lease for lease in leases if not lease._hold_expired(now) and not lease.lost.is_set()]
-    return keep, [RenewItem(x.name, x.token, max(1, int(x.ttl * 1000))) for x in keep]
-
-
-def call_timeout(leases: list[Renewable], sent_at: float) -> float:
-    """The timeout of one renewal call: the validity left to the first lease to expire.
-
-    An answer after that is useless (the deadline watch has marked the lease lost, and
-    ``_renewed`` refuses late answers), and waiting longer only delays the lane's retry.
-    """
-    return max(MIN_CALL_TIMEOUT, min(lease._expires_mono for lease in leases) - sent_at)
+#: Kept for callers of the old name: a lane's schedule is a :class:`RenewalQueue`.
+Schedule = RenewalQueue
 
 
 @functools.cache
@@ -233,51 +95,29 @@ def _takes_timeout(backend_class: type, method: str) -> bool:
     return "timeout" in inspect.signature(getattr(backend_class, method)).parameters
 
 
-def apply_results(
-    schedule: Schedule,
-    leases: list[Renewable],
-    results: list[bool] | BaseException,
-    sent_at: float,
-) -> None:
-    """Record one batch's answers: reschedule the renewed, mark the lost, retry the rest."""
-    now = time.monotonic()
-    if leases and not isinstance(results, BaseException):
-        events.emit(
-            events.Renewed(
-                name=leases[0].name, backend=leases[0].backend.server, duration=now - sent_at
-            )
+def _send(batch: RenewBatch) -> list[bool] | BaseException:
+    """The I/O of one batch, on the calling thread; an error is the batch's answer."""
+    backend = batch.backend
+    try:
+        if _takes_timeout(type(backend), "renew_many"):
+            return backend.renew_many(batch.items, timeout=batch.timeout)
+        return backend.renew_many(batch.items)
+    except Exception as exc:  # a batch that failed as a whole is retried per lease
+        return exc
+
+
+async def _asend(batch: RenewBatch) -> list[bool] | BaseException:
+    backend = batch.backend
+    try:
+        # wait_for bounds any backend's call; the backend may bound it too.
+        call = (
+            backend.arenew_many(batch.items, timeout=batch.timeout)
+            if _takes_timeout(type(backend), "arenew_many")
+            else backend.arenew_many(batch.items)
         )
-    for index, lease in enumerate(leases):
-        outcome = results if isinstance(results, BaseException) else results[index]
-        if isinstance(results, RenewalUndecided):  # decided lease by lease (Redlock)
-            decided = results.outcomes[index]
-            outcome = results if decided is None else decided
-        if outcome is True:
-            if lease._renewed(sent_at):
-                schedule.add(lease, next_renewal(lease, sent_at))
-                if lease._reported and now - sent_at > RENEWAL_LATE_FRACTION * lease.ttl:
-                    events.emit(
-                        events.RenewalLate(
-                            name=lease.name,
-                            backend=lease.backend.server,
-                            duration=now - sent_at,
-                            detail=f"{RENEWAL_LATE_FRACTION:.0%} of its {lease.ttl:g}s TTL",
-                        )
-                    )
-        elif outcome is False:
-            lease._renewal_refused()
-        elif lease._renew_failed(now, outcome):
-            schedule.add(lease, now + min(lease.ttl / 10, 1.0))
-
-
-class Lane(Protocol):
-    """Where a lease is renewed: :class:`ThreadLane` or :class:`AsyncLane`."""
-
-    schedule: Schedule
-
-    def add(self, lease: Renewable) -> None: ...
-    def remove(self, lease: Renewable) -> None: ...
-    def idle(self) -> bool: ...
+        return await asyncio.wait_for(call, batch.timeout)
+    except Exception as exc:
+        return exc
 
 
 class ThreadLane:
@@ -286,7 +126,7 @@ class ThreadLane:
     def __init__(self, key: Hashable = None, label: str = "") -> None:
         self.key = key
         self.label = label
-        self.schedule = Schedule()
+        self.schedule = RenewalQueue(SYSTEM_CLOCK, wake=self._wake)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         # When the sleeping thread wakes on its own; add() wakes it only for an earlier
@@ -296,9 +136,8 @@ class ThreadLane:
         self._between_calls = threading.Event()
         self._between_calls.set()
 
-    def add(self, lease: Renewable) -> None:
-        due = next_renewal(lease, time.monotonic())
-        self.schedule.add(lease, due)
+    def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
+        self.schedule.add(lease, due, earlier_only)
         with self._cond:
             if self._thread is None:  # _run() clears it, under this lock, as it exits
                 self._thread = threading.Thread(
@@ -306,7 +145,10 @@ class ThreadLane:
                 )
                 self._wake_at = -math.inf
                 self._thread.start()
-            elif due < self._wake_at:
+
+    def _wake(self, due: float) -> None:
+        with self._cond:
+            if self._thread is not None and due < self._wake_at:
                 self._cond.notify()
 
     def remove(self, lease: Renewable) -> None:
@@ -321,6 +163,7 @@ class ThreadLane:
         return self._between_calls.wait(timeout)
 
     def _run(self) -> None:
+        mark_driver()
         try:
             self._loop()
         except BaseException:
@@ -356,25 +199,11 @@ class ThreadLane:
                 self._between_calls.clear()
             try:
                 for backend, leases in self.schedule.take_due(now).items():
-                    self._renew(backend, leases)
+                    batch = self.schedule.start(backend, leases)
+                    if batch is not None:
+                        self.schedule.complete(batch, _send(batch))
             finally:
                 self._between_calls.set()
-
-    def _renew(self, backend: Backend, leases: list[Renewable]) -> None:
-        sent_at = time.monotonic()
-        leases, items = split_batch(leases, sent_at)
-        if not items:
-            return
-        results: list[bool] | BaseException
-        try:
-            timeout = call_timeout(leases, sent_at)
-            if _takes_timeout(type(backend), "renew_many"):
-                results = backend.renew_many(items, timeout=timeout)
-            else:
-                results = backend.renew_many(items)
-        except Exception as exc:  # a batch that failed as a whole is retried per lease
-            results = exc
-        apply_results(self.schedule, leases, results, sent_at)
 
 
 class _Lanes:
@@ -451,19 +280,21 @@ class AsyncLane:
     ) -> None:
         self.key = key
         self.label = label
-        self.schedule = Schedule()
+        self.schedule = RenewalQueue(SYSTEM_CLOCK, wake=self._woken)
         self._loop = loop
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pid = os.getpid()
 
-    def add(self, lease: Renewable) -> None:
-        earliest = self.schedule.add(lease, next_renewal(lease, time.monotonic()))
+    def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
+        self.schedule.add(lease, due, earlier_only)
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(
                 self._run(), name=f"task-locks-renewer {self.label}"
             )
-        elif earliest:
+
+    def _woken(self, due: float) -> None:
+        if self._task is not None and not self._task.done():
             self._wake.set()
 
     def remove(self, lease: Renewable) -> None:
@@ -473,6 +304,7 @@ class AsyncLane:
         return (self._task is None or self._task.done()) and not len(self.schedule)
 
     async def _run(self) -> None:
+        mark_driver()  # this task's context only
         while True:
             due = self.schedule.next_due()
             if due is None or os.getpid() != self._pid:  # idle, or a forked child's copy
@@ -486,23 +318,9 @@ class AsyncLane:
                     pass
                 continue
             for backend, leases in self.schedule.take_due(now).items():
-                sent_at = time.monotonic()
-                leases, items = split_batch(leases, sent_at)
-                if not items:
-                    continue
-                timeout = call_timeout(leases, sent_at)
-                results: list[bool] | BaseException
-                try:
-                    # wait_for bounds any backend's call; the backend may bound it too.
-                    call = (
-                        backend.arenew_many(items, timeout=timeout)
-                        if _takes_timeout(type(backend), "arenew_many")
-                        else backend.arenew_many(items)
-                    )
-                    results = await asyncio.wait_for(call, timeout)
-                except Exception as exc:
-                    results = exc
-                apply_results(self.schedule, leases, results, sent_at)
+                batch = self.schedule.start(backend, leases)
+                if batch is not None:
+                    self.schedule.complete(batch, await _asend(batch))
 
 
 class AsyncRenewer:
@@ -522,57 +340,36 @@ class AsyncRenewer:
         return lane
 
 
-def _watched(lease: Renewable | None) -> bool:
-    """Whether the deadline watch still has work with ``lease`` (alive, held, not lost)."""
-    return lease is not None and not (lease._released or lease.lost._set)
-
-
 class DeadlineWatch:
-    """Marks leases lost at their local deadline: one thread per process, a heap.
-
-    Each watched lease has one entry, at the deadline it had when pushed; when the entry
-    comes up and the lease was renewed meanwhile, it is pushed again at its new deadline
-    (renewals do not touch the heap). Released and lost leases leave at their turn. The
-    heap holds weak references: it must not keep alive a lease its holder dropped.
-    """
+    """Marks leases lost at their local deadline: one thread per process, around a
+    :class:`~task_locks.leasing.DeadlineHeap`."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, weakref.ref[Renewable]]] = []
-        self._seq = itertools.count()
         self._cond = threading.Condition()
+        self.heap = DeadlineHeap(wake=self._wake)
         self._thread: threading.Thread | None = None
-        self._done = 0  # entries of released or lost leases still in the heap
 
     def __len__(self) -> int:
-        with self._cond:
-            return len(self._heap)
+        return len(self.heap)
 
     def add(self, lease: Renewable) -> None:
+        self.heap.add(lease)
         with self._cond:
-            ref = weakref.ref(lease)
-            heapq.heappush(self._heap, (lease._expires_mono, next(self._seq), ref))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="task-locks-deadlines", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is ref:
-                self._cond.notify()
+
+    def _wake(self, deadline: float) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def remove(self, lease: Renewable) -> None:
-        """``lease`` was released or lost: its entry is dropped at its turn, or sooner.
-
-        Released leases would otherwise stay until their old deadline, so a fast
-        acquire/release loop compacts the heap once they outnumber the live ones.
-        """
-        with self._cond:
-            self._done += 1
-            if len(self._heap) > 64 and 2 * self._done > len(self._heap):
-                self._heap = [entry for entry in self._heap if _watched(entry[2]())]
-                heapq.heapify(self._heap)
-                self._done = 0
+        self.heap.remove(lease)
 
     def _run(self) -> None:
+        mark_driver()
         try:
             self._loop()
         except BaseException:
@@ -586,10 +383,10 @@ class DeadlineWatch:
     def _loop(self) -> None:
         idle_since: float | None = None
         while True:
-            expired: list[Renewable] = []
             with self._cond:
                 now = time.monotonic()
-                if not self._heap:
+                deadline = self.heap.next_deadline()
+                if deadline is None:
                     idle_since = idle_since or now
                     if now - idle_since >= IDLE_EXIT:
                         self._thread = None
@@ -597,56 +394,140 @@ class DeadlineWatch:
                     self._cond.wait(IDLE_EXIT)
                     continue
                 idle_since = None
-                while self._heap and self._heap[0][0] <= now:
-                    _, _, ref = heapq.heappop(self._heap)
-                    lease = ref()
-                    if lease is None or not _watched(lease):
-                        self._done = max(0, self._done - 1)
-                        continue
-                    deadline = lease._expires_mono
-                    if deadline > now:  # renewed since: watch its new deadline
-                        heapq.heappush(self._heap, (deadline, next(self._seq), ref))
-                    else:
-                        expired.append(lease)
+                expired = self.heap.expired(now)
                 if not expired:
-                    if self._heap:
-                        self._cond.wait(max(0.0, self._heap[0][0] - now))
+                    deadline = self.heap.next_deadline()
+                    if deadline is not None:
+                        self._cond.wait(max(0.0, deadline - now))
                     continue
-            for lease in expired:  # outside the lock: callbacks may acquire again
+            for lease in expired:  # outside the lock: marking lost takes other locks
                 try:
                     lease._deadline_passed()
                 except Exception:
                     log.exception("marking lock %r lost at its deadline failed", lease.name)
 
 
-_thread_renewer: ThreadRenewer | None = None
-_deadline_watch: DeadlineWatch | None = None
+class CallbackThread:
+    """Runs user callbacks (``on_lost``) one after another, off every lane and the watch.
+
+    One daemon thread, started on demand, exiting when idle; a bounded queue (a callback
+    that never returns holds up only the callbacks behind it, never a renewal). When the
+    queue is full a callback is dropped and logged: the loss it reports is still set on
+    the lease and emitted as an event.
+    """
+
+    def __init__(self, limit: int = CALLBACK_QUEUE) -> None:
+        self._queue: queue.Queue[Callable[[], object]] = queue.Queue(limit)
+        self._guard = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, callback: Callable[[], object]) -> None:
+        try:
+            self._queue.put_nowait(callback)
+        except queue.Full:
+            log.error("%d callbacks are waiting; dropped %r", self._queue.maxsize, callback)
+            return
+        with self._guard:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="task-locks-callbacks", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                callback = self._queue.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                with self._guard:
+                    if self._queue.empty():  # a submit() after this starts a new thread
+                        self._thread = None
+                        return
+                continue
+            try:
+                callback()
+            except Exception:
+                log.exception("a lock callback (%r) failed", callback)
+
+
+class ProcessRuntime:
+    """The process's :class:`~task_locks.leasing.LeaseRuntime`: the real clock, renewal
+    threads (tasks, per event loop), the deadline watch and the callback thread."""
+
+    clock = SYSTEM_CLOCK
+
+    def schedule(self, lease: Renewable, asynchronous: bool) -> Lane:
+        return async_renewer().add(lease) if asynchronous else thread_renewer().add(lease)
+
+    def watch(self, lease: Renewable) -> None:
+        deadline_watch().add(lease)
+
+    def unwatch(self, lease: Renewable) -> None:
+        deadline_watch().remove(lease)
+
+    def run_callback(self, lease: Renewable, callback: Callable[[], object]) -> None:
+        if not in_driver():  # the holder's own call (renew, check, release): run it here
+            callback()
+            return
+        # An asyncio lease's callbacks belong to its loop (an async on_lost is a task there).
+        loop: asyncio.AbstractEventLoop | None = getattr(lease, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(callback)
+                return
+            except RuntimeError:  # the loop closed in between
+                pass
+        callback_thread().submit(callback)
+
+
+T = TypeVar("T")
+
+
+class _PerProcess(Generic[T]):
+    """One ``make()`` per process, made on first use (a forked child makes its own)."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._value: T | None = None
+        self._guard = threading.Lock()
+
+    def get(self) -> T:
+        value = self._value
+        if value is None:
+            with self._guard:
+                if self._value is None:
+                    self._value = self._make()
+                value = self._value
+        return value
+
+    def forget(self) -> None:
+        self._value = None
+        self._guard = threading.Lock()  # it may have been held by a thread that is gone
+
+
+_thread_renewer = _PerProcess(ThreadRenewer)
+_deadline_watch = _PerProcess(DeadlineWatch)
+_callback_thread = _PerProcess(CallbackThread)
+_process_runtime = ProcessRuntime()
 _async_renewers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRenewer] = (
     weakref.WeakKeyDictionary()
 )
-_guard = threading.Lock()
 
 
 def thread_renewer() -> ThreadRenewer:
-    global _thread_renewer
-    renewer = _thread_renewer
-    if renewer is None:
-        with _guard:
-            if _thread_renewer is None:
-                _thread_renewer = ThreadRenewer()
-            renewer = _thread_renewer
-    return renewer
+    return _thread_renewer.get()
 
 
 def deadline_watch() -> DeadlineWatch:
-    global _deadline_watch
-    watch = _deadline_watch
-    if watch is None:
-        with _guard:
-            if _deadline_watch is None:
-                _deadline_watch = DeadlineWatch()
-            watch = _deadline_watch
-    return watch
+    return _deadline_watch.get()
+
+
+def callback_thread() -> CallbackThread:
+    return _callback_thread.get()
+
+
+def process_runtime() -> ProcessRuntime:
+    return _process_runtime
 
 
 def async_renewer() -> AsyncRenewer:
@@ -660,18 +541,18 @@ def async_renewer() -> AsyncRenewer:
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's leases: forget them, never renew them.
 
-    The parent's renewal threads and deadline watch do not exist in the child. Renewal
+    The parent's renewal threads, deadline watch and callback thread do not exist in the
+    child. Renewal
     tasks do (when the fork happened inside a running event loop): they stop at their
     next wake-up (they check the pid), and their lanes are forgotten.
     """
-    global _thread_renewer, _deadline_watch, _guard
-    _thread_renewer = None
-    _deadline_watch = None
+    for singleton in (_thread_renewer, _deadline_watch, _callback_thread):
+        singleton.forget()
     for renewer in list(_async_renewers.values()):
         for lane in list(renewer.lanes._lanes.values()):
-            lane.schedule = Schedule()  # a fresh one: the old lock may be held by a dead thread
+            # A fresh one: the old one's lock may be held by a dead thread.
+            lane.schedule = RenewalQueue(SYSTEM_CLOCK, wake=lane._woken)
     _async_renewers.clear()
-    _guard = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import redis
+from servers import RedisServer
 
 from task_locks import watchdog
+from task_locks.backends.redis import SCRIPTS
 
 from .support import AsyncDriver, Child, SyncDriver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+
+from chaoskit.proxy import Proxy, ProxyHub
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -17,6 +26,19 @@ def driver(request: pytest.FixtureRequest) -> Iterator[SyncDriver]:
     instance = SyncDriver() if request.param == "sync" else AsyncDriver()
     yield instance
     instance.close()
+
+
+@pytest.fixture
+def scripted_link(redis_server: RedisServer, redis_url: str) -> Iterator[Proxy]:
+    """A proxy in front of the shared (flushed) Redis, with our scripts already loaded: a
+    first EVALSHA refused with NOSCRIPT would take the fault instead of the call."""
+    client = redis.Redis(port=redis_server.port)
+    for source in SCRIPTS.source.values():
+        client.script_load(source)
+    client.close()
+    hub = ProxyHub()
+    yield hub.proxy(redis_server.port)
+    hub.close()
 
 
 @pytest.fixture

@@ -21,27 +21,18 @@ import redis
 from servers import RedisServer
 
 from task_locks import AsyncLock, Lock, NotOwned, get_backend
-from task_locks.backends.redis import SCRIPTS
 from task_locks.types import Owner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
 
-from chaoskit.proxy import Proxy, ProxyHub
+from chaoskit.proxy import Proxy
 
 SOCKET_TIMEOUT = 0.5
 
 
 @pytest.fixture
-def link(redis_server: RedisServer, redis_url: str) -> Iterator[Proxy]:
-    """A proxy in front of the shared (flushed) Redis, with our scripts already loaded: a
-    first EVALSHA refused with NOSCRIPT would take the fault instead of the release."""
-    client = redis.Redis(port=redis_server.port)
-    for source in SCRIPTS.source.values():
-        client.script_load(source)
-    client.close()
-    hub = ProxyHub()
-    yield hub.proxy(redis_server.port)
-    hub.close()
+def link(scripted_link: Proxy) -> Proxy:
+    return scripted_link
 
 
 @pytest.fixture

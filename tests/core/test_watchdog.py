@@ -213,3 +213,42 @@ def test_renewals_are_recorded_on_the_server(driver: SyncDriver, redis_url: str)
     wait_until(lambda: handle.renewals >= 3, 2, "three renewals")
     assert int(lock_fields(redis_url, "counted")["renewals"]) >= 3
     handle.release()
+
+
+def test_a_slow_on_lost_callback_holds_up_no_other_lease(redis_url: str) -> None:
+    """Issue 23 item 3: ``on_lost`` runs off the renewal lane (and off the deadline watch).
+
+    The callback of a force-released lease blocks (an alert over a dead HTTP link) for
+    longer than another lease's TTL; that other lease, on the same backend and so the same
+    renewal lane, goes on being renewed."""
+    release_callback = threading.Event()
+    ran_on: list[str] = []
+
+    def slow_alert(lease: Any) -> None:
+        ran_on.append(threading.current_thread().name)
+        release_callback.wait(5)
+
+    ttl = 0.6
+    doomed = Lock("slow-callback", ttl=ttl, backend=redis_url, on_lost=slow_alert).acquire(0)
+    healthy = Lock("bystander", ttl=ttl, backend=redis_url).acquire(timeout=0)
+    try:
+        assert get_backend(redis_url).force_release("slow-callback")
+        wait_until(lambda: ran_on, 2, "the on_lost callback to start")
+        renewals = healthy.renewals
+        end = time.monotonic() + 3 * ttl
+        while time.monotonic() < end:  # the callback is still blocked all along
+            assert healthy.held, f"lost behind a slow callback: {healthy.lost_reason}"
+            time.sleep(0.02)
+        assert healthy.renewals >= renewals + 3
+        assert doomed.lost.is_set()
+        assert not ran_on[0].startswith(("task-locks-renewer", "task-locks-deadlines"))
+        # A deadline the watch marks: its callback too goes behind the slow one, off the watch.
+        watched = Lock("unrenewed", ttl=0.3, backend=redis_url, renew=False, on_lost=ran_on.append)
+        unrenewed = watched.acquire(timeout=0)
+        wait_until(unrenewed.lost.is_set, 1, "the unrenewed lease's deadline")
+        assert healthy.held
+    finally:
+        release_callback.set()
+        healthy.release()
+    wait_until(lambda: len(ran_on) == 2, 2, "the second callback, after the slow one")
+    assert ran_on[1] is unrenewed

@@ -25,6 +25,12 @@ link would let through.
 - ``reset_once``: as ``reset_mid_call`` for the first connection that gets a reply,
   then ``pass``: the client library's own retry (new connection) goes through.
 
+One-shot holds, for two calls in flight at once (``hold_next_request``,
+``hold_next_reply``): the next chunk read in that direction, on any connection, is
+delivered that much later on top of the mode's delay; ``holds_pending()`` says whether
+they were used yet. So one call can reach the server after a later one, and its reply
+come back first (issue 23).
+
 A connection that lost bytes in a ``drop_*`` mode has a hole in its byte stream: on
 ``heal()`` it is reset, as the peer's TCP stack would give up on it.
 """
@@ -79,6 +85,7 @@ class Proxy:
         self.mode = "pass"
         self.request_delay = 0.0
         self.reply_delay = 0.0
+        self._hold: dict[bool, float] = {}  # upstream? -> one-shot extra delay
         self._flowing: asyncio.Event | None = None
         self._links: set[_Link] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -96,6 +103,19 @@ class Proxy:
 
     def latency(self, reply_delay: float, request_delay: float = 0.0) -> None:
         self.hub.call(self._set("latency", reply_delay, request_delay))
+
+    def hold_next_request(self, seconds: float) -> None:
+        self.hub.call(self._set_hold(True, seconds))
+
+    def hold_next_reply(self, seconds: float) -> None:
+        self.hub.call(self._set_hold(False, seconds))
+
+    def holds_pending(self) -> int:
+        """How many one-shot holds are armed and not used yet."""
+        return len(self._hold)
+
+    async def _set_hold(self, upstream: bool, seconds: float) -> None:
+        self._hold[upstream] = seconds
 
     def blackhole(self) -> None:
         self.hub.call(self._set("blackhole"))
@@ -180,6 +200,7 @@ class Proxy:
                 if self._drops(link, upstream):
                     continue
                 delay = self.request_delay if upstream else self.reply_delay
+                delay += self._hold.pop(upstream, 0.0)
                 queue.put_nowait((now() + delay, data))
         except (ConnectionError, OSError):
             pass
