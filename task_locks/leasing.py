@@ -145,10 +145,13 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """The real clocks (``time.monotonic``, ``time.time``)."""
+    """The real clocks (``time.monotonic``, ``time.time``, looked up at each call)."""
 
-    monotonic = staticmethod(time.monotonic)
-    time = staticmethod(time.time)
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def time(self) -> float:
+        return time.time()
 
 
 SYSTEM_CLOCK: Clock = SystemClock()

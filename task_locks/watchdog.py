@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .leasing import (
     GC_REASON as GC_REASON,
@@ -59,6 +59,9 @@ from .leasing import (
     in_driver,
     mark_driver,
 )
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 __all__ = [
     "AsyncLane",
@@ -199,11 +202,15 @@ class ThreadLane:
                 self._between_calls.clear()
             try:
                 for backend, leases in self.schedule.take_due(now).items():
-                    batch = self.schedule.start(backend, leases)
-                    if batch is not None:
-                        self.schedule.complete(batch, _send(batch))
+                    self._renew(backend, leases)
             finally:
                 self._between_calls.set()
+
+    def _renew(self, backend: Backend, leases: list[Renewable]) -> None:
+        """One renewal call of ``leases`` (due now), its answers applied."""
+        batch = self.schedule.start(backend, leases)
+        if batch is not None:
+            self.schedule.complete(batch, _send(batch))
 
 
 class _Lanes:
