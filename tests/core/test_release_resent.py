@@ -21,6 +21,7 @@ import redis
 from servers import RedisServer
 
 from task_locks import AsyncLock, Lock, NotOwned, get_backend
+from task_locks.backends.redis import SCRIPTS
 from task_locks.types import Owner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
