@@ -159,17 +159,18 @@ end
 
 # The server hand-off's queue. ``pop_live`` pops up to the first waiter whose entry is
 # alive and returns it (out of the queue now: the caller grants it the lock) with its
-# entry; dead ones are dropped on the way. ``grant`` gives the lock to that waiter: a
-# new fence, its TTL and owner, and the fence pushed to its grant list, which lives as
-# long as the grant. ``hand_on``: a lock its holder gives up goes to the first live
+# entry; dead ones are dropped on the way, and so is ``skip`` (the releasing holder: a
+# grant to itself would be popped by nobody, the lock held until its TTL). ``grant``
+# gives the lock to that waiter: a new fence, its TTL and owner, and the fence pushed to
+# its grant list, which lives as long as the grant. ``hand_on``: a lock its holder gives up goes to the first live
 # waiter, when someone waits, else is released as by RELEASE.
 _HANDOFF = """
-local function pop_live(key, queue_key)
+local function pop_live(key, queue_key, skip)
   while true do
     local head = redis.call('zpopmin', queue_key)[1]
     if not head then return false, false end
     local entry = redis.call('get', key .. ':wait:' .. head)
-    if entry then return head, entry end
+    if entry and head ~= skip then return head, entry end
   end
 end
 local function grant(key, counter_key, counter_ttl, head, entry, floor, waiters, rid)
@@ -188,7 +189,7 @@ local function hand_on(key, counter_key, queue_key, signal_key, held, token, rel
     tombstone_ttl, counter_ttl, signal_ttl)
   local waiters = tonumber(held.waiters) or 0
   if waiters > 0 then
-    local head, entry = pop_live(key, queue_key)
+    local head, entry = pop_live(key, queue_key, held.token)
     if head then
       if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
       grant(key, counter_key, counter_ttl, head, entry, tonumber(held.fence),
@@ -310,8 +311,9 @@ return 1
 # ARGV[5] - how long the wait entry lives (ms; 0: try once, do not queue)
 # Returns the fence (integer) when the lock is now ours: already held by this token (a
 # grant that raced in, or a retried call: TTL and owner anew, as in ACQUIRE), or free with
-# no live waiter ahead of us. A lock found free with live waiters ahead goes to the first
-# of them (as a release would). Else the caller is queued (or its entry refreshed,
+# no live waiter ahead of us; the caller's own queue entry and any stale grant go with it
+# (else its release would hand the lock to itself). A lock found free with live waiters
+# ahead goes to the first of them (as a release would). Else the caller is queued (or its entry refreshed,
 # keeping its place) and gets {holder pttl ms, owner JSON, fence, acquired ms}. A grant
 # still in the caller's list then is stale (fences only grow: at most the holder's
 # reported here), and its pop drops it. Refuses a ttl not in 1..MAX_TTL_MS.
@@ -347,6 +349,8 @@ if not held or not held.token then
   local head, entry = false, false
   if not held then head, entry = pop_live(key, queue_key) end
   if not head or head == token then
+    redis.call('zrem', queue_key, token)
+    redis.call('del', entry_key, key .. ':grant:' .. token)
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     local waiters = (head and '1') or (held and held.waiters) or '0'
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,

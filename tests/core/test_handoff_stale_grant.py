@@ -105,3 +105,26 @@ def test_clients_of_both_modes_on_one_name_never_overlap(redis_url: str) -> None
         assert faults == []
     finally:
         client.close()
+
+
+def test_a_lock_taken_from_a_tombstone_is_not_handed_back_to_its_taker(redis_url: str) -> None:
+    """A queued waiter whose try finds a release's tombstone (here a plain-URL release
+    woke it by signal) takes the lock. Its queue entry must go with that: else its own
+    release "hands" the lock to it (a grant nobody pops), answering "released" while the
+    lock stays held until its TTL, and everyone else is kept out that long."""
+    url = handoff(redis_url)
+    backend = get_backend(url)
+    plain = get_backend(redis_url)
+    assert backend.acquire("tomb", "holder", 10_000, Owner()).acquired
+    assert backend.enqueue("tomb", "w", 10_000, Owner(), 5_000).fence is None
+    assert backend.enqueue("tomb", "later", 10_000, Owner(), 5_000).fence is None
+    assert plain.release("tomb", "holder")  # a tombstone; the waiters stay queued
+    assert backend.enqueue("tomb", "w", 10_000, Owner(), 5_000).fence is not None
+    backend.dequeue("tomb", "later")  # the other waiter gives up
+    assert backend.release("tomb", "w")
+    assert backend.holder("tomb") is None, "released, yet still held"
+    assert backend.acquire("tomb", "x", 10_000, Owner()).acquired
+    with redis.Redis.from_url(redis_url) as client:
+        assert not client.exists("task_locks:{tomb}:wait:w", "task_locks:{tomb}:grant:w")
+        assert not client.zscore("task_locks:{tomb}:queue", "w")
+    assert backend.release("tomb", "x")
