@@ -368,7 +368,9 @@ def test_a_celery_task_sees_its_lease_lost_at_the_deadline(link: Proxy) -> None:
     app = Celery("deadline", broker="memory://", backend="cache+memory://", set_as_current=False)
     seen: dict[str, Any] = {}
 
-    @singleton_task(app=app, shared=False, key="celery-deadline", ttl=1.5, backend=proxy_url(link))
+    @singleton_task(app=app, shared=False, key="celery-deadline", ttl=1.5, backend=proxy_url(link),
+        on_lost="ignore",  # the lease itself is under test, not the task's outcome
+    )
     def job() -> None:
         lease = current_lease()
         assert lease is not None
