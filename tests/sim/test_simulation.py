@@ -122,7 +122,6 @@ RENEW_TTL_RACES = [
 ]
 
 
-@pytest.mark.xfail(reason="issue 23 item 1 (renew(ttl=LONGER) raced by a renewal in flight)")
 @pytest.mark.parametrize("scenario", RENEW_TTL_RACES, ids=lambda s: f"seed{s.seed}")
 def test_renew_with_a_longer_ttl_raced_by_the_watchdog(scenario: Scenario) -> None:
     violation, story = sim.story(scenario)
@@ -150,7 +149,6 @@ SLOW_ON_LOST_FINDING = Scenario(
 )
 
 
-@pytest.mark.xfail(reason="issue 23 item 3 (a slow on_lost runs on the renewal lane)")
 def test_a_slow_on_lost_callback_stops_no_other_lease_renewal() -> None:
     violation, story = sim.story(SLOW_ON_LOST_FINDING)
     assert violation is None, "\n".join(story)
