@@ -10,11 +10,13 @@ from django.db import migrations, models
 
 
 def policy_from_detail(apps, schema_editor):
+    """On the database being migrated (``migrate --database=...`` migrates one alias)."""
     LockEvent = apps.get_model("task_locks", "LockEvent")
-    for event in LockEvent.objects.filter(detail__contains="policy ").iterator():
+    events = LockEvent.objects.using(schema_editor.connection.alias)
+    for event in events.filter(detail__contains="policy ").iterator():
         found = re.search(r"(?:^|; )policy (\w+)", event.detail)
         if found:
-            LockEvent.objects.filter(pk=event.pk).update(policy=found.group(1)[:16])
+            events.filter(pk=event.pk).update(policy=found.group(1)[:16])
 
 
 class Migration(migrations.Migration):
