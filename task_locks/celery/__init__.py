@@ -22,8 +22,10 @@
   at definition time). A second delivery of a running message is not recognised under
   N > 1: it may take a second permit.
 - Beat ticks sent by :class:`~task_locks.celery.beat.LeaderScheduler` carry the leader's
-  term; a tick whose term is older than the current leader's is refused (state
-  ``STALE_TICK``, logged at WARNING), at the cost of one read for beat messages only.
+  term; a tick whose term is older than the current leader's (and whose claim is gone)
+  is refused, logged at WARNING, and ends ready as a skip does: ``SUCCESS`` with a
+  :class:`StaleTick` result, or ``FAILURE`` with :class:`DuplicateTask`
+  (``skip_as="failure"``), at the cost of one read for beat messages only.
 - ``lock_on``: ``"run"`` (default), ``"enqueue"`` (at most one *queued* message per key;
   the key is freed when it starts), ``"both"`` (at most one queued-or-running). See
   :mod:`task_locks.celery.publish`.
@@ -34,10 +36,11 @@
   finds its own task id holding the key and is ignored (no state is written) under
   ``"skip"``/``"raise"``; under ``"wait"``/``"retry"`` it runs after the first, never
   alongside.
-- Pools: prefork, threads and solo are supported and tested. gevent and eventlet are
-  not tested and not claimed: the renewal watchdog is a real OS thread, which
-  monkey-patching turns into a greenlet that only runs when a task yields, so a
-  CPU-bound task could lose its lease.
+- Pools: prefork, threads, solo, gevent and eventlet, each tested on real workers. Under
+  gevent and eventlet the renewal watchdog is a greenlet of the hub, so it runs only
+  when a body yields: a body that blocks the hub past its TTL loses its lease, and the
+  run ends ``FAILURE`` with ``LockLost`` (``on_lost="ignore"``: its result, the loss
+  logged at WARNING).
 
 Importing this package connects the signal receivers that release leftover locks.
 """
@@ -56,6 +59,7 @@ from .task import (
     DuplicateTask,
     SingletonTask,
     Skipped,
+    StaleTick,
     current_lease,
     singleton_task,
 )
@@ -79,6 +83,7 @@ __all__ = [
     "DuplicateTask",
     "SingletonTask",
     "Skipped",
+    "StaleTick",
     "current_lease",
     "singleton_task",
 ]

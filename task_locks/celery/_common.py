@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from kombu.utils.json import register_type
 
@@ -31,7 +31,11 @@ SKIPPED: Final = "SKIPPED"
 SKIP_AS: Final = ("success", "failure")
 #: ``on_lost``: what a run does when its lock is lost while the body runs.
 ON_LOST: Final = ("interrupt", "fail", "ignore")
-#: The state of a beat tick refused because it was sent under an old leader's term.
+#: The word a beat tick refused as sent under an old leader's term is reported with (the
+#: worker's WARNING line, :class:`StaleTick`'s ``state``). Like :data:`SKIPPED` it is no
+#: longer a state a run ends in (Celery never counts a custom state as ready): the run
+#: ends ``SUCCESS`` with a :class:`StaleTick` result, or ``FAILURE`` with
+#: :class:`DuplicateTask` (``skip_as="failure"``).
 STALE_TICK: Final = "STALE_TICK"
 LOCK_ON: Final = ("run", "enqueue", "both")
 #: Message header carrying the token of the lock taken at publish time.
@@ -52,7 +56,8 @@ class LockedTask:
 
 class DuplicateTask(LockHeld):
     """A publish was dropped because the same key is already queued (or running), or,
-    with ``skip_as="failure"``, a run was skipped because its key was held.
+    with ``skip_as="failure"``, a run was skipped because its key was held or refused as
+    a possible second send of its beat tick (:class:`StaleTick`).
 
     ``existing`` is the :class:`~celery.result.AsyncResult` of the task that holds the
     key, when its id is known. ``apply_async``/``delay`` return it instead of raising
@@ -66,7 +71,36 @@ class DuplicateTask(LockHeld):
         self.existing = existing
 
 
-class Skipped:
+class _NotRun:
+    """What :class:`Skipped` and :class:`StaleTick` share: the result of a run that did not
+    run its body, falsy and compared by value, carried by ``json`` (a registered kombu
+    type each) and ``pickle``."""
+
+    __slots__ = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields, as the ``json`` serializer carries them."""
+        return {name: getattr(self, name) for name in self._fields}
+
+    def __reduce__(self) -> tuple[type[_NotRun], tuple[Any, ...]]:
+        return type(self), tuple(getattr(self, name) for name in self._fields)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _NotRun)
+            and type(other) is type(self)
+            and self.as_dict() == other.as_dict()
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self.as_dict().values()))
+
+
+class Skipped(_NotRun):
     """The result of a run skipped because its key was held (``on_conflict="skip"``).
 
     ``AsyncResult.get()`` of a skipped call returns one (state ``SUCCESS``), a chain
@@ -77,6 +111,7 @@ class Skipped:
     """
 
     __slots__ = ("holder", "holder_task_id", "lock")
+    _fields = ("lock", "holder_task_id", "holder")
     #: The word the worker's log line uses (:data:`SKIPPED`).
     state: Final = SKIPPED
 
@@ -87,27 +122,42 @@ class Skipped:
         self.holder_task_id = holder_task_id
         self.holder = holder
 
-    def as_dict(self) -> dict[str, Any]:
-        """Its fields, as the ``json`` serializer carries them."""
-        return {"lock": self.lock, "holder_task_id": self.holder_task_id, "holder": self.holder}
-
-    def __reduce__(self) -> tuple[type[Skipped], tuple[str, str | None, str | None]]:
-        return Skipped, (self.lock, self.holder_task_id, self.holder)
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Skipped) and self.as_dict() == other.as_dict()
-
-    def __hash__(self) -> int:
-        return hash((self.lock, self.holder_task_id, self.holder))
-
     def __repr__(self) -> str:
         return f"Skipped(lock={self.lock!r}, holder_task_id={self.holder_task_id!r})"
 
 
+class StaleTick(_NotRun):
+    """The result of a beat tick refused because it may be a second send of its tick.
+
+    A message sent under an election term older than the current leader's, whose tick
+    claim is gone (:mod:`task_locks.celery.beat`), does not run. Like a skipped run it
+    ends ready: ``SUCCESS`` with this as its result, or with ``skip_as="failure"``
+    ``FAILURE`` with :class:`DuplicateTask`. Falsy, compared by value, carried by the
+    ``json`` serializer (kombu type ``task_locks.stale_tick``) and ``pickle``.
+    """
+
+    __slots__ = ("current_term", "election", "term", "tick")
+    _fields = ("election", "tick", "term", "current_term")
+    #: The word the worker's WARNING line and the docs use (:data:`STALE_TICK`).
+    state: Final = STALE_TICK
+
+    def __init__(self, election: str, tick: str, term: int, current_term: int) -> None:
+        self.election = election
+        self.tick = tick
+        self.term = term
+        self.current_term = current_term
+
+    def __repr__(self) -> str:
+        return (
+            f"StaleTick(election={self.election!r}, tick={self.tick!r}, term={self.term}, "
+            f"current_term={self.current_term})"
+        )
+
+
 register_type(Skipped, "task_locks.skipped", Skipped.as_dict, lambda fields: Skipped(**fields))
+register_type(
+    StaleTick, "task_locks.stale_tick", StaleTick.as_dict, lambda fields: StaleTick(**fields)
+)
 
 
 def hand_over_to_retry(
@@ -157,6 +207,7 @@ __all__ = [
     "DuplicateTask",
     "LockedTask",
     "Skipped",
+    "StaleTick",
     "hand_over_to_retry",
     "message_arguments",
     "park_for_retry",

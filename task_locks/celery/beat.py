@@ -27,9 +27,11 @@ default, keeps doing the scheduling.
    leader's (:func:`stale_tick_term`) they read the tick's claim too, and run the
    message if the claim is still the one it was sent under: then no other send of that
    tick can exist, and a clean hand-over (a deploy restart, ``resign()``) loses nothing.
-   Otherwise (the claim expired, or is another sender's) the message is refused, in
-   state ``STALE_TICK``, with a WARNING log naming the tick. Other tasks can do the
-   same with :func:`beat_tick`, :func:`election_holder` and :func:`claim_holds`.
+   Otherwise (the claim expired, or is another sender's) the message is refused, with
+   a WARNING log naming the tick, and ends ready as a skip does: ``SUCCESS`` with a
+   :class:`~task_locks.celery.StaleTick` result, or ``FAILURE`` with
+   :class:`~task_locks.celery.DuplicateTask` (``skip_as="failure"``). Other tasks can
+   do the same with :func:`beat_tick`, :func:`election_holder` and :func:`claim_holds`.
 
 A tick's id is ``<entry name>@<epoch ms of the entry's next run after this one>``: every
 candidate computes the same id for the same tick without sharing any state. For that,

@@ -53,6 +53,7 @@ from ._common import (
     DuplicateTask,
     LockedTask,
     Skipped,
+    StaleTick,
     unpark,
 )
 from .beat import (
@@ -411,12 +412,13 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             yield from self._drop_queued_lock(name, handed)
         tick = _beat_tick(request)
         if tick is not None:
-            current = stale_tick_term(tick, (yield _ElectionHolder(self.app, tick)))
+            leader = yield _ElectionHolder(self.app, tick)
+            current = stale_tick_term(tick, leader)
             if current is not None and not (yield _ClaimHolds(self.app, tick)):
                 if handed and self.lock_on == "both":
                     yield from self._drop_queued_lock(name, handed)  # refused below: free it
-                if self._refuse_stale(tick, current):
-                    return None
+                stale = self._refuse_stale(tick, leader, current)
+                return None if request.called_directly or request.id is None else stale
         if self.lock_on == "enqueue":
             return (yield Call(body, args, kwargs))
         if releaser.pending(name):  # this process's last run of the key is letting go
@@ -639,14 +641,16 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     # -- beat ticks sent under an old term (issue: HA beat) ------------------------------
 
-    def _refuse_stale(self, tick: BeatTick, current: int) -> bool:
+    def _refuse_stale(self, tick: BeatTick, leader: Holder, current: int) -> StaleTick:
         """Refuse a beat message that may be a second send of its tick.
 
         Called for a message sent under a term older than the ``current`` leader's whose
         tick claim no longer holds (expired, or another sender's): a deposed leader
         (paused, partitioned) and the new one may both have sent that tick. A message
         whose claim holds is the only send of its tick and runs (a clean hand-over).
-        ``True`` to return without running (direct calls); else ends the run, ignored.
+        The refusal ends ready, as a skip does (Celery never counts a custom state as
+        ready, so ``.get()`` would wait for ever): the :class:`StaleTick` returned is the
+        run's result, or with ``skip_as="failure"`` :class:`DuplicateTask` is raised.
         """
         request = self.request
         log.warning(
@@ -660,19 +664,15 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             tick.term,
             current,
         )
-        if request.called_directly or request.id is None:
-            return True
-        self.update_state(
-            task_id=request.id,
-            state=STALE_TICK,
-            meta={
-                "election": tick.election,
-                "tick": tick.tick,
-                "term": tick.term,
-                "current_term": current,
-            },
-        )
-        raise Ignore()
+        if self.skip_as == "failure":
+            raise DuplicateTask(
+                f"task {self.name}[{request.id}] refused: beat tick {tick.tick} of "
+                f"{tick.election!r} was sent under term {tick.term}, the current leader's "
+                f"term is {current}: it may have been sent twice",
+                name=leader.name,
+                holder=leader,
+            ) from None
+        return StaleTick(tick.election, tick.tick, tick.term, current)
 
     # -- conflicts (no I/O except Celery's own) ------------------------------------------
 
@@ -1001,6 +1001,7 @@ __all__ = [
     "DuplicateTask",
     "SingletonTask",
     "Skipped",
+    "StaleTick",
     "current_lease",
     "singleton_task",
 ]

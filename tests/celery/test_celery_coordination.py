@@ -3,8 +3,9 @@
 - ``@singleton_task(..., limit=2)``: at most two runs of one key at once (interval log),
   every call runs, and a killed holder's permit comes back within seconds.
 - A message stamped by the HA beat scheduler (``task_locks_election``/``_term``/``_tick``
-  headers) runs only if its term is still the current leader's; an older term is refused
-  in state ``STALE_TICK``.
+  headers) runs only if its term is still the current leader's; an older term whose claim
+  is gone is refused, and ends ready as a skip does (``SUCCESS`` with a ``StaleTick``, or
+  ``skip_as="failure"``: ``FAILURE`` with ``DuplicateTask``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from servers import wait_until
 
 from task_locks import Election, get_backend
-from task_locks.celery import SKIPPED, STALE_TICK
+from task_locks.celery import STALE_TICK, DuplicateTask, StaleTick
 from task_locks.celery.beat import ELECTION_HEADER, TERM_HEADER, TICK_HEADER
 from task_locks.semaphore import slot_name
 
@@ -116,8 +117,10 @@ def beat_headers(election: str, term: int) -> dict[str, Any]:
 def test_a_tick_sent_under_an_old_term_is_refused_and_the_current_term_runs(
     cluster: Any, prefork_workers: Any, key: str, intervals: Any
 ) -> None:
-    """Two terms of one election: the deposed leader's tick is refused (not run, state
-    ``STALE_TICK``); the current leader's tick runs; with no leader nothing is refused."""
+    """Two terms of one election: the deposed leader's tick is refused (not run; its
+    ``.get()`` returns a ``StaleTick``, or raises ``DuplicateTask`` with
+    ``skip_as="failure"``); the current leader's tick runs; with no leader nothing is
+    refused."""
     name = f"beat-{uuid.uuid4().hex[:8]}"
     election = Election(name, ttl=10, backend=cluster.locks_url)
     old = election.campaign(timeout=5)
@@ -130,14 +133,16 @@ def test_a_tick_sent_under_an_old_term_is_refused_and_the_current_term_runs(
         stale = task.apply_async((key, log, 0), headers=beat_headers(name, old_term))
         fresh = task.apply_async((f"{key}b", log, 0), headers=beat_headers(name, current.term))
         assert fresh.get(timeout=20)["task_id"] == fresh.id
-        wait_until(lambda: stale.state == STALE_TICK, 20, "the stale tick to be refused")
-        assert stale.info == {
-            "election": name,
-            "tick": f"test@{old_term}",
-            "term": old_term,
-            "current_term": current.term,
-        }
-        assert not stale.successful() and stale.state != SKIPPED
+        # Ready, as a skip is: .get() returns the refusal (a custom state never would).
+        refused = stale.get(timeout=20)
+        assert refused == StaleTick(name, f"test@{old_term}", old_term, current.term)
+        assert not refused and refused.state == STALE_TICK and stale.state == "SUCCESS"
+        failing = cluster.tasks.canvas_skip_failure.apply_async(
+            (f"{key}d", 0), headers=beat_headers(name, old_term)
+        )
+        with pytest.raises(DuplicateTask, match=f"leader's term is {current.term}: it may"):
+            failing.get(timeout=20)
+        assert failing.state == "FAILURE"
     finally:
         current.resign()
     # No leader now (the last one resigned): a tick from the last term is not refused.
@@ -151,7 +156,7 @@ def test_a_tick_queued_at_a_clean_hand_over_still_runs(
 ) -> None:
     """Issue 13.4: the leader sends a tick, then resigns cleanly (a deploy restart) while
     the tick is still queued; the next leader's term is newer. That tick was sent once,
-    by the real leader, and its claim is intact: it must run, not end in STALE_TICK."""
+    by the real leader, and its claim is intact: it must run, not be refused as stale."""
     from celery import Celery
 
     from task_locks.celery.beat import LeaderScheduler

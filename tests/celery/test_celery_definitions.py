@@ -282,15 +282,24 @@ def test_async_task_with_a_limit_runs_under_an_async_permit(app: Celery, redis_u
     assert Semaphore("render:1", limit=2, backend=redis_url).holders() == []
 
 
-def test_a_skipped_marker_survives_json_and_pickle() -> None:
-    """A skipped run's result crosses the result backend as itself (json: a kombu type)."""
+def test_the_markers_of_runs_that_did_not_run_survive_json_and_pickle() -> None:
+    """A skipped run's and a refused stale beat tick's results cross the result backend
+    as themselves (json: a kombu type each), and never compare equal to each other."""
     import pickle
 
     from kombu.utils.json import dumps, loads
 
-    from task_locks.celery import SKIPPED, Skipped
+    from task_locks.celery import SKIPPED, STALE_TICK, Skipped, StaleTick
 
     marker = Skipped("sync:42", "a1b2", "task t[a1b2] on w1 pid 7")
-    assert loads(dumps(marker)) == marker and pickle.loads(pickle.dumps(marker)) == marker
-    assert not marker and marker.state == SKIPPED
+    stale = StaleTick("celery-beat:proj", "nightly@1700000000000", 3, 5)
+    for value in (marker, stale):
+        assert loads(dumps(value)) == value and pickle.loads(pickle.dumps(value)) == value
+        assert not value and hash(loads(dumps(value))) == hash(value)
+    assert loads(dumps([marker, stale])) == [marker, stale] and marker != stale
+    assert marker.state == SKIPPED and stale.state == STALE_TICK
     assert repr(marker) == "Skipped(lock='sync:42', holder_task_id='a1b2')"
+    assert repr(stale) == (
+        "StaleTick(election='celery-beat:proj', tick='nightly@1700000000000', term=3, "
+        "current_term=5)"
+    )

@@ -15,19 +15,25 @@ import pytest
 from celery import Celery
 
 from task_locks import Election
-from task_locks.celery import STALE_TICK, singleton_task
+from task_locks.celery import DuplicateTask, StaleTick, singleton_task
 from task_locks.celery.beat import ELECTION_HEADER, TERM_HEADER, TICK_HEADER
 
 
-def test_a_refused_stale_tick_is_logged_at_warning(
-    redis_url: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("skip_as", ["success", "failure"])
+def test_a_refused_stale_tick_is_logged_at_warning_and_ends_ready(
+    redis_url: str, caplog: pytest.LogCaptureFixture, skip_as: str
 ) -> None:
     app = Celery(f"stale-{uuid.uuid4().hex[:6]}", backend="cache+memory://", set_as_current=False)
     app.conf.task_locks_beat_backend = redis_url
     ran: list[int] = []
 
     @singleton_task(
-        app=app, name=f"stale_job_{uuid.uuid4().hex[:8]}", key="stale", ttl=5, backend=redis_url
+        app=app,
+        name=f"stale_job_{uuid.uuid4().hex[:8]}",
+        key="stale",
+        ttl=5,
+        backend=redis_url,
+        skip_as=skip_as,
     )
     def job() -> None:
         ran.append(1)
@@ -44,8 +50,14 @@ def test_a_refused_stale_tick_is_logged_at_warning(
     finally:
         current.resign()
     assert ran == [], "a tick of an old term whose claim is gone must not run"
-    assert app.AsyncResult(result.id).state == STALE_TICK
-    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    if skip_as == "success":
+        assert result.state == "SUCCESS"
+        assert result.get() == StaleTick(election, f"t@{old_term}", old_term, current.term)
+    else:
+        assert result.state == "FAILURE" and isinstance(result.result, DuplicateTask)
+    refusals = [
+        r for r in caplog.records if r.name == "task_locks.celery" and "refused" in r.getMessage()
+    ]
     assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
     record = refusals[0]
     assert record.levelno == logging.WARNING and record.name == "task_locks.celery"
