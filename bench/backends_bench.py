@@ -34,7 +34,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
+# This checkout's task_locks, not whatever the virtualenv's editable install points at.
 sys.path.insert(0, str(ROOT))
 
 PEER_VENV = BENCH / ".peers"
@@ -211,6 +211,7 @@ def deployments(stack: ExitStack) -> Iterator[tuple[str, Callable[[], str], Any]
     """(label, URL factory, the servers) for every backend, started lazily."""
     import shutil
 
+    import common  # noqa: F401  (puts tests/ on sys.path for servers)
     import servers
 
     yield "memory", lambda: f"memory://{uuid.uuid4().hex}", None

@@ -465,7 +465,7 @@ def main() -> None:
     server = None
     url = args.redis_url
     if url is None:
-        sys.path.insert(0, str(ROOT / "tests"))
+        import common  # noqa: F401  (puts tests/ on sys.path for servers)
         from servers import RedisServer
 
         server = RedisServer().start()

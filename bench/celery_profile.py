@@ -32,8 +32,9 @@ from typing import Any, Final
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+# This checkout's task_locks, not whatever the virtualenv's editable install points at:
+# the profile measures the tree it is in.
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from celery import Celery  # noqa: E402
 from celery.app import trace as celery_trace  # noqa: E402
@@ -296,6 +297,7 @@ def main() -> None:
     server = None
     url = args.redis_url
     if url is None:
+        import common  # noqa: F401  (puts tests/ on sys.path for servers)
         from servers import RedisServer
 
         server = RedisServer().start()

@@ -12,8 +12,10 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+# bench/'s scripts run as `python bench/X.py` (their own folder first on sys.path) and
+# start their servers with the tests' harness, tests/servers.py: this is the one place
+# that puts tests/ on the path, so a script imports common before servers.
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
 
 
 PEER_VENV = BENCH / ".peers"

@@ -29,15 +29,12 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import common  # noqa: F401  (puts tests/ on sys.path for servers)
+from servers import RedisServer  # tests/servers.py, the tests' own harness
 
-from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
-
-from task_locks import Election, Lock, Semaphore, close_all, get_backend  # noqa: E402
+from task_locks import Election, Lock, Semaphore, close_all, get_backend
 
 TTL = 30.0  # no renewal or expiry inside a sample
 #: (lock/semaphore sample pairs, hand-overs) per mode.

@@ -22,12 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
-
-from common import (  # noqa: E402
+from common import (
     FLOOR,
     PEER_ADAPTERS,
     PEER_FLOOR,
@@ -38,8 +33,11 @@ from common import (  # noqa: E402
     quantile,
     summary_us,
 )
-from peers import installed  # noqa: E402
-from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
+from peers import installed
+from servers import RedisServer  # tests/servers.py, the tests' own harness
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
 
 
 class WorkerError(RuntimeError):

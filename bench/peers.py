@@ -11,13 +11,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from common import PEER_VENV, PEERS, log
+
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
-
-
-from common import PEER_VENV, PEERS, log  # noqa: E402
 
 
 def _pip_reason(stderr: str) -> str:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from common import FLOOR, fmt, log, ratio
+
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
-
-
-from common import FLOOR, fmt, log, ratio  # noqa: E402
 
 #: The issue-15 record of the profile (before/after tables and the throughput pair),
 #: measured by hand once; included under the generated profile so a run keeps it.

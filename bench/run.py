@@ -35,22 +35,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
-
-from common import PLANS, log  # noqa: E402
-from measure import (  # noqa: E402
+from common import PLANS, log
+from measure import (
     contention_libraries,
     machine_facts,
     measure_all,
     measure_footprint,
 )
-from peers import ensure_peers, versions_of  # noqa: E402
-from report import footprint_markdown, write_results  # noqa: E402
-from servers import RedisServer  # noqa: E402  (tests/servers.py: the tests' own harness)
-from targets import target_rows  # noqa: E402
+from peers import ensure_peers, versions_of
+from report import footprint_markdown, write_results
+from servers import RedisServer  # tests/servers.py, the tests' own harness
+from targets import target_rows
+
+BENCH = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

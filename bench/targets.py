@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(BENCH))
-
-
-from common import FLOOR, fmt, ratio  # noqa: E402
+from common import FLOOR, fmt, ratio
 
 
 @dataclass

@@ -57,7 +57,6 @@ shutil.rmtree(VAR, ignore_errors=True)
 VAR.mkdir(parents=True)
 os.environ["DEMO_VAR_DIR"] = str(VAR)
 os.environ["DJANGO_SETTINGS_MODULE"] = "demo_site.settings"  # also for the workers
-sys.path.insert(0, str(HERE))
 
 import django  # noqa: E402
 

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from hypothesis import settings as hypothesis_settings
-
-import task_locks
-from task_locks import config
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # The conformance deployments' servers, for every directory (one set per session).
 from deployments import (  # noqa: F401
@@ -24,10 +16,14 @@ from deployments import (  # noqa: F401
     redis_masters,
     redis_sentinel,
 )
+from hypothesis import settings as hypothesis_settings
 
 # The secured servers of issue 18 (TLS, etcd RBAC, Redis ACL users), for every directory.
 from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # noqa: F401
 from servers import RedisServer
+
+import task_locks
+from task_locks import config
 
 #: Fixtures of the event stream and metrics (seen, metric, only_logging_stays).
 pytest_plugins = ["event_fixtures"]

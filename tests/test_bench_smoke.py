@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "bench" / "run.py"
 
 
-def load_bench(module: str) -> ModuleType:
-    """One of bench/'s modules (they import each other by plain name, from bench/)."""
+def load_bench(module: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """One of bench/'s modules (they import each other by plain name, from bench/, the
+    folder a script's run puts first on sys.path: here for this test only)."""
+    monkeypatch.syspath_prepend(str(RUNNER.parent))
     spec = importlib.util.spec_from_file_location(
         f"bench_{module}", RUNNER.with_name(f"{module}.py")
     )
@@ -91,9 +93,9 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     assert (tmp_path / "results.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_contention_figures_from_known_records() -> None:
+def test_contention_figures_from_known_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two processes taking turns: rate, utilisation, fairness and hand-off come out exact."""
-    runner = load_bench("measure")
+    runner = load_bench("measure", monkeypatch)
     # [asked, acquired, releasing]: A holds 0-1, B waits from 0.5 and gets it at 1.1, A asks
     # again at 1.5 and gets it at 2.2 after B releases at 2.0; the window is 0-4 s.
     a = [[0.0, 0.0, 1.0], [1.5, 2.2, 3.0]]
@@ -108,9 +110,11 @@ def test_contention_figures_from_known_records() -> None:
     assert stats["handoff_p99_us"] == pytest.approx(200_000, rel=1e-6)  # 0.2 s
 
 
-def test_issue15_targets_pass_or_miss_with_the_measured_reason() -> None:
+def test_issue15_targets_pass_or_miss_with_the_measured_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Known figures in, verdicts and reasons out, for both of our hand-offs."""
-    targets = load_bench("targets")
+    targets = load_bench("targets", monkeypatch)
 
     def cell(rate: float, calls: float, fairness: float = 1.0, util: float = 0.95) -> dict:
         return {

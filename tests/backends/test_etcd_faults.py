@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from chaos.chaoskit.proxy import Proxy, ProxyHub, _Link, _rst
+from chaoskit.proxy import Proxy, ProxyHub, _Link, _rst
 from servers import EtcdCluster, EtcdServer, wait_until
 
 from task_locks import BackendUnavailable, Lease, Lock, LockLost, NotOwned

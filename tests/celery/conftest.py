@@ -64,7 +64,8 @@ class Cluster:
             "TL_CELERY_LOCKS": server.url(2),
         }
         os.environ.update(self.env)
-        sys.path.insert(0, str(HERE))
+        # celery_tasks sits beside this conftest, whose folder pytest put on sys.path (a
+        # folder without __init__.py); the workers find it through PYTHONPATH below.
         self.tasks: ModuleType = importlib.import_module("celery_tasks")
         self.app: Any = self.tasks.app
         self.locks_url = server.url(2)

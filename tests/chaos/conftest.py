@@ -12,17 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from chaoskit import report  # noqa: E402
-from chaoskit.resources import create_register_table  # noqa: E402
-from chaoskit.scenario import REPO, TESTS_DIR  # noqa: E402
-from servers import RedisServer, port_open  # noqa: E402
+from chaoskit import report
+from chaoskit.resources import create_register_table
+from chaoskit.scenario import REPO, TESTS_DIR
+from servers import RedisServer, port_open
 
 ARTIFACTS = TESTS_DIR / "artifacts"
 _started = time.monotonic()
@@ -70,7 +65,7 @@ def chaos_database() -> Iterator[str | None]:
             os.environ,
             DJANGO_SETTINGS_MODULE="chaoskit.django_settings",
             CHAOS_PG_DB=name,
-            PYTHONPATH=os.pathsep.join([str(HERE), str(TESTS_DIR), str(REPO)]),
+            PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO)]),
         )
         migrate = (
             "import django; django.setup(); from django.core.management import call_command; "

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
+from chaoskit.proxy import Proxy, ProxyHub
 from servers import RedisServer
 
 from task_locks import watchdog
 from task_locks.backends.redis import SCRIPTS
 
 from .support import AsyncDriver, Child, SyncDriver
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import Proxy, ProxyHub
 
 
 @pytest.fixture(params=["sync", "async"])

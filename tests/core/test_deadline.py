@@ -19,16 +19,13 @@ from typing import Any
 
 import pytest
 import redis
+from chaoskit.proxy import Proxy, ProxyHub
 from servers import RedisClusterNodes, RedisServer, wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockLost, get_backend, watchdog
 from task_locks.types import RenewItem
 
 from .support import SyncDriver
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import Proxy, ProxyHub
 
 ROOT = Path(__file__).resolve().parents[2]
 #: How late after its local deadline a lease may be seen lost (timer wake-up, a busy box).

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from chaoskit.proxy import Proxy, ProxyHub
 from event_fixtures import Value
 from servers import RedisServer, wait_until
 
@@ -33,10 +34,6 @@ from task_locks import (
     locked,
 )
 from task_locks.events import LockEvent
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import Proxy, ProxyHub
 
 prometheus_client = pytest.importorskip("prometheus_client")
 pytestmark = pytest.mark.usefixtures("only_logging_stays")

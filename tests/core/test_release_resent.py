@@ -12,21 +12,16 @@ release script leaves a short-lived tombstone in the lock's own key, ``<prefix>{
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
+from chaoskit.proxy import Proxy
 from servers import RedisServer
 
 from task_locks import AsyncLock, Lock, NotOwned, get_backend
 from task_locks.backends.redis import SCRIPTS
 from task_locks.types import Owner
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import Proxy
 
 SOCKET_TIMEOUT = 0.5
 

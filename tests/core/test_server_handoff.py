@@ -9,15 +9,14 @@ two holders.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from chaoskit.proxy import ProxyHub
 from servers import RedisServer, wait_until
 
 from task_locks import AsyncLock, Lock, LockError, LockHeld, get_backend
@@ -27,10 +26,6 @@ from task_locks.types import Owner
 
 from .holder import hammer_async, hammer_sync
 from .support import SyncDriver
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import ProxyHub
 
 
 def handoff(url: str) -> str:

@@ -1,12 +1,11 @@
 #!/usr/bin/env python
-"""``manage.py`` for the test settings; subprocess tests run commands through it."""
+"""``manage.py`` for the test settings; subprocess tests run commands through it (with the
+checkout on ``PYTHONPATH``, for ``tests.django.settings``: see django_helpers)."""
 
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django.settings")
     from django.core.management import execute_from_command_line
 

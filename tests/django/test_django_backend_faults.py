@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from chaoskit.proxy import Proxy, ProxyHub
 from django.conf import settings
 from django.db import connections
 
 from django_app.backend import DjangoBackend
 from task_locks import BackendUnavailable, Owner
 from task_locks.types import RenewItem
-from tests.chaos.chaoskit.proxy import Proxy, ProxyHub
 
 NETWORKED = [alias for alias in ("pg", "mysql") if alias in settings.DATABASES]
 pytestmark = pytest.mark.skipif(not NETWORKED, reason="no PostgreSQL or MariaDB on 127.0.0.1")

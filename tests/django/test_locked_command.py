@@ -7,12 +7,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from chaoskit.proxy import ProxyHub
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -23,10 +23,6 @@ from django_app import audit
 from django_app.commands import CommandLockHeld, LockedCommand, locked_command
 from django_app.models import LockEvent
 from task_locks import Lock, get_backend
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-
-from chaoskit.proxy import ProxyHub
 
 
 @pytest.mark.django_db(transaction=True)

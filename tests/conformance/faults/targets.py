@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import redis
+from chaoskit.proxy import Proxy, ProxyHub
 from servers import (
     RedisClusterNodes,
     RedisMasters,
@@ -49,10 +48,6 @@ from servers import (
 import task_locks.backends.redlock  # noqa: F401  (registers its scripts)
 from task_locks.backends import Backend, get_backend
 from task_locks.backends.redis import SCRIPTS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "chaos"))
-
-from chaoskit.proxy import Proxy, ProxyHub
 
 #: Lock TTL of every cell (seconds): short, so "past the TTL" costs little.
 TTL = 1.0

@@ -30,8 +30,7 @@ from .nemesis import FAKETIME_LIB, SKEW, nemesis
 from .proxy import Proxy, ProxyHub
 
 HERE = Path(__file__).resolve().parent
-CHAOS_DIR = HERE.parent
-TESTS_DIR = CHAOS_DIR.parent
+TESTS_DIR = HERE.parent
 REPO = TESTS_DIR.parent
 UNSET = 255
 
@@ -154,7 +153,7 @@ class Run:
         process = self._next_process
         self._next_process += 1
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(CHAOS_DIR), str(TESTS_DIR), str(REPO)])
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(REPO)])
         env["DJANGO_SETTINGS_MODULE"] = "chaoskit.django_settings"
         if self.django_db:
             env["CHAOS_PG_DB"] = self.django_db
@@ -180,7 +179,7 @@ class Run:
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd=str(CHAOS_DIR),
+                cwd=str(TESTS_DIR),
             )
         finally:
             log.close()
