@@ -25,16 +25,8 @@ from deployments import (
     build_deployment,
     deployment_params,
 )
+from lease_fixtures import no_leftover_renewals  # noqa: F401  (autouse here)
 from servers import EtcdCluster, EtcdServer, RedisMasters, RedisServer
-
-from task_locks import watchdog
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_renewals() -> Iterator[None]:
-    """A failing test may leave leases behind: stop renewing them before backends close."""
-    yield
-    watchdog.thread_renewer().schedule.clear()
 
 
 @pytest.fixture(params=[*KINDS, *_django_params()])

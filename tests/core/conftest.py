@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 from chaoskit.proxy import Proxy, ProxyHub
+from lease_fixtures import no_leftover_renewals  # noqa: F401  (autouse here)
 from servers import RedisServer
 
-from task_locks import watchdog
 from task_locks.backends.redis import SCRIPTS
 
 from .support import AsyncDriver, Child, SyncDriver
@@ -49,10 +49,3 @@ def children() -> Iterator[Callable[..., Child]]:
     yield start
     for child in started:
         child.close()
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_renewals() -> Iterator[None]:
-    """A failing test may leave leases behind: stop renewing them for the next test."""
-    yield
-    watchdog.thread_renewer().schedule.clear()
