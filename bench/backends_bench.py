@@ -250,7 +250,7 @@ def django_worker(alias: str, cycles: int, seconds: float) -> None:
 
 
 def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
-    """The uncontended cycle beside two raw ``SELECT 1`` round trips (issue 15's target)
+    """The uncontended cycle beside two raw ``SELECT 1`` round trips (the django:// target)
     and one durable one-row write, on a connection opened with the backend's own
     settings, in alternating blocks so that load lands on all alike; and the statements
     one cycle sends (counted on the backend's pooled connections)."""
@@ -500,7 +500,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def floor_markdown(label: str, floor: dict[str, Any]) -> list[str]:
-    """The cycle beside two raw SELECT 1 round trips, in prose (issue 15's target)."""
+    """The cycle beside two raw SELECT 1 round trips, in prose (the django:// target)."""
     statements = floor.get("statements", [])
     count = sum(len(s.split("; ")) for s in statements)
     return [
@@ -513,7 +513,7 @@ def floor_markdown(label: str, floor: dict[str, Any]) -> list[str]:
 
 
 def run_pg_floor(quick: bool = True) -> dict[str, Any]:
-    """Only issue 15's django (PostgreSQL) target, for runs that skip this module's
+    """Only the django:// (PostgreSQL) target, for runs that skip this module's
     :func:`run` (``--smoke``, ``--quick``): one child, no contention."""
     label, alias = "django (PostgreSQL)", "pg"
     reason = django_reason(alias)

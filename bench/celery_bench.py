@@ -11,7 +11,7 @@ run-time lock), and, when ``bench/.peers`` has them, ``celery-singleton`` and
 ``celery-once`` (both lock at publish and unlock when the task ends). Results are not
 stored (``task_ignore_result``) for any variant, which makes the ratio stricter.
 
-Duplicate suppression (issue 8): after the throughput rounds, a burst of identical calls
+Duplicate suppression: after the throughput rounds, a burst of identical calls
 (``--burst-calls``, default 200, same argument) is published as fast as possible to one
 worker per library (threads pool, 4 threads, so duplicates can meet while one runs; the
 task sleeps ``BURST_HOLD`` s). Reported per library: calls accepted by the publisher

@@ -1,4 +1,4 @@
-"""Where the time of one ``@singleton_task`` run goes (issue 15: profile before tuning).
+"""Where the time of one ``@singleton_task`` run goes (profiled before tuning).
 
 Runs a plain task and a singleton task (distinct keys) in this process through Celery's
 own tracer (``build_tracer``: what a solo worker calls per message, signals included),
@@ -47,7 +47,7 @@ from task_locks.celery import task as task_module  # noqa: E402
 from task_locks.celery.task import SingletonTask, singleton_task  # noqa: E402
 from task_locks.types import Owner  # noqa: E402
 
-try:  # the run's body step since issue 16; older trees have task.py's own _Body
+try:  # the run's body step since the per-call options; older trees have task.py's own _Body
     from task_locks._steps import Call as body_step
 except ImportError:  # pragma: no cover - an older tree on PYTHONPATH
     body_step = getattr(task_module, "_Body", None)

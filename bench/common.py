@@ -77,7 +77,7 @@ class Plan:
         return list(dict.fromkeys([*grid, *self.extra_cells]))
 
 
-#: Issue 15's contention workloads (procs, hold; outside = 2 x hold), read by the targets
+#: The contention workloads of the hand-off targets (procs, hold; outside = 2 x hold), read by the targets
 #: and so measured over ``Plan.target_rounds``: hold 0, hold 0.2 ms / 0.4 ms outside,
 #: hold 1 ms / 2 ms outside, all at 4 processes.
 TARGET_CELLS = ((4, 0.0), (4, 0.0002), (4, 0.001))

@@ -1,6 +1,6 @@
 """Coordination primitives: what a semaphore permit and a leader hand-over cost.
 
-Targets (issue 9), checked from the same run:
+Targets of elections and semaphores, checked from the same run:
 
 - semaphore acquire+release (limit 3, uncontended) at most 1.5x our lock's cycle;
 - leader hand-over after a clean resign under 10 ms on loopback: the time from

@@ -381,7 +381,7 @@ def _contend_once(
 def measure_wakeup(url: str, log_dir: Path, n: int) -> dict[str, Any]:
     """The floor of any hand-off that wakes a blocked process: a bare LPUSH from one
     process to another blocked in BLPOP for 1 ms (the hold of the target cell), unpinned
-    as in the contention runs, with the pusher's PING beside it (issue 15's hand-off
+    as in the contention runs, with the pusher's PING beside it (the hand-off
     target is a multiple of a PING)."""
     popper = Worker(sys.executable, "wakeup-pop", log_dir)
     pusher = Worker(sys.executable, "wakeup-push", log_dir)
@@ -553,7 +553,7 @@ def contention_libraries(
 ) -> list[tuple[str, str, str]]:
     libs = [("task-locks", sys.executable, "task-locks")]
     if "task-locks-handoff" in plan.libraries:
-        # Opt-in server-side grant (Redis URL option handoff=server), issue 15.
+        # Opt-in server-side grant (Redis URL option handoff=server).
         libs.append(("task-locks-handoff", sys.executable, "task-locks-handoff"))
     libs.append(("redis-py Lock", sys.executable, "redis-py"))
     if (
@@ -623,7 +623,7 @@ def hooks(
     else:
         skipped = {"status": f"skipped in --{plan.mode} (full run only)"}
         out["coordination"] = dict(skipped)
-        # Issue 15's django (PostgreSQL) target alone: one short child process.
+        # The django:// (PostgreSQL) target alone: one short child process.
         log("backends: django (PostgreSQL) cycle vs SELECT 1 (bench/backends_bench.py)")
         out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
     return out

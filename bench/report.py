@@ -10,7 +10,7 @@ from common import FLOOR, fmt, log, ratio
 
 BENCH = Path(__file__).resolve().parent
 
-#: The issue-15 record of the profile (before/after tables and the throughput pair),
+#: The record of the profile measured by hand (before/after tables and the throughput pair),
 #: measured by hand once; included under the generated profile so a run keeps it.
 PROFILE_HISTORY = BENCH / "celery_profile_history.md"
 
@@ -150,7 +150,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     if plan:
         add(
             f"This run ({results['mode']}): {plan['contention_seconds']:g} s per run; "
-            f"issue 15's cells (4 processes at hold 0, 0.2 ms and 1 ms) over "
+            f"the target cells (4 processes at hold 0, 0.2 ms and 1 ms) over "
             f"{plan['target_rounds']} rounds, the other cells over "
             f"{plan['contention_rounds']}; every library in every round, the order rotated "
             "each round."

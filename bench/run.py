@@ -10,7 +10,7 @@ contention (2/4/8 processes, hold 0/1/10 ms, and 4 processes at hold 0.2 ms; wor
 outside 2x hold; the opt-in server hand-off too), renewal of
 100/1,000/10,000 live leases, Celery throughput (``bench/celery_bench.py``) and where
 a singleton run's time goes (``bench/celery_profile.py``, its quick form, in every mode).
-The targets of issues 2, 8 and 15 are checked as ratios from this same run.
+The speed targets (bench/targets.py) are checked as ratios from this same run.
 
 Writes ``bench/results.md``, ``bench/results.png`` and ``bench/results.json``.
 

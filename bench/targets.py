@@ -1,4 +1,5 @@
-"""The targets of issues 2, 8 and 15, checked as ratios from one run."""
+"""The speed targets (the uncontended cycle, contention and hand-off, Celery throughput,
+django:// on PostgreSQL), checked as ratios from one run."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class Target:
         return "PASS" if ok else "MISS"
 
 
-#: The two ways task-locks hands a contended lock over, each checked against issue 15.
+#: The two ways task-locks hands a contended lock over, each checked against the contention targets.
 OURS = (
     ("task-locks", "task-locks (default, client hand-off)"),
     ("task-locks-handoff", "task-locks-handoff (opt-in handoff=server)"),
@@ -115,7 +116,7 @@ def contention_targets(
     ping: float | None,
     wakeup: dict[str, Any] | None = None,
 ) -> list[Target]:
-    """Issue 15's contention targets (a)-(d) for one of our hand-offs, against
+    """The contention targets (a)-(d) for one of our hand-offs, against
     python-redis-lock in the same rotated rounds; a MISS says what was measured."""
     out: list[Target] = []
     prl_missing = "python-redis-lock not measured (not installed or failed)"
@@ -280,7 +281,7 @@ def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _django_pg_target(backends: dict[str, Any]) -> Target:
-    """Issue 15: django:// on PostgreSQL, an uncontended cycle within 2x two raw
+    """django:// on PostgreSQL: an uncontended cycle within 2x two raw
     ``SELECT 1`` round trips, both measured in the same child (bench/backends_bench.py)."""
     what = "django (PostgreSQL) cycle <= 2x two SELECT 1"
     row = next(

@@ -184,7 +184,7 @@ class Sherlock(Adapter):
 ADAPTERS: dict[str, Callable[..., Adapter]] = {
     "task-locks": TaskLocks,
     "task-locks-norenew": lambda url, name, ttl: TaskLocks(url, name, ttl, renew=False),
-    # Redis's server-side hand-off (issue 15): the release grants the lock to the next waiter.
+    # Redis's server-side hand-off (handoff=server): the release grants the lock to the next waiter.
     "task-locks-handoff": lambda url, name, ttl: TaskLocks(
         url + ("&" if "?" in url else "?") + "handoff=server", name, ttl
     ),

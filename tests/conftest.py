@@ -18,7 +18,7 @@ from deployments import (  # noqa: F401
 )
 from hypothesis import settings as hypothesis_settings
 
-# The secured servers of issue 18 (TLS, etcd RBAC, Redis ACL users), for every directory.
+# The secured servers (TLS, etcd RBAC, Redis ACL users), for every directory.
 from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # noqa: F401
 from servers import RedisServer
 

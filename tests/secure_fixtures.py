@@ -1,4 +1,5 @@
-"""Session fixtures for the secured servers of issue 18 (imported by tests/conftest.py).
+"""Session fixtures for the secured servers: TLS, etcd RBAC, Redis ACL users (imported by
+tests/conftest.py).
 
 A throwaway CA and certificates (``openssl``), etcd on HTTPS with ``--client-cert-auth``,
 etcd with RBAC, Redis on TLS demanding a client certificate, and Redis whose users are

@@ -486,7 +486,7 @@ class RedisSentinel(ServerProcess):
         )
 
 
-# -- secured servers (issue 18): TLS with a throwaway CA, etcd RBAC, Redis ACL users --------
+# -- secured servers: TLS with a throwaway CA, etcd RBAC, Redis ACL users -------------------
 
 
 class Certs:

@@ -59,7 +59,7 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     assert 0 < ours["utilisation"] <= 1
     assert 0 < ours["fairness"] <= 1
     assert "redis-py Lock|2|0.001" in results["contention"]
-    # The opt-in server hand-off (issue 15) runs in the same rounds, Redis commands counted.
+    # The opt-in server hand-off (handoff=server) runs in the same rounds, Redis commands counted.
     handoff = results["contention"]["task-locks-handoff|2|0.001"]
     assert handoff["acquisitions"] > 0
     assert ours["server_calls_per_acq"] > 0 and handoff["server_calls_per_acq"] > 0
@@ -74,7 +74,7 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     verdicts = {t["what"]: t["verdict"] for t in results["targets"]}
     assert set(verdicts.values()) <= {"PASS", "MISS", "n/a"}
     assert verdicts["uncontended cycle / redis-py Lock (median)"] in {"PASS", "MISS"}
-    # Issue 15's contention targets, once for each of our two hand-offs.
+    # The contention targets, once for each of our two hand-offs.
     for name in ("task-locks (default", "task-locks-handoff (opt-in"):
         assert any(what.startswith(name) for what in verdicts), verdicts
 
@@ -83,13 +83,13 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
         assert heading in markdown
     assert "python-redis-lock | not installed: skipped (--no-peers)" in markdown
     # The singleton run profile (bench/celery_profile.py, quick) is written by the report,
-    # and its issue-15 record kept under it.
+    # and the record measured by hand kept under it.
     profile = results["celery_profile"]
     assert profile["status"] == "ok", profile
     assert profile["singleton_us"] > 0 and profile["parts_us"]
     assert "## Celery: where a singleton run's time goes" in markdown
     assert "| part of one singleton run" in markdown
-    assert "### Recorded for issue 15" in markdown
+    assert "### Recorded by hand" in markdown
     assert (tmp_path / "results.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -110,7 +110,7 @@ def test_contention_figures_from_known_records(monkeypatch: pytest.MonkeyPatch) 
     assert stats["handoff_p99_us"] == pytest.approx(200_000, rel=1e-6)  # 0.2 s
 
 
-def test_issue15_targets_pass_or_miss_with_the_measured_reason(
+def test_contention_targets_pass_or_miss_with_the_measured_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Known figures in, verdicts and reasons out, for both of our hand-offs."""

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "example_project"
-#: Acceptance: `make demo` finishes within a minute on a fresh machine.
+#: `make demo` finishes within a minute on a fresh machine.
 DEMO_LIMIT = 60.0
 #: Variables that would point the demo away from its embedded default.
 SERVER_VARIABLES = ("TASK_LOCKS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
@@ -123,7 +123,7 @@ def test_demo_passes_on_the_embedded_default(tmp_path: Path) -> None:
         "/admin/shop/jobrun/": 200,
     }
     # Every refused run is in the audit log (Celery skips and the second nightly_report),
-    # not only the command's: the lock itself reports its conflicts (issue 14).
+    # not only the command's: the lock itself reports its conflicts (the event stream).
     assert conflicts > 1, out
 
 
@@ -143,7 +143,7 @@ def demo_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
 def test_deploy_check_warns_exactly_where_the_demo_must_differ(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Acceptance 4: every warning is in the settings' commented DEPLOY_WARNINGS, and
+    """Every warning is in the settings' commented DEPLOY_WARNINGS, and
     every entry there is still needed (the list cannot go stale)."""
     allowlist = demo_settings(tmp_path, monkeypatch)["DEPLOY_WARNINGS"]
     assert isinstance(allowlist, dict)

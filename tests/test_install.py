@@ -1,5 +1,5 @@
-"""``pip install 'task-locks[celery]'`` is enough for a worker on a Redis broker (issue 25,
-item 6): kombu's Redis transport needs what ``celery[redis]`` brings (redis-py in the
+"""``pip install 'task-locks[celery]'`` is enough for a worker on a Redis broker:
+kombu's Redis transport needs what ``celery[redis]`` brings (redis-py in the
 range that kombu accepts and, from kombu 5.7, ``packaging``), and the extra brings it.
 
 A virtualenv with only the package and that extra (built from this checkout's wheel, no

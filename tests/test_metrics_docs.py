@@ -1,4 +1,4 @@
-"""docs/metrics.md and docs/grafana-dashboard.json match task_locks.metrics (issue 14), and
+"""docs/metrics.md and docs/grafana-dashboard.json match task_locks.metrics, and
 the multiprocess wiring they describe counts a forked pool's locks in one scrape."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Packaging and the support matrix are wired as the README says (issue 14).
+"""Packaging and the support matrix are wired as the README says.
 
 `make test` builds and checks the distributions and runs the matrix's short form; the
 matrix's lowest pins are the floors pyproject.toml declares; docs/installation.md's "Supported

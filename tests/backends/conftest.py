@@ -1,4 +1,4 @@
-"""Private servers for the backend acceptance tests: each test may stop, pause or kill them."""
+"""Private servers for the backend tests: each test may stop, pause or kill them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""etcd: leases, revisions and a 3-node cluster losing its leader (acceptance 3 of issue 5)."""
+"""etcd: leases, revisions and a 3-node cluster losing its leader."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_fence_is_the_keys_create_revision(etcd_cluster: EtcdCluster) -> None:
     lease.release()
 
 
-# -- issue 12: the backend contract (same-token acquire, fence-checked force release), TTLs --
+# -- the backend contract (same-token acquire, fence-checked force release), TTLs -----------
 
 
 @pytest.fixture(scope="module")

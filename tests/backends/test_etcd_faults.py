@@ -1,4 +1,4 @@
-"""etcd under transport faults: the etcd row of issue 12's fault matrix.
+"""etcd under transport faults: the etcd row of the transport fault matrix.
 
 A real 3-member etcd cluster; the client under test reaches the first member through
 the chaoskit TCP proxy and the other two directly, as ``etcd://proxy,b,c``. A hook on
@@ -302,7 +302,7 @@ def rig(cluster: EtcdCluster, proxy: FaultProxy) -> Iterator[Rig]:
     proxy.arm(None)
 
 
-# -- issue 12.1: the reproduction asked for -------------------------------------------------
+# -- a fault aimed at the request in flight, reproduced ---------------------------------------
 
 
 def test_acquire_whose_reply_is_lost_is_retried_and_really_held(rig: Rig) -> None:

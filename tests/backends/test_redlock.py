@@ -1,4 +1,4 @@
-"""Redlock over three independent masters when some of them fail (acceptance 2 of issue 5)."""
+"""Redlock over three independent masters when some of them fail."""
 
 from __future__ import annotations
 
@@ -300,7 +300,7 @@ def _delete_lock_record(server: object, name: str) -> None:
 
 
 def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
-    """Issue 13 item 3: a lease without a majority either way must not sink its batch.
+    """A lease without a majority either way must not sink its batch.
 
     ``b`` is held on the two masters that answer; ``a`` was deleted on one of them and the
     third master is paused, so ``a`` has one yes, one no and one silence: undecided. ``b``

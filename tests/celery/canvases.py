@@ -1,4 +1,4 @@
-"""Chain, group, chord and chunks of a singleton task whose key is held (issue 25 item 1).
+"""Chain, group, chord and chunks of a singleton task whose key is held.
 
 ``run(policy, key, locks_url)`` holds each canvas's key (``Lock`` in this process), sends
 the four canvases of ``celery_tasks.canvas_<policy>``, releases the keys after

@@ -305,7 +305,7 @@ def _count_deliveries(task_id: str, task: Any, args: Any, **_: Any) -> None:
 
 @singleton_task(**common, ttl=10, on_conflict="skip")
 def options_task(self: Any, key: str, log: str, retries: int = 0) -> dict[str, Any]:
-    """Reports the lock options its run got (apply_async(lock_options=...), issue 16);
+    """Reports the lock options its run got (apply_async(lock_options=...));
     retries itself ``retries`` times first."""
     lease = current_lease()
     assert lease is not None
@@ -317,7 +317,7 @@ def options_task(self: Any, key: str, log: str, retries: int = 0) -> dict[str, A
 
 @singleton_task(**common, ttl=10, on_conflict="raise", ignore_result=True)
 def fire_and_forget_task(self: Any, key: str, log: str) -> None:
-    """No stored result: its release follows the run (issue 15); a refused run records
+    """No stored result: its release is sent after the run; a refused run records
     nothing."""
     record(log, event="ran", task_id=self.request.id)
 
@@ -325,12 +325,12 @@ def fire_and_forget_task(self: Any, key: str, log: str) -> None:
 @app.task(name="celery_tasks.gil_task")
 def gil_task(log: str, count: int) -> None:
     """Not a singleton task: one C call that keeps the GIL (``sum`` over a ``range``), then
-    records when it ended (issue 23, bug 5)."""
+    records when it ended (its release must not wait for the next task to yield the GIL)."""
     sum(range(count))
     record(log, event="gil released", at=time.time())
 
 
-# The lock service is down (issue 25, item 4): a worker started with TL_OUTAGE_LOCKS gives
+# The lock service is down: a worker started with TL_OUTAGE_LOCKS gives
 # these tasks a lock server of their own that the tests stop and start.
 outage: dict[str, Any] = {**common, "backend": os.environ.get("TL_OUTAGE_LOCKS", LOCKS)}
 
@@ -364,7 +364,7 @@ def outage_limited_task(self: Any, key: str, log: str) -> str:
     return "ran"
 
 
-# gevent and eventlet pools (issue 25, item 2): short TTLs, so a run lasts several renewals.
+# gevent and eventlet pools: short TTLs, so a run lasts several renewals.
 @singleton_task(**common, ttl=1, on_conflict="skip")
 def short_ttl_task(self: Any, key: str, log: str, seconds: float) -> dict[str, Any]:
     """Runs for ``seconds`` (> 2 TTLs); records whether its lease was still held at the end."""
@@ -388,7 +388,7 @@ def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
     return held
 
 
-# Redeliveries and recycled children (issue 25, item 5).
+# Redeliveries and recycled children.
 def _first_delivery(self: Any, log: str) -> bool:
     """Record this delivery's start; ``True`` for the message's first one."""
     entry = {"pid": os.getpid(), "event": "started", "task_id": self.request.id, "at": time.time()}
@@ -494,7 +494,7 @@ def lost_ignore(self: Any, key: str, log: str, seconds: float, step: float) -> s
 
 @singleton_task(**common, ttl=1.5, on_conflict="raise", ignore_result=True)
 def lost_interrupt_unstored(self: Any, key: str, log: str, seconds: float, step: float) -> str:
-    """No result stored: its outcome must be the same (issue 23 bug 4)."""
+    """No result stored: its outcome must be the same as with a stored result."""
     return _lost_body(self, key, log, seconds, step)
 
 
@@ -523,7 +523,7 @@ def _record_success(sender: Any, result: Any, **_: Any) -> None:
         record(sender.request.args[1] + ":end", state="SUCCESS", result=result)
 
 
-# -- issue 23 bug 6: a lock_on="both" PeerCheckedTask meeting an old library's key ---------
+# -- a lock_on="both" PeerCheckedTask meeting an old library's key ------------------------
 
 
 @singleton_task(

@@ -174,7 +174,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def prefork_workers(cluster: Cluster) -> list[Worker]:
-    """Acceptance 1: two workers with three prefork processes each."""
+    """Two workers with three prefork processes each."""
     options = ["-P", "prefork", "-c", "3", "-Q", "tl_default"]
     return cluster.start([("prefork-a", options, {}), ("prefork-b", options, {})])
 

@@ -1,4 +1,4 @@
-"""Issue 15: a run whose end nobody waits for releases its lock after the run, in the
+"""A run whose end nobody waits for releases its lock after the run, in the
 process's releaser thread, and that never costs a run of the same key or a lock left
 behind at shutdown.
 
@@ -187,7 +187,7 @@ def test_a_publish_here_after_a_run_waits_for_its_pending_release(
     assert len(ran) == 50
 
 
-# -- the release rides the next acquire (issue 15: one round trip per run) ---------------
+# -- the release rides the next acquire (one round trip per run) -------------------------
 
 
 class Rider(DeferredRelease):
@@ -373,7 +373,7 @@ def test_a_lock_lost_before_its_deferred_release_is_reported(
 def test_a_task_after_the_run_starts_only_once_the_release_is_sent(
     app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 23, bug 5: the next task (no lock of its own) may keep the GIL from its first
+    """The next task (no lock of its own) may keep the GIL from its first
     line, so the releaser thread could not send the finished run's release until it ends:
     its ``task_prerun`` sends it first."""
     monkeypatch.setattr(releaser_module, "RELEASE_DELAY", 30.0)  # the thread never fires

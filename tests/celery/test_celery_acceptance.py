@@ -1,4 +1,5 @@
-"""Issue 3 acceptance: singleton tasks in real ``celery worker`` processes.
+"""Singleton tasks in real ``celery worker`` processes: skips, kills, revokes,
+time limits, enqueue locks and redeliveries.
 
 Broker, result backend and locks are one real Redis (``conftest.Cluster``). Tasks record
 their ``[start, end]`` intervals in Redis; the tests check, from outside, that no two

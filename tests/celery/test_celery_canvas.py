@@ -1,4 +1,4 @@
-"""Every canvas finishes whatever a held key makes its members do (issue 25 item 1).
+"""Every canvas finishes whatever a held key makes its members do.
 
 Chain, group, chord and ``chunks`` of a singleton task whose key is held, for each
 ``on_conflict`` (and ``skip_as="failure"``), on real prefork workers and two real result

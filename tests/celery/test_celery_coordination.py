@@ -1,4 +1,4 @@
-"""Issue 9 in real ``celery worker`` processes: ``limit=N`` and stale beat ticks.
+"""Coordination in real ``celery worker`` processes: ``limit=N`` and stale beat ticks.
 
 - ``@singleton_task(..., limit=2)``: at most two runs of one key at once (interval log),
   every call runs, and a killed holder's permit comes back within seconds.
@@ -94,7 +94,7 @@ def test_a_killed_permit_holder_frees_its_permit_within_3s(
 def test_limit_three_redelivered_copy_of_a_running_message_is_refused(
     cluster: Any, redelivery_worker: Any, key: str, intervals: Any
 ) -> None:
-    """Issue 12.6: ``acks_late`` past the 5 s visibility timeout, ``limit=3``: Redis hands
+    """``acks_late`` past the 5 s visibility timeout, ``limit=3``: Redis hands
     the running message to the worker's other process, where two permits are free. The
     copy must be refused as with ``limit=1``, not run the same task id a second time."""
     log = f"log:{key}"
@@ -154,7 +154,7 @@ def test_a_tick_sent_under_an_old_term_is_refused_and_the_current_term_runs(
 def test_a_tick_queued_at_a_clean_hand_over_still_runs(
     cluster: Any, prefork_workers: Any, key: str, intervals: Any, tmp_path: Any
 ) -> None:
-    """Issue 13.4: the leader sends a tick, then resigns cleanly (a deploy restart) while
+    """The leader sends a tick, then resigns cleanly (a deploy restart) while
     the tick is still queued; the next leader's term is newer. That tick was sent once,
     by the real leader, and its claim is intact: it must run, not be refused as stale."""
     from celery import Celery

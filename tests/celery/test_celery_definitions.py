@@ -1,4 +1,4 @@
-"""Definition-time checks (acceptance 10), lock keys, and direct calls: no worker needed.
+"""Definition-time checks, lock keys, and direct calls: no worker needed.
 
 Direct calls (``task(...)``) run ``SingletonTask.__call__`` in this process, so they take
 the same real Redis lock a worker would.
@@ -219,7 +219,7 @@ def test_bare_decorator_registers_a_shared_task() -> None:
     assert nightly.on_conflict == "skip" and nightly.lock_on == "run"
 
 
-# -- limit=N (issue 9) ------------------------------------------------------------------------
+# -- limit=N ---------------------------------------------------------------------------------
 
 
 def test_limit_one_is_a_plain_lock_named_by_the_key(app: Celery, redis_url: str) -> None:

@@ -1,4 +1,4 @@
-"""Singleton tasks and the publish guard feed the event stream and the metrics (issue 14).
+"""Singleton tasks and the publish guard feed the event stream and the metrics.
 
 In-process: the tasks are called directly (the code path a worker runs) or published to
 a real Redis broker with no worker: what matters is what this process reports.

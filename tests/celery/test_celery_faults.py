@@ -1,4 +1,4 @@
-"""The Celery fault matrix (issue 12), short form: real workers, real Redis broker.
+"""The Celery fault matrix (broker, lock server and worker faults), short form: real workers, real Redis broker.
 
 - **limit x redelivery**: ``limit`` 1 and 3, ``on_conflict`` skip and wait, with copies of
   one message (same task id) delivered at once and while the first copy runs. Whatever

@@ -1,4 +1,4 @@
-"""gevent and eventlet pools (issue 25, item 2): real ``-P gevent -c 30`` and
+"""gevent and eventlet pools: real ``-P gevent -c 30`` and
 ``-P eventlet -c 30`` workers on the Redis broker.
 
 Under both, the renewal watchdog (an OS thread elsewhere) is a greenlet of the worker's

@@ -1,8 +1,8 @@
-"""Issue 13 in real ``celery worker`` processes: nothing a user sends is lost.
+"""Liveness in real ``celery worker`` processes: nothing a user sends is lost.
 
-- 13.5: a past ETA on a ``lock_on="enqueue"``/``"both"`` task means "run now" (as in
+- A past ETA on a ``lock_on="enqueue"``/``"both"`` task means "run now" (as in
   Celery), not a negative TTL.
-- 13.6: a queued lock outlasts a long queue by default (until the message's ``expires``,
+- A queued lock outlasts a long queue by default (until the message's ``expires``,
   else :data:`~task_locks.celery.publish.DEFAULT_ENQUEUE_TTL`), and a queued lock that
   expired before its message ran is logged by the worker that runs it.
 

@@ -1,4 +1,4 @@
-"""The lock service is down (issue 25, item 4): real workers, a lock server of their own
+"""The lock service is down: real workers, a lock server of their own
 that the tests stop and start (password-protected, so the logs can be checked for it).
 
 A run whose acquire meets ``BackendUnavailable`` fails at once by default

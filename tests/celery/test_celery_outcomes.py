@@ -1,6 +1,6 @@
-"""How a singleton task's run ends when its lock is lost mid-run (``on_lost``, issue 25
-item 3 and issue 23 bug 4), and a ``lock_on="both"`` run refused by an old library's key
-(issue 23 bug 6), in real ``celery worker`` processes.
+"""How a singleton task's run ends when its lock is lost mid-run (``on_lost``, with and
+without a stored result), and a ``lock_on="both"`` run refused by an old library's key,
+in real ``celery worker`` processes.
 
 The lock is force-released (as an operator would) while the body runs; the next renewal
 (ttl 1.5 s: every 0.5 s) finds its token gone. How each run ended is recorded by the
@@ -122,7 +122,7 @@ def test_ignore_keeps_the_result(cluster: Any, request: pytest.FixtureRequest, k
 def test_a_both_run_refused_by_a_peer_key_frees_its_publish_lock(
     cluster: Any, prefork_workers: Any, key: str
 ) -> None:
-    """Issue 23 bug 6: the run is skipped (an old library holds the key); its publish-time
+    """The run is skipped (an old library holds the key); its publish-time
     lock must not stay for the whole enqueue_ttl and drop every later publish."""
     name, log = f"t:{key}", f"log:{key}"
     cluster.store.set(f"peer:{name}", "old-task-id", ex=60)

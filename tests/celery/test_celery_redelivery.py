@@ -1,4 +1,4 @@
-"""Redeliveries and recycled children (issue 25, item 5): real prefork workers on the
+"""Redeliveries and recycled children: real prefork workers on the
 Redis broker and on RabbitMQ (127.0.0.1:5672, guest/guest).
 
 What is documented (docs/celery.md, "Redeliveries and copies"):

@@ -1,4 +1,4 @@
-"""Internal records are never shown or counted as the user's (issue 26, item 2).
+"""Internal records are never shown or counted as the user's.
 
 A run's task-id guard (``<key>#task:<id>``, taken for ``on_conflict="wait"``/``"retry"``,
 ``limit > 1`` and ``lock_on="both"``) is marked ``Owner.internal``: listings, the admin,

@@ -1,4 +1,4 @@
-"""Per-call lock options (celery-once's ``once={...}``) and ``AlreadyQueued`` (issue 16).
+"""Per-call lock options (celery-once's ``once={...}``) and ``AlreadyQueued``.
 
 ``apply_async(..., lock_options={...})`` is validated at the call and applies to that run
 only: in eager mode (the run in this process, through the same ``__call__`` a worker

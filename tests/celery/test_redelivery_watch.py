@@ -1,4 +1,4 @@
-"""The watch a redelivered copy keeps on its own task id's holder (issue 25, item 5):
+"""The watch a redelivered copy keeps on its own task id's holder:
 renewed or released early means alive (refuse the copy), expired unrenewed means dead
 (run it). On the in-process ``memory://`` backend, with a real clock and short TTLs."""
 

@@ -1,4 +1,4 @@
-"""A refused beat tick is logged at WARNING (issue 13 item 4), in this process.
+"""A refused beat tick is logged at WARNING, in this process.
 
 The worker-side refusal is tested in real workers by ``test_celery_coordination.py``;
 their log goes to a file. Here the same ``__call__`` runs through ``apply()`` (the path

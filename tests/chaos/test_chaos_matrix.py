@@ -2,7 +2,7 @@
 
 What is asserted is what the package promises whatever the backend and the fault:
 a fenced register (``task_locks.fencing`` and ``django_app.fencing.fenced``) never
-accepts a stale write and never loses an acknowledged one (acceptance 1). Overlaps and
+accepts a stale write and never loses an acknowledged one. Overlaps and
 the unfenced register's stale writes are *measured*, not asserted: they are the honest
 answer to "where does a lock alone fail", and they go to the report.
 """

@@ -29,7 +29,7 @@ One-shot holds, for two calls in flight at once (``hold_next_request``,
 ``hold_next_reply``): the next chunk read in that direction, on any connection, is
 delivered that much later on top of the mode's delay; ``holds_pending()`` says whether
 they were used yet. So one call can reach the server after a later one, and its reply
-come back first (issue 23).
+come back first (a renewal overtaken in the network).
 
 A connection that lost bytes in a ``drop_*`` mode has a hole in its byte stream: on
 ``heal()`` it is reset, as the peer's TCP stack would give up on it.

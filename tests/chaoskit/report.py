@@ -47,7 +47,7 @@ LEGEND = """\
 - **stale accepted**: writes a register accepted after it had accepted a newer fence,
   in the register's own order. *no fencing* is a plain Redis read-modify-write;
   *FencedStore* is ``task_locks.fencing`` (fenced read + fenced write); *fenced()* is
-  ``django_app.fencing.fenced`` on PostgreSQL. Acceptance: 0 for both fenced registers.
+  ``django_app.fencing.fenced`` on PostgreSQL. Required: 0 for both fenced registers.
 - **lost acked writes**: acknowledged writes missing from the register's final value.
 """
 

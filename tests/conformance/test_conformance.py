@@ -1,4 +1,4 @@
-"""One set of test bodies, run against every backend (acceptance 1 of issue 5).
+"""One set of test bodies, run against every backend.
 
 What every backend promises, checked the way a user would: mutual exclusion under
 thread and process contention, strictly increasing fences, token-checked release,

@@ -1,4 +1,4 @@
-"""``lease.renew(ttl=...)`` on every backend: extend with a chosen TTL (issue 16).
+"""``lease.renew(ttl=...)`` on every backend: extend with a chosen TTL.
 
 redis-py's ``extend(additional_time, replace_ttl=True)`` and python-redis-lock's
 ``extend(expire)`` users look for it. After ``renew(ttl=X)`` the server's expiry is

@@ -1,4 +1,4 @@
-"""The conformance suite on secured deployments (issue 18): every body, the renew(ttl=)
+"""The conformance suite on secured deployments (TLS, RBAC, ACL users): every body, the renew(ttl=)
 bodies and the property tests.
 
 ``etcds`` (HTTPS, client certificate, ``--client-cert-auth``), ``etcd-rbac`` (an RBAC

@@ -2,7 +2,7 @@
 
 ``local_url``: backends a single test process can use (memory, Redis), for the fast
 in-process tests. ``shared_url``: backends several processes can share, for the
-acceptance tests with real processes: Redis always; etcd when its backend and server
+tests with real processes: Redis always; etcd when its backend and server
 exist; redlock over three masters; the Django backend on PostgreSQL (pytest-django's test
 database). Each shared backend that cannot run here is skipped with the reason.
 """

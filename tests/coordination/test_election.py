@@ -196,7 +196,7 @@ def test_async_election(local_url: str, monkeypatch: pytest.MonkeyPatch) -> None
     asyncio.run(main())
 
 
-# -- acceptance 1: three processes, one leader at any moment, fail-over on SIGKILL ----------
+# -- three processes, one leader at any moment, fail-over on SIGKILL -----------------------
 
 
 def test_three_processes_one_leader_and_failover_after_sigkill(

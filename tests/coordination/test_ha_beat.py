@@ -179,7 +179,7 @@ def test_beat_tick_reads_request_attributes() -> None:
     )
 
 
-# -- acceptance 2: two `celery beat` processes, the leader SIGKILLed half-way ------------------
+# -- two `celery beat` processes, the leader SIGKILLed half-way ------------------------------
 
 
 def start_beat(redis_url: str, election: str, ttl: float, tmp: Path, n: int) -> Any:

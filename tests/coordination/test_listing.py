@@ -1,4 +1,4 @@
-"""``list`` / ``show`` / ``release`` group elections and semaphores (issue 9, listings).
+"""``list`` / ``show`` / ``release`` group elections and semaphores.
 
 In-process against memory:// and the test Redis: the operator verbs of
 :mod:`task_locks.verbs` (shared by ``task-locks`` and ``manage.py locks``) and the listing

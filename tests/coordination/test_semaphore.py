@@ -163,7 +163,7 @@ def test_slot_names() -> None:
         assert parse_slot(other) is None
 
 
-# -- acceptance 3: limit 3, eight processes; a SIGKILLed holder's permit comes back -----------
+# -- limit 3, eight processes; a SIGKILLed holder's permit comes back -----------------------
 
 
 def test_eight_processes_limit_three(

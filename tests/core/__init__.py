@@ -1,1 +1,1 @@
-"""Core behaviour: Lock / AsyncLock over real Redis servers (issue 2's acceptance)."""
+"""Core behaviour: Lock / AsyncLock over real Redis servers."""

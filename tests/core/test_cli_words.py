@@ -1,6 +1,5 @@
-"""What ``task-locks`` says and exits with, as an operator or a cron wrapper reads it
-(issue 26, items 4 and 6): one line per fact, the verb's own usage, the status the
-README's table gives."""
+"""What ``task-locks`` says and exits with, as an operator or a cron wrapper reads it: one
+line per fact, the verb's own usage, the status the README's table gives."""
 
 from __future__ import annotations
 

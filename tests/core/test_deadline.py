@@ -1,9 +1,9 @@
-"""A lease is lost at its local deadline, whatever renewal call is still in flight (12.3).
+"""A lease is lost at its local deadline, whatever renewal call is still in flight.
 
 The fault is real: the chaoskit TCP proxy blackholes the link between the client and a
 real redis-server, so the renewal call blocks on its socket (timeout 5 s by default)
 while the server lets the lock expire. Also: each backend, and each Redis Cluster
-primary, is renewed on its own, so one stalled server costs no lease elsewhere (13.1-2).
+primary, is renewed on its own, so one stalled server costs no lease elsewhere.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ STUBBORN = (
 def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
     link: Proxy, redis_url: str, tmp_path: Path
 ) -> None:
-    """Issue 12 item 3: SIGTERM a margin before the deadline; a program that ignores it
+    """SIGTERM a margin before the deadline; a program that ignores it
     is SIGKILLed at the deadline, before a second ``run`` can take the lock."""
     beats, second_ran = tmp_path / "beats", tmp_path / "second"
     ttl = 2.0

@@ -1,4 +1,4 @@
-"""Real lock operations through the event stream into the Prometheus collectors (issue 14).
+"""Real lock operations through the event stream into the Prometheus collectors.
 
 Every front end here takes real locks on a real Redis; the assertions read the registry
 the metrics subscriber fed, and the events and log records the operations produced.
@@ -125,7 +125,7 @@ def test_locked_reports_its_policy_and_a_skip_is_a_conflict(
 def test_a_wait_that_ends_acquired_is_an_acquisition_not_a_conflict(
     redis_url: str, metric: Value, seen: list[LockEvent]
 ) -> None:
-    """Issue 26, item 1: ``on_conflict="wait"`` meets the holder, waits, runs: one
+    """``on_conflict="wait"`` meets the holder, waits, runs: one
     ``acquired`` with the whole wait in ``waited``, no ``conflict`` (a conflict is an
     acquire given up); only a wait that runs out is one, as a timeout."""
 
@@ -161,7 +161,7 @@ def test_a_wait_that_ends_acquired_is_an_acquisition_not_a_conflict(
 def test_a_lost_reason_is_the_one_the_code_decided_never_read_from_words(
     metric: Value,
 ) -> None:
-    """Issue 26, item 3: the metric's label is the event's :class:`LostReason`; a message
+    """The metric's label is the event's :class:`LostReason`; a message
     that would read as another reason changes nothing (the words were matched before)."""
     misleading = "its TTL ran out: it was force-released, or max_hold, or unreachable"
     events.emit(events.Lost(name="sync:1", reason=events.LostReason.DEADLINE, message=misleading))

@@ -1,4 +1,4 @@
-"""Acceptance 1 and 2: two holders never overlap; fences only go up, even across a restart."""
+"""Two holders never overlap; fences only go up, even across a restart."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Acceptance 6: a blocked waiter is woken by the release, not by polling."""
+"""A blocked waiter is woken by the release, not by polling."""
 
 from __future__ import annotations
 

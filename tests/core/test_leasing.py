@@ -1,4 +1,5 @@
-"""The lease's bookkeeping as plain logic, under a fake clock (issue 23 items 1 and 2).
+"""The lease's bookkeeping as plain logic, under a fake clock (extensions raced by renewals in
+flight, failed shorter renewals).
 
 A fake clock is what the bookkeeping is written for (:mod:`task_locks.leasing`): here it
 replaces nothing but time. The "server" of the property test is a model of one thing

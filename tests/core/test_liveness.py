@@ -1,4 +1,4 @@
-"""No lock kept forever, no thread waiting on itself (issue 13, items 7 and 8)."""
+"""No lock kept forever, no thread waiting on itself."""
 
 from __future__ import annotations
 

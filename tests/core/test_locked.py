@@ -1,4 +1,4 @@
-"""``@locked``: any function, plain or async, under a named lock (issue 16).
+"""``@locked``: any function, plain or async, under a named lock.
 
 Runs on every backend (the conformance deployments, and Redis Sentinel and Cluster).
 The key templates are the ones of ``@singleton_task`` (same code: task_locks.keys),

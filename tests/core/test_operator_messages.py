@@ -1,4 +1,4 @@
-"""Errors and messages an operator or a cron wrapper acts on (issue 14, front ends)."""
+"""Errors and messages an operator or a cron wrapper acts on (the front ends)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rolling deploys: a PeerCheckedLock waits while an older library's key is held (issue 16).
+"""Rolling deploys: a PeerCheckedLock waits while an older library's key is held.
 
 The peers' keys are written here exactly as each library writes them (read from their
 source: python-redis-lock's ``acquire`` is ``SET lock:<name> <id> NX EX <expire>`` and

@@ -1,4 +1,4 @@
-"""Acceptance 3, 4, 5 and the fork half of 9: holders in other processes, paused or killed."""
+"""Holders in other processes, paused or killed, and a forked child of a holder."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A release that redis-py resends after its reply was lost reports what the server did.
 
-The fault is real (matrix M2 of issue 12): the chaoskit TCP proxy lets the release reach
+The fault is real: the chaoskit TCP proxy lets the release reach
 a real redis-server, which frees the lock, then resets the connection instead of
 passing the reply on; redis-py's own retry sends the release again, on a new connection.
 That resend finds the lock gone. Without a trace of the first attempt it would answer

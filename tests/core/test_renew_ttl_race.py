@@ -1,4 +1,4 @@
-"""renew(ttl=...) racing a watchdog batch that still carries the old TTL (issue 16).
+"""renew(ttl=...) racing a watchdog batch that still carries the old TTL.
 
 The watchdog builds its batch (old TTL) and sends it; meanwhile ``lease.renew(ttl=5)``
 goes out and returns; then the batch lands, last, and the server's TTL is the old one
@@ -57,7 +57,7 @@ def test_a_stale_watchdog_renewal_never_extends_the_local_deadline(url: str) -> 
     holder = backend.holder("raced")
     assert holder is not None and holder.expires_in is not None and holder.expires_in > 4.5
     # The old batch is still in flight: it may reach the server after ours, so until it
-    # is answered the lease counts with its TTL (issue 23 item 1), not the new one.
+    # is answered the lease counts with its TTL, not the new one.
     assert lease.remaining <= 0.9
     land.set()  # the stale batch (900 ms) lands after ours
     deadline = time.monotonic() + 5
@@ -90,7 +90,7 @@ def warm_pool(backend: Any, connections: int = 3) -> None:
 def test_an_extension_answered_last_never_outlives_an_older_renewal_that_landed_last(
     scripted_link: Proxy, redis_url: str
 ) -> None:
-    """Issue 23 item 1. A watchdog renewal (old TTL) is held in the network 0.6 s, so the
+    """A watchdog renewal (old TTL) is held in the network 0.6 s, so the
     extension ``renew(ttl=30)`` sent after it reaches the server first; the extension's
     reply is held 1 s, so the old renewal's reply is processed first. The server ends up
     with the old TTL; the lease must never count on the new one past it."""
@@ -135,7 +135,7 @@ def test_an_extension_answered_last_never_outlives_an_older_renewal_that_landed_
 def test_a_failed_shorter_ttl_renewal_moves_the_next_renewal_earlier_too(
     scripted_link: Proxy,
 ) -> None:
-    """Issue 23 item 2. ``renew(ttl=0.9)`` gets no answer (its request is dropped): the
+    """``renew(ttl=0.9)`` gets no answer (its request is dropped): the
     server may hold either TTL, so the lease counts with the shorter one; it must then be
     renewed on the shorter TTL's schedule, not the old one's (due 2 s on), or it is
     declared lost while the server still holds it."""

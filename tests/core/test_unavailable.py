@@ -1,4 +1,4 @@
-"""Acceptance 7: Redis down or paused -> BackendUnavailable within the socket timeout."""
+"""Redis down or paused -> BackendUnavailable within the socket timeout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Acceptance 8: bad input fails at call time with a message saying what was wrong."""
+"""Bad input fails at call time with a message saying what was wrong."""
 
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def test_renewals_are_recorded_on_the_server(driver: SyncDriver, redis_url: str)
 
 
 def test_a_slow_on_lost_callback_holds_up_no_other_lease(redis_url: str) -> None:
-    """Issue 23 item 3: ``on_lost`` runs off the renewal lane (and off the deadline watch).
+    """``on_lost`` runs off the renewal lane (and off the deadline watch).
 
     The callback of a force-released lease blocks (an alert over a dead HTTP link) for
     longer than another lease's TTL; that other lease, on the same backend and so the same

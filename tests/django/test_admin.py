@@ -1,4 +1,4 @@
-"""The admin's Lock holders and Lock events pages (acceptance 3), with real Redis."""
+"""The admin's Lock holders and Lock events pages, with real Redis."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_times_name_their_time_zone(client: Client, redis_settings: str, setting
 @pytest.mark.django_db(transaction=True)
 def test_the_librarys_own_records_are_not_listed(client: Client, redis_settings: str) -> None:
     """A record marked ``Owner.internal`` (a Celery run's task-id guard) is not the user's
-    lock: no row, no Force release button, nothing to push the columns aside (issue 26)."""
+    lock: no row, no Force release button, nothing to push the columns aside."""
     client.force_login(staff("ops", "view_lockholder"))
     with Lock("rebuild-index", ttl=30, backend=redis_settings):
         with owner_context(internal=True):

@@ -1,4 +1,4 @@
-"""The admin's lock pages in a real headless Chromium (acceptance 4; issue 14's admin).
+"""The admin's lock pages in a real headless Chromium.
 
 Debian's ``chromium`` (installed by ``scripts/install-servers.sh``) driven by Playwright's
 Python package (the ``test`` extra); Playwright never downloads a browser of its own.

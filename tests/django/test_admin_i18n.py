@@ -1,4 +1,4 @@
-"""The admin's words are translatable (issue 17 item 7), as Django's and django-celery-beat's.
+"""The admin's words are translatable, as Django's and django-celery-beat's.
 
 Names and labels are ``gettext_lazy``, messages ``gettext``, counts plural-aware
 (``{% blocktranslate count %}``): checked by rendering the pages in English (1 lock, 2

@@ -1,4 +1,4 @@
-"""The admin never shows the backend's password (issue 18): its pages, its confirm page,
+"""The admin never shows the backend's password: its pages, its confirm page,
 its messages and its audit rows (every kind audited), on a working ACL-protected Redis
 and on failing ones; and on etcd with RBAC and Redis over TLS, with ``manage.py locks``
 too, neither the password nor etcd's token nor the client key's contents."""

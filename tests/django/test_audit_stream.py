@@ -1,4 +1,4 @@
-"""The audit writer is a batch subscriber of the lock event stream (issue 14).
+"""The audit writer is a batch subscriber of the lock event stream.
 
 Events from any path (here emitted as the core emits them) become ``LockEvent`` rows,
 written in batches from the dispatcher, with the job, host, pid and fence; ``AUDIT``

@@ -1,4 +1,4 @@
-"""System checks (acceptance 5) and migration drift (acceptance 6)."""
+"""System checks and migration drift."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Elections and semaphores in ``task-locks list``, ``manage.py locks list`` and the admin.
 
-Issue 9: a real :class:`~task_locks.Election` (leader ``candidate-a``) and a real
+A real :class:`~task_locks.Election` (leader ``candidate-a``) and a real
 :class:`~task_locks.Semaphore` (limit 3, 2 permits held) on the test Redis. The listings
 show the leader, term and since of the election and "2 / 3" with each permit of the
 semaphore; force release still works per permit and per election, and is audited.

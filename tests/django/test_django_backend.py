@@ -356,7 +356,7 @@ def test_a_waiter_wakes_soon_after_the_release(alias: str, url: str) -> None:
     assert woke - released_at[0] < 0.5  # a generous bound: speed lives in bench/
 
 
-# -- the backend contract: same-token acquire, conditional force release (issue 12.2) --
+# -- the backend contract: same-token acquire, conditional force release ------------
 
 
 @ALL_DBS
@@ -398,7 +398,7 @@ def test_force_release_with_a_fence_frees_only_that_holder(url: str) -> None:
     assert backend.force_release("op", now) is False
 
 
-# -- the largest TTL is stored exactly, with an expiry (issue 12.8 / 12.3) --------------
+# -- the largest TTL is stored exactly, with an expiry -------------------------------
 
 
 @ALL_DBS
@@ -489,7 +489,7 @@ def test_contended_acquires_answer_held_under_a_strict_isolation_level(
 def test_a_name_too_long_for_the_table_is_refused_at_validation(url: str) -> None:
     """Prefix plus name must fit the 512-character column: refused before any SQL, with
     the limit, never BackendUnavailable ("value too long") nor cut by a non-strict MySQL
-    (two names would be one lock). Issue 23, bug 7."""
+    (two names would be one lock)."""
     shop = get_backend(f"{url}?prefix=shop:")
     longest = "n" * (512 - len("shop:"))
     with pytest.raises(InvalidArgument, match=r"at most 507 characters.*got 508") as refused:

@@ -1,8 +1,8 @@
 """``django://`` on PostgreSQL and MariaDB with transport faults, injected for real.
 
 The backend's own connections go through the chaoskit TCP proxy to the database
-(PostgreSQL on 127.0.0.1:5432, MariaDB/MySQL on 127.0.0.1:3306; issue 12's fault matrix
-for django://; SQLite has no network to fault). A client-side hook on the REAL connection (Django's execute wrapper)
+(PostgreSQL on 127.0.0.1:5432, MariaDB/MySQL on 127.0.0.1:3306; the transport fault
+matrix for django://; SQLite has no network to fault). A client-side hook on the REAL connection (Django's execute wrapper)
 switches the proxy's fault on just before the operation's decisive statement is sent
 (the acquire's COMMIT or its INSERT, the renew's UPDATE, the release's DELETE; on
 PostgreSQL an acquire is one statement that commits by itself, its INSERT in a ``WITH``

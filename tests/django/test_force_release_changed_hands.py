@@ -1,4 +1,4 @@
-"""An operator's force release frees the holder the operator saw, never a newer one (12.2).
+"""An operator's force release frees the holder the operator saw, never a newer one.
 
 Each front end (``task-locks release``, ``manage.py locks release``, the admin) reads the
 holder, asks, then frees. The lock may change hands while the question is on screen; the

@@ -1,4 +1,4 @@
-"""Front ends a cron wrapper and an on-call engineer rely on (issue 14).
+"""Front ends a cron wrapper and an on-call engineer rely on.
 
 Exit statuses (one table, in docs/operations.md), options after the verb, and a configuration
 error that names the setting.

@@ -1,4 +1,4 @@
-"""``LockedCommand`` / ``locked_command`` (acceptance 1), with real Redis and processes."""
+"""``LockedCommand`` / ``locked_command``, with real Redis and processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``manage.py locks`` and the ``task-locks`` CLI: one set of verbs (acceptance 2)."""
+"""``manage.py locks`` and the ``task-locks`` CLI: one set of verbs."""
 
 from __future__ import annotations
 

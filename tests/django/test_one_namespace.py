@@ -1,4 +1,4 @@
-"""One lock name is one lock, whichever front end takes it (12.10).
+"""One lock name is one lock, whichever front end takes it.
 
 The README's Operations snippet exports ``TASK_LOCKS_URL`` and runs ``task-locks run
 nightly-report`` and the example project's ``manage.py nightly_report``: the two must

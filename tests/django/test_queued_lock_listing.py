@@ -1,4 +1,4 @@
-"""A queued lock's expiry is visible to operators (issue 13 item 6).
+"""A queued lock's expiry is visible to operators.
 
 ``lock_on="enqueue"`` takes the key's lock when the message is published; it lasts
 ``enqueue_ttl`` (else the message's ``expires``, else an hour) while the message waits.

@@ -272,7 +272,7 @@ def test_kleppmann_paused_holder_is_refused_by_fenced(alias: str, Invoice, redis
     assert _mark(alias, "invoice:7") == lease_2.fence
 
 
-# -- isolation levels: a stale fence is refused loudly, never "0 rows" (issue 12.9) ------
+# -- isolation levels: a stale fence is refused loudly, never "0 rows" ------------------
 
 
 def _isolation_cases() -> list:

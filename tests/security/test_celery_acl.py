@@ -1,4 +1,4 @@
-"""Celery under the README's least-privilege Redis ACL (issue 18): real publishes and an
+"""Celery under the README's least-privilege Redis ACL: real publishes and an
 in-process worker, not just an eager run.
 
 The locks, semaphores, beat election and tick claims live on a Redis whose ``locker``

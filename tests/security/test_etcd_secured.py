@@ -1,4 +1,4 @@
-"""etcd with TLS client certificates and with RBAC users (issue 18), on real servers."""
+"""etcd with TLS client certificates and with RBAC users, on real servers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every Redis operation works under exactly the README's least-privilege ACL (issue 18).
+"""Every Redis operation works under exactly the README's least-privilege ACL.
 
 The ``locker`` user of :func:`acl_redis` has the README's ACL block, verbatim, and
 nothing else. Each test runs one family of operations as that user, then reads

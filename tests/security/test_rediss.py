@@ -1,4 +1,4 @@
-"""``rediss://`` against a real TLS redis-server demanding client certificates (issue 18):
+"""``rediss://`` against a real TLS redis-server demanding client certificates:
 the ``ssl_*`` URL options reach redis-py, and a server we cannot trust is refused."""
 
 from __future__ import annotations

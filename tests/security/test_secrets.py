@@ -1,4 +1,4 @@
-"""No password ever shows (issue 18): a known one goes through every backend URL and every
+"""No password ever shows: a known one goes through every backend URL and every
 failure path we can produce, and everything task-locks printed is searched for it.
 
 Searched: each exception's message, repr and whole chain (``raise ... from``, as a

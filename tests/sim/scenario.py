@@ -560,7 +560,7 @@ class Checker:
     def deadline(self, client: Client, lease: Any) -> None:
         """A lease reached its local deadline: a renewal must have been tried in the last
         2/3 of its TTL (it is due every third), unless the client was stopped or its clock
-        jumped (issue 23 item 2: a failed ``renew(ttl=SHORTER)`` left the next renewal on
+        jumped (a failed ``renew(ttl=SHORTER)`` once left the next renewal on
         the old TTL's schedule)."""
         if client.index in self.unsteady or lease._released or lease.token in self.releasing:
             return  # (a lease being released is renewed no more)

@@ -83,7 +83,7 @@ def test_the_checker_catches_a_lease_counted_from_its_reply(
     assert failing
 
 
-#: Issue 23 item 1, found by the simulation (``generate(376 / 327, renew_ttl=True)``,
+#: renew(ttl=LONGER) overtaken by a renewal in flight, found by the simulation (``generate(376 / 327, renew_ttl=True)``,
 #: shrunk), kept as literals so that changes to the generator do not lose them: a
 #: ``renew(ttl=LONGER)`` whose reply comes first while a watchdog renewal of the old TTL,
 #: in flight, reaches the server last.
@@ -128,7 +128,7 @@ def test_renew_with_a_longer_ttl_raced_by_the_watchdog(scenario: Scenario) -> No
     assert violation is None, "\n".join(story)
 
 
-#: Issue 23 item 3, found by the simulation (``generate(61, slow_on_lost=True)``, shrunk):
+#: A slow on_lost on the renewal lane, found by the simulation (``generate(61, slow_on_lost=True)``, shrunk):
 #: a lease force-released from under client1 calls its 3 s ``on_lost`` on the renewal
 #: lane, and client1's next lease (TTL 0.5 s) is not renewed in that time.
 SLOW_ON_LOST_FINDING = Scenario(

@@ -1,1 +1,1 @@
-"""The transport fault matrix of the conformance suite (issue 12)."""
+"""The transport fault matrix of the conformance suite."""

@@ -13,7 +13,7 @@ cross the proxy (``Target.checker``):
 4. **fences never go backwards**: the next holder's fence is above every fence seen;
 5. **nothing is left without an expiry** (Redis: PTTL of every key > 0);
 6. **a lease counts as lost at its local deadline** even while its call is still in
-   flight (``lease.lost`` is set by then: issue 12 item 3), and no call blocks past a
+   flight (``lease.lost`` is set by then), and no call blocks past a
    bound when its reply is lost.
 """
 
@@ -273,7 +273,7 @@ class Cell:
         if outcome.lost_in_flight is False:
             self.fail(
                 f"{what}: the call was still in flight at the lease's local deadline and "
-                "lease.lost was not set (issue 12 item 3)"
+                "lease.lost was not set by the deadline"
             )
         if lease is not None and getattr(lease, "fence", None) is not None:
             self.fences.append(lease.fence)

@@ -10,7 +10,6 @@ Either way the table of the cells that ran is printed at the end and written to
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 
@@ -95,11 +94,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _label(reason: str) -> str:
-    """``item 3`` / ``M1`` from a known failure's reason ("issue 12 (matrix M2, operator)"
-    is ``M2``); a reason that names neither is labelled by its first words."""
-    found = re.search(r"issue 12 \((?:matrix )?(M\d+)\b[^)]*\)|issue 12 (item \d+)", reason)
-    if found:
-        return next(g for g in found.groups() if g)
+    """A known failure's short label in the table: the first words of its reason (which
+    says the behaviour seen)."""
     return " ".join(reason.split()[:3]).rstrip(":,;") or "?"
 
 

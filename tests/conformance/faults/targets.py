@@ -165,7 +165,7 @@ def redis_wait_replicas(hub: ProxyHub) -> Target:
     """Redis with one replica and ``?wait_replicas=1``; the replica follows the master
     through a proxy of its own, which the acquire cells blackhole: only an acquire whose
     WAIT covered its own write may then fail, and a reported success must be on the
-    replica (issue 12 item 4: WAIT on a connection that did not run the script)."""
+    replica (WAIT on a connection that did not run the script)."""
     master = RedisServer().start()
     replica_link = hub.proxy(master.port)
     replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(replica_link.port)]).start()

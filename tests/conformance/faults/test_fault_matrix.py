@@ -1,4 +1,4 @@
-"""The transport fault matrix (issue 12): backend x operation x fault, on real servers.
+"""The transport fault matrix: backend x operation x fault, on real servers.
 
 Each cell routes one client through the chaoskit TCP proxy, arms one fault for exactly
 the call under test (acquire, renew, release, force release with the holder's fence,
@@ -19,14 +19,13 @@ from .cells import FAULTS, OPERATIONS, Cell
 from .conftest import FLAKY_REASONS, KINDS, REASONS, RESULTS
 from .targets import ProxyHub, Target, started
 
-#: Cells that fail on main, each with the exact behaviour and the issue item that fixes
-#: it: ``xfail(strict=True)``, so a fix XPASSes and fails the run until its line here is
-#: removed. None now. Fixed since the matrix was written: force release by fence (item 2),
-#: leases lost at their deadline with calls bounded by the validity left (item 3, on
-#: Redis Cluster and PostgreSQL too), a release with no reply marks the lease lost (M1),
-#: listings count expiry from the request's send (M3), and a release or force release
-#: that redis-py resends after its first reply was lost finds the tombstone of the
-#: release it already made, and says it released (M2).
+#: Cells that fail on main, each with the exact behaviour it shows instead: ``xfail(strict=True)``, so a fix XPASSes and fails the run until its line here is
+#: removed. None now. Fixed since the matrix was written: force release by fence,
+#: leases lost at their deadline with calls bounded by the validity left (on Redis
+#: Cluster and PostgreSQL too), a release with no reply marks the lease lost, listings
+#: count expiry from the request's send, and a release or force release that redis-py
+#: resends after its first reply was lost finds the tombstone of the release it already
+#: made, and says it released.
 KNOWN: dict[tuple[str, str, str], str] = {}
 
 #: Cells that fail only now and then (not strict): the reason says when.

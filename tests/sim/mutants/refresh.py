@@ -81,7 +81,7 @@ def mutant(
 mutant(
     "force_release_frees_a_new_holder",
     """
-Issue 12 item 2: an operator's force release frees whoever holds the lock now, not the
+An operator's force release frees whoever holds the lock now, not the
 holder the operator saw (the fence condition is gone from the release).
 """,
     [
@@ -96,7 +96,7 @@ holder the operator saw (the fence condition is gone from the release).
 mutant(
     "lease_lost_only_when_a_call_returns",
     """
-Issue 12 item 3: a lease counts as lost only when a renewal call returns; behind a lost
+A lease counts as lost only when a renewal call returns; behind a lost
 request or reply it says held past its local deadline (no deadline in `held`/`lost`,
 no deadline watch).
 """,
@@ -150,7 +150,7 @@ no deadline watch).
 mutant(
     "retried_release_reports_not_owned",
     """
-Issue 12, matrix M2: a release that redis-py resent after its first reply was lost
+A release that redis-py resent after its first reply was lost
 answers "not ours" although the first attempt freed the lock (the release id left in
 the record is not looked at).
 """,
@@ -315,7 +315,7 @@ on a lock that has been free most of its wait (the liveness check, on fair sched
 mutant(
     "renew_longer_ttl_overtaken_by_a_renewal_in_flight",
     """
-Issue 23 item 1: renew(ttl=LONGER) raced by a watchdog renewal of the old TTL already in
+renew(ttl=LONGER) raced by a watchdog renewal of the old TTL already in
 flight: a granted call drops every other open call, so the deadline follows the reply
 processed last, not the call the server saw last.
 """,
@@ -336,7 +336,7 @@ processed last, not the call the server saw last.
 mutant(
     "failed_shorter_renew_keeps_the_old_schedule",
     """
-Issue 23 item 2: a failed renew(ttl=SHORTER) moves the deadline earlier but the next
+A failed renew(ttl=SHORTER) moves the deadline earlier but the next
 renewal stays where the old TTL put it (the schedule follows granted calls only): the
 lease is declared lost with no renewal tried.
 """,
@@ -353,7 +353,7 @@ lease is declared lost with no renewal tried.
 mutant(
     "slow_on_lost_runs_on_the_lane",
     """
-Issue 23 item 3: the on_lost callback runs right where the loss is found, the renewal
+The on_lost callback runs right where the loss is found, the renewal
 lane or the deadline watch included: a slow one stops the renewals of the process's
 other leases.
 """,
