@@ -13,8 +13,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -23,16 +24,45 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01):
-    """Poll ``predicate`` until it returns a true value, or fail after ``timeout`` seconds."""
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: str,
+    interval: float = 0.01,
+    alive: Iterable[subprocess.Popen[Any]] = (),
+):
+    """Poll ``predicate`` until it returns a true value, or fail after ``timeout`` seconds.
+
+    ``alive``: child processes the wait depends on. One that has exited before
+    ``predicate`` holds fails the wait at once, with what it printed, instead of at the
+    timeout (a child that cannot import the package never gets there)."""
     deadline = time.monotonic() + timeout
+    children = list(alive)
     while True:
         value = predicate()
         if value:
             return value
+        for child in children:
+            if child.poll() is not None:
+                raise AssertionError(f"waiting for {what}: {exited(child)}")
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def exited(child: subprocess.Popen[Any], tail: int = 3000) -> str:
+    """One line saying that ``child`` exited and how, then the end of what it printed on
+    the pipes the caller gave it (stdout, stderr)."""
+    try:
+        out, err = child.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError):  # a grandchild holds a pipe; closed
+        out, err = None, None
+    printed = "".join(
+        part.decode(errors="replace") if isinstance(part, bytes) else part
+        for part in (out, err)
+        if part
+    )
+    return f"pid {child.pid} exited with code {child.returncode}:\n{printed[-tail:]}"
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

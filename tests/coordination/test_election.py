@@ -206,7 +206,12 @@ def test_three_processes_one_leader_and_failover_after_sigkill(
     children = [spawn("candidate", shared_url, redis_url, name, ttl) for _ in range(3)]
     observer = Election(name, backend=shared_url)
     try:
-        wait_until(lambda: log_redis.llen(f"{name}:terms") >= 8, 20, "eight terms among three")
+        wait_until(
+            lambda: log_redis.llen(f"{name}:terms") >= 8,
+            20,
+            "eight terms among three",
+            alive=children,
+        )
         log_redis.set(f"{name}:hold", 1)  # the leader now holds on, until killed
 
         def steady_leader() -> Any:
@@ -215,7 +220,7 @@ def test_three_processes_one_leader_and_failover_after_sigkill(
             again = observer.leader()
             return again if info and again and info.term == again.term else None
 
-        victim = wait_until(steady_leader, 10, "a leader that holds on")
+        victim = wait_until(steady_leader, 10, "a leader that holds on", alive=children)
         victim_pid = int(log_redis.hget(f"{name}:term:{victim.term}", "pid"))
         assert victim.identity == f"candidate-{victim_pid}"
         os.kill(victim_pid, signal.SIGKILL)

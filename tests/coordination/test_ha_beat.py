@@ -205,7 +205,7 @@ def test_two_beat_processes_leader_killed_half_way(redis_url: str, tmp_path: Pat
     observer = Election(election, backend=redis_url)
     beats = [start_beat(redis_url, election, ttl, tmp_path, n) for n in range(2)]
     try:
-        wait_until(lambda: len(sent_ticks(broker)) >= half, 20, f"{half} ticks")
+        wait_until(lambda: len(sent_ticks(broker)) >= half, 20, f"{half} ticks", alive=beats)
         leader = observer.leader()
         assert leader is not None
         victim = next(b for b in beats if leader.identity.endswith(f":{b.pid}"))

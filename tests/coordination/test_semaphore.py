@@ -171,7 +171,9 @@ def test_eight_processes_limit_three(
 ) -> None:
     name, rounds = unique("acceptance"), 3
     children = [spawn("permits", shared_url, redis_url, name, 3, 5, rounds) for _ in range(8)]
-    wait_until(lambda: log_redis.get(f"{name}:ready") == "8", 60, "eight processes ready")
+    wait_until(
+        lambda: log_redis.get(f"{name}:ready") == "8", 60, "eight processes ready", alive=children
+    )
     log_redis.set(f"{name}:go", 1)
     for child in children:
         assert child.wait(60) == 0, output(child)
@@ -185,7 +187,9 @@ def test_sigkilled_holder_gives_its_permit_back_within_one_ttl(
 ) -> None:
     name, ttl = unique("acceptance"), 2.0
     victim = spawn("hold-permit", shared_url, redis_url, name, 3, ttl)
-    victim_slot = int(wait_until(lambda: log_redis.get(f"{name}:victim-slot"), 10, "the victim"))
+    victim_slot = int(
+        wait_until(lambda: log_redis.get(f"{name}:victim-slot"), 10, "the victim", alive=[victim])
+    )
     semaphore = Semaphore(name, limit=3, ttl=10, backend=shared_url)
     mine = [semaphore.acquire(timeout=1) for _ in range(2)]
     assert semaphore.try_acquire() is None

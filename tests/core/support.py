@@ -17,6 +17,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,8 @@ from task_locks.backends.base import Backend
 from task_locks.backends.redis_scripts import record_fields
 
 HOLDER_SCRIPT = Path(__file__).with_name("holder.py")
+#: What the reader thread queues once the holder's stdout closes.
+_EOF = ""
 #: Bound on any single wait for a child's answer.
 REPLY_TIMEOUT = 15.0
 
@@ -38,10 +41,14 @@ class Child:
     """A lock holder in another process (``holder.py``), answering JSON commands."""
 
     def __init__(self, url: str, name: str, ttl: float, mode: str) -> None:
+        # stderr to a file: read back when the holder dies unanswered, and copied to this
+        # process's stderr at close (pytest shows it with the test, as before).
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, str(HOLDER_SCRIPT), url, name, str(ttl), mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._stderr,
             text=True,
             bufsize=1,
         )
@@ -50,22 +57,40 @@ class Child:
         self._reader.start()
         self.stopped = False
         self.grandchildren: list[int] = []
-        ready = self._next(REPLY_TIMEOUT)
+        try:
+            ready = self._next(REPLY_TIMEOUT)
+        except AssertionError:
+            self.close()
+            raise
         assert ready.get("ready") == self.proc.pid, ready
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._lines.put(line)
+        self._lines.put(_EOF)
 
     def _next(self, timeout: float) -> dict[str, Any]:
         try:
-            return dict(json.loads(self._lines.get(timeout=timeout)))
+            line = self._lines.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(
                 f"holder pid {self.proc.pid} gave no answer within {timeout}s "
                 f"(exit code {self.proc.poll()})"
             ) from None
+        if line == _EOF:  # it closed its stdout: it exited, or is about to
+            self._lines.put(_EOF)  # every later wait fails at once too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            raise AssertionError(
+                f"holder pid {self.proc.pid} exited (code {self.proc.poll()}) without "
+                f"answering; its stderr:\n{self._stderr_text()[-3000:]}"
+            )
+        return dict(json.loads(line))
+
+    def _stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
 
     def send(self, op: str, **args: Any) -> None:
         assert self.proc.stdin is not None
@@ -114,6 +139,9 @@ class Child:
             self.kill()
         self._reader.join(timeout=5)
         self.proc.stdout.close()
+        if not self._stderr.closed:
+            sys.stderr.write(self._stderr_text())
+            self._stderr.close()
 
 
 class Handle:

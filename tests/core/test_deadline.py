@@ -171,7 +171,9 @@ def test_run_stops_its_program_before_the_deadline(
         sys.executable, "-c", HEARTBEAT, str(beats),
     )  # fmt: skip
     try:
-        wait_until(lambda: beats.exists() and beats.stat().st_size, 15, "the first program")
+        wait_until(
+            lambda: beats.exists() and beats.stat().st_size, 15, "the first program", alive=[first]
+        )
         link.blackhole()
         blackholed = time.time()
         second = task_locks_cli(
@@ -217,7 +219,9 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
     )  # fmt: skip
     second: subprocess.Popen[str] | None = None
     try:
-        wait_until(lambda: beats.exists() and beats.stat().st_size, 15, "the first program")
+        wait_until(
+            lambda: beats.exists() and beats.stat().st_size, 15, "the first program", alive=[first]
+        )
         link.blackhole()
         blackholed = time.time()
         second = task_locks_cli(
