@@ -268,14 +268,14 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
         sent.append("; ".join(" ".join(part.split())[:48] for part in sql.split("; ")))
         return execute(sql, params, many, context)
 
-    idle = [wrapper for wrapper, _ in backend._pool._idle]
+    idle = backend.idle_connections()
     for wrapper in idle:
         wrapper.execute_wrappers.append(count)
     lock.acquire(timeout=5).release()
     for wrapper in idle:
         wrapper.execute_wrappers.remove(count)
 
-    wrapper = backend._pool._open()  # the pool's settings: same options, own connection
+    wrapper = backend.new_connection()  # the pool's settings: same options, own connection
     wrapper.ensure_connection()
     conn = wrapper.connection
     conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id int PRIMARY KEY, n bigint)")

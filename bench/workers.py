@@ -324,7 +324,7 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     held = [lock.acquire() for lock in locks]
     setup = now() - setup_start
     time.sleep(ttl / 3)  # at least one full round before the window opens
-    thread = thread_renewer().lanes.get(held[0], asynchronous=False)._thread  # this lane's
+    thread = thread_renewer().lanes.get(held[0], asynchronous=False).thread  # this lane's
     if thread is None or thread.ident is None:
         raise RuntimeError("the renewal thread is not running")
     clock = time.pthread_getcpuclockid(thread.ident)

@@ -8,5 +8,5 @@ pages and the fence table behind ``django_app.fencing``.
 """
 
 #: Tells task-locks' app from a project's own ``django_app`` package that would hide it
-#: (:mod:`task_locks._django_app`).
+#: (:mod:`task_locks.app_identity`).
 __task_locks_app__ = True

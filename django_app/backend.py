@@ -868,5 +868,15 @@ class DjangoBackend(Backend):
     def close(self) -> None:
         self._pool.close()
 
+    def idle_connections(self) -> list[Any]:
+        """The pooled connections waiting for a lock operation (Django ``DatabaseWrapper``
+        objects): where a benchmark hooks ``execute_wrappers`` to count what one sends."""
+        return [wrapper for wrapper, _ in self._pool._idle]
+
+    def new_connection(self) -> Any:
+        """A connection opened as the pool opens its own (same settings and options),
+        outside the pool: the caller uses and closes it."""
+        return self._pool._open()
+
 
 __all__ = ["DjangoBackend"]

@@ -41,7 +41,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from task_locks import Backend, BackendMisconfigured, LockError, get_backend
-from task_locks._django_app import problem as django_app_problem
+from task_locks.app_identity import problem as django_app_problem
 
 from . import conf
 

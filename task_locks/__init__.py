@@ -32,14 +32,14 @@ __version__ = "0.1.0"
 
 def _warn_if_our_django_app_is_hidden() -> None:
     """In a Django project, say at once when its own ``django_app`` package hides ours
-    (Django would load it silently: see :mod:`task_locks._django_app`)."""
+    (Django would load it silently: see :mod:`task_locks.app_identity`)."""
     import os
 
     if not os.environ.get("DJANGO_SETTINGS_MODULE"):
         return
-    from . import _django_app
+    from . import app_identity
 
-    hidden = _django_app.problem()
+    hidden = app_identity.problem()
     if hidden:
         import warnings
 

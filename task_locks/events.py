@@ -394,6 +394,12 @@ def unsubscribe(subscription: Subscription) -> None:
         _replace_subscriptions(tuple(s for s in _hub.subscriptions if s is not subscription))
 
 
+def subscriptions() -> tuple[Subscription, ...]:
+    """Every open subscription, the logging one among them: what a test closes to leave
+    only that one behind, or an operator lists to see who reads the stream."""
+    return _hub.subscriptions
+
+
 def _replace_subscriptions(subscriptions: tuple[Subscription, ...]) -> None:
     # Readers (emit, the dispatcher) see either the old tuple or the new one, never a
     # half-updated one: both are swapped in one assignment each.
@@ -551,6 +557,7 @@ __all__ = [
     "log_events",
     "logging_subscription",
     "subscribe",
+    "subscriptions",
     "unsubscribe",
     "wanted",
 ]

@@ -157,6 +157,12 @@ class ThreadLane:
     def remove(self, lease: Renewable) -> None:
         self.schedule.remove(lease)
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The lane's renewal thread while it runs (``None`` once idle): whose CPU time a
+        benchmark reads."""
+        return self._thread
+
     def idle(self) -> bool:
         """No lease, no thread: nothing is lost by forgetting this lane."""
         return self._thread is None and not len(self.schedule)

@@ -41,7 +41,7 @@ REDIS_TOPOLOGIES = ["sentinel", "cluster"]
 DJANGO_KINDS = {"django-sqlite": "default", "django-postgres": "pg", "django-mysql": "mysql"}
 
 
-def _django_params() -> list[object]:
+def django_params() -> list[object]:
     from django.conf import settings
 
     params: list[object] = []
@@ -74,7 +74,7 @@ class Deployment:
         return get_backend(self.url).capabilities
 
 
-def _have(module: str, binary: str | None = None) -> str | None:
+def cannot_run(module: str, binary: str | None = None) -> str | None:
     """Why a backend cannot run here, or ``None`` if it can."""
     if importlib.util.find_spec(module) is None:
         return f"{module} is not installed (pip install task-locks[etcd])"
@@ -83,7 +83,7 @@ def _have(module: str, binary: str | None = None) -> str | None:
     return None
 
 
-def _unique() -> str:
+def unique_id() -> str:
     return uuid.uuid4().hex[:10]
 
 
@@ -112,7 +112,7 @@ BAD_URLS["cluster"] = ["redis+cluster://127.0.0.1:notaport"]
 
 def deployment_params(*extra: str) -> list[object]:
     """``pytest.fixture(params=...)`` for every conformance deployment and ``extra`` kinds."""
-    return [*KINDS, *_django_params(), *extra]
+    return [*KINDS, *django_params(), *extra]
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +124,7 @@ def redis_masters() -> Iterator[RedisMasters]:
 
 @pytest.fixture(scope="session")
 def etcd_node() -> Iterator[EtcdServer]:
-    reason = _have("etcd3gw", "etcd")
+    reason = cannot_run("etcd3gw", "etcd")
     if reason:
         pytest.skip(reason)
     server = EtcdServer().start()
@@ -134,7 +134,7 @@ def etcd_node() -> Iterator[EtcdServer]:
 
 @pytest.fixture(scope="session")
 def etcd_cluster() -> Iterator[EtcdCluster]:
-    reason = _have("etcd3gw", "etcd")
+    reason = cannot_run("etcd3gw", "etcd")
     if reason:
         pytest.skip(reason)
     cluster = EtcdCluster(3).start()
@@ -162,9 +162,9 @@ def redis_cluster() -> Iterator[RedisClusterNodes]:
 
 def build_deployment(request: pytest.FixtureRequest, kind: str) -> Deployment:
     """The deployment of ``kind`` (for fixtures that add kinds of their own)."""
-    prefix = f"conf-{_unique()}:"
+    prefix = f"conf-{unique_id()}:"
     if kind == "memory":
-        url = f"memory://{_unique()}"
+        url = f"memory://{unique_id()}"
     elif kind == "redis":
         url = request.getfixturevalue("redis_server").url(prefix=prefix)
         if os.environ.get("TASK_LOCKS_TEST_HANDOFF"):  # e.g. "server": the hand-off on

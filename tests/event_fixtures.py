@@ -21,7 +21,7 @@ Value = Callable[..., float]
 @pytest.fixture
 def only_logging_stays() -> Iterator[None]:
     yield
-    for subscription in list(events._hub.subscriptions):
+    for subscription in events.subscriptions():
         if subscription is not events.logging_subscription:
             subscription.close()
     assert events.flush(5.0)

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
-from .._django_app import problem as django_app_problem
+from ..app_identity import problem as django_app_problem
 from ..errors import InvalidArgument
 from .base import CAPABILITIES, Backend, Capability, redact_url
 

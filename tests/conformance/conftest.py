@@ -19,17 +19,17 @@ from deployments import (
     KINDS,
     REDIS_TOPOLOGIES,
     Deployment,
-    _django_params,
-    _have,
-    _unique,
     build_deployment,
+    cannot_run,
     deployment_params,
+    django_params,
+    unique_id,
 )
 from lease_fixtures import no_leftover_renewals  # noqa: F401  (autouse here)
 from servers import EtcdCluster, EtcdServer, RedisMasters, RedisServer
 
 
-@pytest.fixture(params=[*KINDS, *_django_params()])
+@pytest.fixture(params=[*KINDS, *django_params()])
 def deployment(request: pytest.FixtureRequest) -> Deployment:
     """A backend on the session's servers, in a namespace of its own."""
     return build_deployment(request, request.param)
@@ -49,7 +49,7 @@ def private_deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
         servers.extend(masters.servers)
         url = masters.url()
     else:
-        reason = _have("etcd3gw", "etcd")
+        reason = cannot_run("etcd3gw", "etcd")
         if reason:
             pytest.skip(reason)
         if kind == "etcd":
@@ -76,8 +76,8 @@ __all__ = [
     "KINDS",
     "REDIS_TOPOLOGIES",
     "Deployment",
-    "_django_params",
-    "_unique",
     "build_deployment",
     "deployment_params",
+    "django_params",
+    "unique_id",
 ]

@@ -25,7 +25,7 @@ from task_locks import InvalidArgument, Lock, LockHeld, get_backend
 from task_locks.config import validate_ttl
 from task_locks.lock import MAX_NAME_LENGTH, validate_name, validate_timeout
 
-from .conftest import KINDS, REDIS_TOPOLOGIES, _django_params, build_deployment
+from .conftest import KINDS, REDIS_TOPOLOGIES, build_deployment, django_params
 
 #: Characters that mean something to one backend or another.
 TRICKY = "{}*?[]\\%_:/ .-'\"AaÉéeß\u017fK\u212a\u00a0\u3000😀"
@@ -42,7 +42,7 @@ EXAMPLES = settings(
 )
 
 
-@pytest.fixture(params=[*KINDS, *_django_params(), *REDIS_TOPOLOGIES])
+@pytest.fixture(params=[*KINDS, *django_params(), *REDIS_TOPOLOGIES])
 def url(request: pytest.FixtureRequest) -> str:
     """Every conformance deployment, a Redis behind a Sentinel and a real 3-primary Redis
     Cluster."""

@@ -16,7 +16,7 @@ import pytest
 from secure_fixtures import ETCD_RBAC_PREFIX, SECRET, readme_acl
 from servers import AuthEtcdServer, Certs, SecureRedisServer, TLSEtcdServer
 
-from .conftest import Deployment, _unique
+from .conftest import Deployment, unique_id
 from .test_conformance import (  # noqa: F401 - collected here, on these deployments
     test_acquire_times_out_with_the_holder_named,
     test_async_lock_hands_over_and_fences_grow,
@@ -72,14 +72,14 @@ def _bad_urls(kind: str) -> list[str]:
 
 def _secured(request: pytest.FixtureRequest, kind: str) -> str:
     if kind == "etcds":
-        return str(request.getfixturevalue("tls_etcd").url(prefix=f"conf-{_unique()}/"))
+        return str(request.getfixturevalue("tls_etcd").url(prefix=f"conf-{unique_id()}/"))
     if kind == "etcd-rbac":
-        prefix = f"{ETCD_RBAC_PREFIX}{_unique()}/"
+        prefix = f"{ETCD_RBAC_PREFIX}{unique_id()}/"
         return str(request.getfixturevalue("rbac_etcd").url(prefix=prefix))
     if kind == "rediss":
-        return str(request.getfixturevalue("tls_redis").url(prefix=f"conf-{_unique()}:"))
+        return str(request.getfixturevalue("tls_redis").url(prefix=f"conf-{unique_id()}:"))
     # the README's ACL covers task_locks:* only
-    return str(request.getfixturevalue("acl_redis").url(prefix=f"task_locks:{_unique()}:"))
+    return str(request.getfixturevalue("acl_redis").url(prefix=f"task_locks:{unique_id()}:"))
 
 
 @pytest.fixture(params=SECURED)

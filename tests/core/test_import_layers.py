@@ -1,6 +1,7 @@
 """The package's modules import each other in layers: no cycle, no arrow running back up
-(the backends never import the modules built on them), and the core does not pull in
-Django or Celery.
+(leaves, backends, core, front ends, the package: the backends never import the modules
+built on them, the core never a front end), and the core does not pull in Django or
+Celery.
 
 A cycle makes the import order matter (a module sees a half-initialised partner) and
 hides which module owns a name; a function-level import that closes a cycle is still
@@ -26,8 +27,44 @@ INTEGRATIONS = ("task_locks.celery",)
 #: package. Locks, config, the CLI and Celery are built on backends, never the reverse.
 BACKENDS = "task_locks.backends"
 BELOW_BACKENDS = frozenset(
-    {"task_locks._django_app", "task_locks._steps", "task_locks.errors", "task_locks.types"}
+    {"task_locks.app_identity", "task_locks._steps", "task_locks.errors", "task_locks.types"}
 )
+#: The front ends, built on the core: the Celery package, the CLI and what it shares with
+#: ``manage.py locks`` (verbs, listing, supervise), and the Prometheus metrics. Nothing of
+#: the core imports them.
+FRONT_ENDS = (
+    "task_locks.celery",
+    "task_locks.cli",
+    "task_locks.listing",
+    "task_locks.metrics",
+    "task_locks.supervise",
+    "task_locks.verbs",
+)
+#: The layers, bottom first; a module may import its own layer and those below it only.
+LAYERS = ("leaves", "backends", "core", "front ends", "the package")
+
+
+def layer(name: str) -> int:
+    """The index in :data:`LAYERS` of module ``name``."""
+    if name in BELOW_BACKENDS:
+        return 0
+    if name == BACKENDS or name.startswith(BACKENDS + "."):
+        return 1
+    if name == ROOT_NAME:
+        return 4
+    if any(name == front or name.startswith(front + ".") for front in FRONT_ENDS):
+        return 3
+    return 2
+
+
+def upward_arrows(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that runs from a module to a layer above its own."""
+    return sorted(
+        f"{name} ({LAYERS[layer(name)]}) -> {target} ({LAYERS[layer(target)]})"
+        for name, targets in edges.items()
+        for target in targets
+        if layer(target) > layer(name)
+    )
 
 
 def module_name(path: Path) -> str:
@@ -170,6 +207,30 @@ def test_no_arrow_runs_back_up_from_the_backends() -> None:
     assert {name: targets for name, targets in upward.items() if targets} == {}
     below = {name: sorted(edges[name]) for name in BELOW_BACKENDS if edges[name]}
     assert below == {}, "the leaf modules import nothing of the package"
+
+
+def test_no_arrow_runs_back_up_the_layers() -> None:
+    """Leaves, backends, core, front ends, the package: each imports only its own layer
+    and those below (the backends never import config or a lock, the core never a front
+    end, and no module the package's facade)."""
+    edges, _ = graph()
+    assert upward_arrows(edges) == []
+    assert {LAYERS[layer(name)] for name in edges} == set(LAYERS), "every layer has modules"
+
+
+def test_upward_arrows_finds_one_per_layer() -> None:
+    edges = {
+        "task_locks.backends.redis": {"task_locks.config", "task_locks.errors"},
+        "task_locks.lock": {"task_locks.celery.task", "task_locks.backends.base"},
+        "task_locks.errors": {"task_locks.types", "task_locks.backends"},
+        "task_locks.cli": {"task_locks", "task_locks.verbs"},
+    }
+    assert upward_arrows(edges) == [
+        "task_locks.backends.redis (backends) -> task_locks.config (core)",
+        "task_locks.cli (front ends) -> task_locks (the package)",
+        "task_locks.errors (leaves) -> task_locks.backends (backends)",
+        "task_locks.lock (core) -> task_locks.celery.task (front ends)",
+    ]
 
 
 def test_core_never_imports_celery_or_django() -> None:

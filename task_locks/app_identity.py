@@ -5,7 +5,8 @@ The app ships as the top-level package ``django_app`` (``INSTALLED_APPS +=
 ["django_app"]``). A project with a package of its own by that name, earlier on
 ``sys.path``, hides ours: Django would load the project's package instead, and with it
 no admin pages, no ``manage.py locks``, no system checks, and nothing would say so. Our
-package carries :data:`MARKER`; :func:`problem` tells an impostor from it.
+package carries :data:`MARKER`; :func:`problem` tells an impostor from it (the package's
+import warns with it, and ``django_app``'s system check reports it).
 """
 
 from __future__ import annotations
