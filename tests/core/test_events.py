@@ -15,7 +15,7 @@ from task_locks.events import LockEvent
 @pytest.fixture(autouse=True)
 def _no_subscribers() -> Iterator[None]:
     yield
-    for subscription in list(events._hub.subscriptions):
+    for subscription in events.subscriptions():
         if subscription is not events.logging_subscription:  # logging stays
             subscription.close()
     assert events.flush(5.0)
