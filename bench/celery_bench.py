@@ -43,6 +43,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from common import redis_at
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -462,15 +463,7 @@ def main() -> None:
     if args.drive_burst:
         print(json.dumps(drive_burst(args.n, args.tag)))
         return
-    server = None
-    url = args.redis_url
-    if url is None:
-        import common  # noqa: F401  (puts tests/ on sys.path for servers)
-        from servers import RedisServer
-
-        server = RedisServer().start()
-        url = server.url()
-    try:
+    with redis_at(args.redis_url) as url:
         result = run(
             url,
             peers_python=args.peers_python,
@@ -478,9 +471,6 @@ def main() -> None:
             rounds=args.rounds,
             burst_calls=args.burst_calls,
         )
-    finally:
-        if server is not None:
-            server.cleanup()
     print(f"\n{result['n']} tasks per round, {result['rounds']} rounds, one solo worker each")
     for variant, rate in result["throughput"].items():
         cpu = result["worker_cpu_us_per_task"][variant]

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from celery import Celery  # noqa: E402
 from celery.app import trace as celery_trace  # noqa: E402
 from celery.app.trace import build_tracer  # noqa: E402
+from common import redis_at  # noqa: E402
 
 from task_locks import events, get_backend, lock  # noqa: E402
 from task_locks.backends import redis as redis_backend  # noqa: E402
@@ -294,21 +295,10 @@ def main() -> None:
     parser.add_argument("--redis-url", help="an existing server (default: start one)")
     parser.add_argument("--markdown", action="store_true", help="the table only")
     args = parser.parse_args()
-    server = None
-    url = args.redis_url
-    if url is None:
-        import common  # noqa: F401  (puts tests/ on sys.path for servers)
-        from servers import RedisServer
-
-        server = RedisServer().start()
-        url = server.url()
-    try:
-        sizes = dict(QUICK if args.quick else FULL)
-        sizes.update({k: v for k, v in (("n", args.n), ("rounds", args.rounds)) if v})
+    sizes = dict(QUICK if args.quick else FULL)
+    sizes.update({k: v for k, v in (("n", args.n), ("rounds", args.rounds)) if v})
+    with redis_at(args.redis_url) as url:
         result = profile(url, **sizes)
-    finally:
-        if server is not None:
-            server.cleanup()
     print(table(result))
 
 

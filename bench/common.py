@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,22 @@ ROOT = BENCH.parent
 # start their servers with the tests' harness, tests/servers.py: this is the one place
 # that puts tests/ on the path, so a script imports common before servers.
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+@contextmanager
+def redis_at(url: str | None) -> Iterator[str]:
+    """``url``, or (``None``) the URL of a redis-server of its own for the block: a
+    script's ``--redis-url`` default."""
+    if url is not None:
+        yield url
+        return
+    from servers import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server.url()
+    finally:
+        server.cleanup()
 
 
 PEER_VENV = BENCH / ".peers"

@@ -83,6 +83,13 @@ def cannot_run(module: str, binary: str | None = None) -> str | None:
     return None
 
 
+def skip_without_etcd() -> None:
+    """Skip the test (or fixture) on a machine without etcd's client or server."""
+    reason = cannot_run("etcd3gw", "etcd")
+    if reason:
+        pytest.skip(reason)
+
+
 def unique_id() -> str:
     return uuid.uuid4().hex[:10]
 
@@ -124,9 +131,7 @@ def redis_masters() -> Iterator[RedisMasters]:
 
 @pytest.fixture(scope="session")
 def etcd_node() -> Iterator[EtcdServer]:
-    reason = cannot_run("etcd3gw", "etcd")
-    if reason:
-        pytest.skip(reason)
+    skip_without_etcd()
     server = EtcdServer().start()
     yield server
     server.cleanup()
@@ -134,9 +139,7 @@ def etcd_node() -> Iterator[EtcdServer]:
 
 @pytest.fixture(scope="session")
 def etcd_cluster() -> Iterator[EtcdCluster]:
-    reason = cannot_run("etcd3gw", "etcd")
-    if reason:
-        pytest.skip(reason)
+    skip_without_etcd()
     cluster = EtcdCluster(3).start()
     yield cluster
     cluster.cleanup()

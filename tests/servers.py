@@ -65,6 +65,17 @@ def exited(child: subprocess.Popen[Any], tail: int = 3000) -> str:
     return f"pid {child.pid} exited with code {child.returncode}:\n{printed[-tail:]}"
 
 
+def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, str]:
+    """Wait (bounded) for a child started with text pipes; ``(status, stdout, stderr)``."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish in {timeout}s: {out}\n{err}") from None
+    return proc.returncode, out, err
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2):

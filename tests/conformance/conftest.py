@@ -20,9 +20,9 @@ from deployments import (
     REDIS_TOPOLOGIES,
     Deployment,
     build_deployment,
-    cannot_run,
     deployment_params,
     django_params,
+    skip_without_etcd,
     unique_id,
 )
 from lease_fixtures import no_leftover_renewals  # noqa: F401  (autouse here)
@@ -49,9 +49,7 @@ def private_deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
         servers.extend(masters.servers)
         url = masters.url()
     else:
-        reason = cannot_run("etcd3gw", "etcd")
-        if reason:
-            pytest.skip(reason)
+        skip_without_etcd()
         if kind == "etcd":
             node = EtcdServer().start()
             servers.append(node)

@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from chaoskit.proxy import Proxy, ProxyHub
-from servers import RedisClusterNodes, RedisServer, wait_until
+from servers import RedisClusterNodes, RedisServer, finish, wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockLost, get_backend, watchdog
 from task_locks.types import RenewItem
@@ -151,25 +152,19 @@ def task_locks_cli(url: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} still running after {timeout}s: {err}") from None
-    return proc.returncode, out, err
-
-
-def test_run_stops_its_program_before_the_deadline(
-    link: Proxy, redis_url: str, tmp_path: Path
-) -> None:
-    beats, second_ran = tmp_path / "beats", tmp_path / "second"
-    ttl = 2.0
+@contextmanager
+def cut_off_while_running(
+    link: Proxy, redis_url: str, name: str, ttl: float, program: str, beats: Path, second_ran: Path
+) -> Iterator[tuple[subprocess.Popen[str], float, subprocess.Popen[str]]]:
+    """``task-locks run NAME`` of ``program`` (writing to ``beats``) through the proxy;
+    once it beats, the link is blackholed and a second ``run`` of NAME, on the server
+    directly, waits to write its start time to ``second_ran``. Yields (the first run, when
+    the link went, the second run); kills whichever still runs at the end."""
     first = task_locks_cli(
-        proxy_url(link), "run", "nightly", "--ttl", str(ttl), "--",
-        sys.executable, "-c", HEARTBEAT, str(beats),
+        proxy_url(link), "run", name, "--ttl", str(ttl), "--",
+        sys.executable, "-c", program, str(beats),
     )  # fmt: skip
+    second: subprocess.Popen[str] | None = None
     try:
         wait_until(
             lambda: beats.exists() and beats.stat().st_size, 15, "the first program", alive=[first]
@@ -177,9 +172,24 @@ def test_run_stops_its_program_before_the_deadline(
         link.blackhole()
         blackholed = time.time()
         second = task_locks_cli(
-            redis_url, "run", "nightly", "--wait", "30", "--",
+            redis_url, "run", name, "--wait", "30", "--",
             sys.executable, "-c", f"import time; open({str(second_ran)!r}, 'w').write(str(time.time()))",
         )  # fmt: skip
+        yield first, blackholed, second
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def test_run_stops_its_program_before_the_deadline(
+    link: Proxy, redis_url: str, tmp_path: Path
+) -> None:
+    beats, second_ran = tmp_path / "beats", tmp_path / "second"
+    ttl = 2.0
+    runs = cut_off_while_running(link, redis_url, "nightly", ttl, HEARTBEAT, beats, second_ran)
+    with runs as (first, blackholed, second):
         status, _, err = finish(first, ttl + 5)
         assert status == 79, err  # EX_LEASE_LOST, not "held elsewhere"
         assert "lost lock 'nightly'" in err and "SIGTERM" in err, err
@@ -188,10 +198,6 @@ def test_run_stops_its_program_before_the_deadline(
         status, _, err = finish(second, 30)
         assert status == 0, err
         assert float(second_ran.read_text()) > last_beat, "two programs ran at once"
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
 
 
 #: A program that traps SIGTERM, notes it, and carries on: only SIGKILL stops it.
@@ -213,21 +219,8 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
     is SIGKILLed at the deadline, before a second ``run`` can take the lock."""
     beats, second_ran = tmp_path / "beats", tmp_path / "second"
     ttl = 2.0
-    first = task_locks_cli(
-        proxy_url(link), "run", "stubborn", "--ttl", str(ttl), "--",
-        sys.executable, "-c", STUBBORN, str(beats),
-    )  # fmt: skip
-    second: subprocess.Popen[str] | None = None
-    try:
-        wait_until(
-            lambda: beats.exists() and beats.stat().st_size, 15, "the first program", alive=[first]
-        )
-        link.blackhole()
-        blackholed = time.time()
-        second = task_locks_cli(
-            redis_url, "run", "stubborn", "--wait", "30", "--",
-            sys.executable, "-c", f"import time; open({str(second_ran)!r}, 'w').write(str(time.time()))",
-        )  # fmt: skip
+    runs = cut_off_while_running(link, redis_url, "stubborn", ttl, STUBBORN, beats, second_ran)
+    with runs as (first, blackholed, second):
         status, _, err = finish(first, ttl + 5)
         assert status == 79, err  # EX_LEASE_LOST
         assert "SIGTERM now, SIGKILL in" in err, err
@@ -241,11 +234,6 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
         status, _, err = finish(second, 30)
         assert status == 0, err
         assert float(second_ran.read_text()) > times[-1], "two programs ran at once"
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.communicate()
 
 
 # -- one backend, one primary, does not hold up another ----------------------------------

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from servers import finish as finish  # the django tests import it from here
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MANAGE = HERE / "manage.py"
@@ -61,17 +63,6 @@ def cli(*args: str, backend_url: str, **kwargs: object) -> subprocess.Popen[str]
         cwd=str(ROOT),
         **kwargs,
     )
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, str]:
-    """Wait (bounded) and return ``(status, stdout, stderr)``."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish in {timeout}s: {out}\n{err}") from None
-    return proc.returncode, out, err
 
 
 def staff(username: str, *codenames: str) -> Any:
