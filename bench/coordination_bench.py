@@ -31,8 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import common  # noqa: F401  (puts tests/ on sys.path for servers)
-from servers import RedisServer  # tests/servers.py, the tests' own harness
+from common import redis_at
 
 from task_locks import Election, Lock, Semaphore, close_all, get_backend
 
@@ -216,20 +215,16 @@ def run(
     """
     default_cycles, default_handovers = COUNTS["quick" if quick else "full"]
     cycles, handovers = cycles or default_cycles, handovers or default_handovers
-    server = None
+    where = f"`{url}`" if url is not None else "redis (its own redis-server on loopback)"
     try:
-        if url is None:
-            server = RedisServer().start()
-            url = server.url()
-        where = f"`{url}`" if server is None else "redis (its own redis-server on loopback)"
-        figures = measure(url, cycles, handovers)
+        with redis_at(url) as reached:
+            try:
+                figures = measure(reached, cycles, handovers)
+            finally:
+                close_all()  # before its server stops
     except Exception as exc:
         status = f"failed: {type(exc).__name__}: {exc}"
         return {"status": status, "markdown": status, "traceback": traceback.format_exc()}
-    finally:
-        close_all()
-        if server is not None:
-            server.cleanup()
     return {
         **figures,
         "backend": where,
