@@ -65,6 +65,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from task_locks.backends.base import Backend, Capability, unknown_options
+from task_locks.backends.notices import Notice, NoticeStream, close_streams, track
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
 from task_locks.types import AcquireResult, Holder, Owner, RenewItem
@@ -85,6 +86,12 @@ POLL_FIRST = 0.01
 POLL_MAX = 0.2
 #: PostgreSQL: releases NOTIFY this channel (payload: the lock's name); waiters LISTEN.
 CHANNEL = "task_locks"
+#: PostgreSQL: a force release also NOTIFYs this one (payload ``<fence>|<name>``), which
+#: the holder's process LISTENs on (:mod:`task_locks.notices`): its own channel, so that
+#: the listener never wakes for an ordinary release.
+FORCED_CHANNEL = "task_locks_forced"
+#: Why a lease is lost when PostgreSQL announced its force release.
+FORCED_NOTICE = "it was force-released (an operator's release, announced by PostgreSQL)"
 #: PostgreSQL: an acquire that lost a race since its snapshot is re-run at most this often.
 RACE_RETRIES = 5
 #: PostgreSQL: a waiter re-reads the row at least this often, in case a NOTIFY was missed.
@@ -508,7 +515,10 @@ class DjangoBackend(Backend):
         self._pool.usable = self._ping
         self._dialect: _Dialect | None = None
         if self.dialect.vendor == "postgresql":
-            self.capabilities = type(self).capabilities | {Capability.WAKEUP}  # type: ignore[misc]
+            extra = {Capability.WAKEUP}
+            if _can_listen():
+                extra.add(Capability.RELEASE_NOTICE)
+            self.capabilities = type(self).capabilities | extra  # type: ignore[misc]
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -779,12 +789,14 @@ class DjangoBackend(Backend):
                 # commit). A token-checked release commits without waiting for its WAL
                 # flush: a crash can only bring the row back until its TTL (as if this
                 # holder had died before releasing), and any acquire that saw the row gone
-                # flushes this commit with its own, the WAL being one sequence.
+                # flushes this commit with its own, the WAL being one sequence. A force
+                # release also tells the holder's process (FORCED_CHANNEL).
                 relaxed = ", set_config('synchronous_commit', 'off', true)" if token else ""
+                forced = "" if token else ", pg_notify(%s, fence || '|' || name)"
                 cursor.execute(
-                    f"WITH d AS ({delete} RETURNING name) SELECT pg_notify(%s, name){relaxed} "
-                    "FROM d",
-                    [*params, CHANNEL],
+                    f"WITH d AS ({delete} RETURNING name, fence) SELECT pg_notify(%s, name)"
+                    f"{relaxed}{forced} FROM d",
+                    [*params, CHANNEL, *([] if token else [FORCED_CHANNEL])],
                 )
                 return cursor.fetchone() is not None
             cursor.execute(delete, params)
@@ -865,7 +877,12 @@ class DjangoBackend(Backend):
                 if cursor.fetchone() is None:
                     return
 
+    def release_notices(self) -> NoticeStream:
+        """PostgreSQL: ``LISTEN task_locks_forced`` on a connection of its own."""
+        return _PostgresNotices(self)
+
     def close(self) -> None:
+        close_streams(self)
         self._pool.close()
 
     def idle_connections(self) -> list[Any]:
@@ -877,6 +894,78 @@ class DjangoBackend(Backend):
         """A connection opened as the pool opens its own (same settings and options),
         outside the pool: the caller uses and closes it."""
         return self._pool._open()
+
+
+def _can_listen() -> bool:
+    """Whether a listener thread may wait for NOTIFYs here: psycopg 3 (psycopg2 has no
+    ``notifies()`` generator), and no gevent/eventlet hub, whose other greenlets
+    psycopg's own wait (a C ``poll``) would block for a whole read."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return False
+    import sys
+
+    for green, check in (("gevent", "gevent.monkey"), ("eventlet", "eventlet.patcher")):
+        if green in sys.modules:
+            module = sys.modules.get(check)
+            patched = getattr(module, "is_module_patched", None) or getattr(
+                module, "is_monkey_patched", None
+            )
+            if patched is not None and patched("socket"):
+                return False
+    return True
+
+
+class _PostgresNotices:
+    """Release notices of one PostgreSQL database: ``LISTEN`` on an unpooled connection.
+
+    A notification sent while this connection is down is lost, as with Redis pub/sub: the
+    listener has every lease renewed when it reconnects. Other databases have no
+    notification channel; there, renewal finds a force release (a third of the TTL at
+    worst).
+    """
+
+    def __init__(self, backend: DjangoBackend) -> None:
+        self._backend = backend
+        self._wrapper: Any = None
+
+    def open(self, since: int | None) -> None:
+        from django.db import Error as DatabaseError
+
+        backend = self._backend
+        track(backend, self)  # closed with the backend
+        try:
+            wrapper = backend._pool._open()
+            self._wrapper = wrapper
+            wrapper.ensure_connection()
+            wrapper.connection.execute(f"LISTEN {FORCED_CHANNEL}")  # autocommit: at once
+        except DatabaseError as exc:
+            self.close()
+            raise BackendUnavailable(
+                f"release notices: cannot LISTEN at {backend.server}: {exc}", server=backend.server
+            ) from exc
+
+    def read(self, timeout: float) -> list[Notice]:
+        backend = self._backend
+        raw = self._wrapper.connection
+        notices: list[Notice] = []
+        try:
+            for note in raw.notifies(timeout=timeout, stop_after=1):
+                fence, _, key = str(note.payload).partition("|")
+                if fence.isdigit() and key.startswith(backend.prefix):
+                    notices.append(Notice(key[len(backend.prefix) :], int(fence), FORCED_NOTICE))
+        except Exception as exc:  # psycopg's own errors: the raw connection is not Django's
+            raise BackendUnavailable(
+                f"release notices from {backend.server} interrupted: {exc}", server=backend.server
+            ) from exc
+        return notices
+
+    def close(self) -> None:
+        wrapper, self._wrapper = self._wrapper, None
+        if wrapper is not None:
+            with contextlib.suppress(Exception):
+                wrapper.close()
 
 
 __all__ = ["DjangoBackend"]

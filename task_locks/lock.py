@@ -242,6 +242,8 @@ class LeaseBase:
     _watched: bool = False
     #: A release was sent and got no answer (see ``_release_unknown``).
     _release_failed: bool = False
+    #: Its holder is releasing it: a release notice is about our own delete (etcd).
+    _releasing: bool = False
     #: Its entry in the holders map (see ``LockBase._held_here``).
     _holder_key: _HolderKey | None = None
 
@@ -444,6 +446,22 @@ class LeaseBase:
         lease is not renewed), so the lock was removed before its TTL ran out."""
         self._mark_lost(LostReason.FORCED, f"renewal found the lock's token gone: {FORCED_REASON}")
 
+    def _release_noticed(self, why: str) -> bool:
+        """The backend announced that this lease's lock (its name and fence) was freed
+        by someone else (:mod:`task_locks.notices`): lost now, not at the next renewal.
+        ``False`` when it says nothing new (released, being released, lost already)."""
+        if self._releasing or self._released or self._foreign() or self.lost.is_set():
+            return False
+        self._mark_lost(LostReason.FORCED, f"{why}; heard from the server's release notice")
+        return True
+
+    def _renew_soon(self) -> None:
+        """Renew now, ahead of schedule: release notices may have been missed."""
+        if self._renewer is not None and not (
+            self._released or self._releasing or self.lost.is_set()
+        ):
+            self._renewer.add(self, self._clock.monotonic(), earlier_only=True)
+
     def _hold_expired(self, now: float) -> bool:
         if self._hold_deadline is None or now < self._hold_deadline:
             return False
@@ -530,6 +548,7 @@ class LeaseBase:
             self.lost._deadline = math.inf
             log.debug("lock %r belongs to parent process %s; not released", self.name, self._pid)
             return False
+        self._releasing = True
         self._unschedule()
         return True
 

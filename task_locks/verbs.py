@@ -311,8 +311,9 @@ def cmd_release(
 ) -> int:
     if not force:
         err.write(
-            f"release frees {name!r} whoever holds it (the holder is not told and may "
-            "keep writing: guard resources with fences); pass --force to do it\n"
+            f"release frees {name!r} whoever holds it (the holder hears of it at once "
+            "where the backend announces releases, else at its next renewal, and may "
+            "keep writing until then: guard resources with fences); pass --force to do it\n"
         )
         return EX_USAGE
     holder = backend.holder(validate_name(name))

@@ -43,6 +43,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from . import notices
 from .leasing import (
     GC_REASON as GC_REASON,
 )
@@ -470,13 +471,16 @@ class ProcessRuntime:
     clock = SYSTEM_CLOCK
 
     def schedule(self, lease: Renewable, asynchronous: bool) -> Lane:
-        return async_renewer().add(lease) if asynchronous else thread_renewer().add(lease)
+        lane = async_renewer().add(lease) if asynchronous else thread_renewer().add(lease)
+        notices.listen(lease)  # a renewed lease also hears of a force release at once
+        return lane
 
     def watch(self, lease: Renewable) -> None:
         deadline_watch().add(lease)
 
     def unwatch(self, lease: Renewable) -> None:
         deadline_watch().remove(lease)
+        notices.forget(lease)
 
     def run_callback(self, lease: Renewable, callback: Callable[[], object]) -> None:
         if not in_driver():  # the holder's own call (renew, check, release): run it here

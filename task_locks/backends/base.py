@@ -54,6 +54,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
+from .notices import NoticeStream
 
 _claims = threading.Lock()
 _caller_reports: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -143,6 +144,9 @@ class Capability(StrEnum):
     WAKEUP = "wakeup"
     #: The live holders can be listed and force-released.
     HOLDERS = "holders"
+    #: A holder's process hears at once that its lock was freed by someone else (a
+    #: force release): :meth:`Backend.release_notices`.
+    RELEASE_NOTICE = "release_notice"
 
 
 #: Every capability name (plain strings, derived from :class:`Capability`).
@@ -445,6 +449,13 @@ class Backend(abc.ABC):
         trip, if it is still unclaimed then; ``False``: this backend cannot (the caller
         sends it itself). The caller must send it anyway if no acquire comes soon."""
         return False
+
+    def release_notices(self) -> NoticeStream:
+        """The locks someone other than their holder freed, as they are freed: a
+        :class:`~task_locks.backends.notices.NoticeStream` with its own connection, read
+        by one listener thread per process (:mod:`task_locks.notices`). Only where
+        :attr:`Capability.RELEASE_NOTICE` is declared; elsewhere renewal finds the loss."""
+        raise NotImplementedError(f"{self!r} does not announce force releases")
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to close by default
         """Release client resources (connections, threads)."""

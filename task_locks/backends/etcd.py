@@ -74,9 +74,11 @@ password and token never appear in errors, logs or ``repr``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import socket
 import threading
 import time
 from base64 import b64decode, b64encode
@@ -93,6 +95,7 @@ from requests.adapters import HTTPAdapter
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend, Capability
+from .notices import Notice, NoticeStream, close_streams, track
 
 _OPTIONS: Final = {"prefix", "timeout"}
 #: Options only ``etcds://`` takes (TLS files and the hostname check).
@@ -205,6 +208,140 @@ def _granted_seconds(held: _Held) -> int | None:
     return _seconds(ttl_ms) if isinstance(ttl_ms, int) else None
 
 
+#: A watch stream with nothing to say for this long is opened again (from the revision
+#: it reached): the gateway's stream has no read deadline of its own.
+WATCH_SLICE: Final = 5.0
+#: Why a lease is lost when etcd reports its key deleted by someone else.
+DELETED_NOTICE: Final = (
+    "its key was deleted in etcd (an operator's force release, or its etcd lease expired)"
+)
+
+
+class _EtcdNotices:
+    """Release notices of one prefix: the DELETE events of one watch on it (``prev_kv``
+    gives each deleted key's create revision, our fence).
+
+    Unlike pub/sub, a watch replays: it starts at the lowest fence listened for, so a
+    delete between an acquire and the watch is heard, and one resumed after a broken
+    stream continues from the revision it reached. Every delete under the prefix is
+    streamed (the listener drops those of locks it does not hold): the price of one watch
+    per process instead of one per lease. Our own releases are deletes too; the lease
+    ignores notices while its holder releases it.
+    """
+
+    def __init__(self, backend: EtcdBackend) -> None:
+        self._backend = backend
+        self._client: etcd3gw.Etcd3Client | None = None
+        self._response: requests.Response | None = None
+        self._lines: Iterator[bytes] | None = None
+        #: The first revision not yet seen (0: from now).
+        self._next = 0
+        self._created = 0
+
+    def open(self, since: int | None) -> None:
+        backend = self._backend
+        track(backend, self)  # closed with the backend
+        start = max(since or 0, self._next)
+        request: dict[str, Any] = {
+            "create_request": {
+                "key": _b64(backend.prefix),
+                "range_end": _b64(_prefix_end(backend.prefix)),
+                "filters": ["NOPUT"],
+                "prev_kv": True,
+                **({"start_revision": start} if start else {}),
+            }
+        }
+        failures: list[str] = []
+        for _, shared in backend._order():
+            client = backend._make_client(shared.host, shared.port)
+            try:
+                if backend.user is not None:
+                    if backend._token is None:
+                        backend._authenticate(shared, None)
+                    client.session.headers["Authorization"] = backend._token or ""
+                response = client.session.post(
+                    client.get_url("/watch"),
+                    json=request,
+                    stream=True,
+                    timeout=(backend.timeout, WATCH_SLICE),
+                )
+                response.raise_for_status()
+                lines = response.iter_lines()
+                created = json.loads(next(line for line in lines if line)).get("result", {})
+                if not created.get("created"):
+                    raise BackendUnavailable(f"{backend.server}: the watch was not created")
+            except (*_TRANSPORT, ValueError, StopIteration, BackendUnavailable) as exc:
+                client.session.close()
+                failures.append(f"{client.host}:{client.port}: {exc}")
+                continue
+            self._client, self._response, self._lines = client, response, lines
+            self._created = int(created.get("header", {}).get("revision", 0))
+            self._next = max(self._next, start)
+            return
+        raise BackendUnavailable(
+            f"release notices: cannot watch {backend.prefix.decode()!r} at {backend.server}: "
+            + "; ".join(failures),
+            server=backend.server,
+        )
+
+    def read(self, timeout: float) -> list[Notice]:
+        # ``timeout`` is not honoured to the letter: the stream's socket has the read
+        # timeout it was opened with (WATCH_SLICE), and is reopened after it.
+        assert self._lines is not None
+        try:
+            line = next(self._lines, b"")
+            while line == b"":
+                if self._response is not None and self._response.raw.closed:
+                    raise BackendUnavailable("the watch stream ended")
+                line = next(self._lines, b"")
+        except requests.ConnectionError as exc:
+            if not isinstance(exc, requests.ReadTimeout) and "Read timed out" not in str(exc):
+                raise BackendUnavailable(f"the watch stream broke: {exc}") from exc
+            # Quiet for WATCH_SLICE: history up to the watch's creation was all sent.
+            self._next = max(self._next, self._created + 1)
+            self.close()
+            self.open(None)
+            return []
+        except requests.RequestException as exc:
+            raise BackendUnavailable(f"the watch stream broke: {exc}") from exc
+        result = json.loads(line).get("result", {})
+        if result.get("compact_revision") or result.get("canceled"):
+            # History we asked for is gone: resume from what is left (the listener renews
+            # every lease when it reconnects, which finds a delete we missed).
+            self._next = max(self._next, int(result.get("compact_revision", 0)))
+            raise BackendUnavailable(f"the watch was cancelled ({result})")
+        notices = []
+        prefix = self._backend.prefix
+        for event in result.get("events", []):
+            revision = int(event.get("kv", {}).get("mod_revision", 0))
+            self._next = max(self._next, revision + 1)
+            if event.get("type") != "DELETE":
+                continue
+            before = event.get("prev_kv") or {}
+            key = b64decode(before.get("key", ""))
+            fence = int(before.get("create_revision", 0))
+            if fence and key.startswith(prefix):
+                name = key[len(prefix) :].decode("utf-8", "replace")
+                notices.append(Notice(name, fence, DELETED_NOTICE))
+        return notices
+
+    def close(self) -> None:
+        response, client = self._response, self._client
+        self._response = self._client = self._lines = None
+        if response is not None:
+            # Shut the socket down first: closing it while the listener thread reads would
+            # wait for that read (its buffer's lock) until the read timeout.
+            sock = getattr(getattr(response.raw, "_connection", None), "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(Exception):
+                response.close()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.session.close()
+
+
 class EtcdBackend(Backend):
     capabilities = frozenset(
         {
@@ -212,6 +349,7 @@ class EtcdBackend(Backend):
             Capability.FENCING,
             Capability.HOLDERS,
             Capability.MULTIPROCESS,
+            Capability.RELEASE_NOTICE,
             Capability.WAKEUP,
         }
     )
@@ -848,7 +986,12 @@ class EtcdBackend(Backend):
         finally:
             response.close()
 
+    def release_notices(self) -> NoticeStream:
+        """A watch on the prefix's deletes, on an HTTP session of its own."""
+        return _EtcdNotices(self)
+
     def close(self) -> None:
+        close_streams(self)
         for client in self._clients:
             client.session.close()
         self._clients = []

@@ -49,6 +49,7 @@ from functools import partial
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from redis.backoff import NoBackoff
 from redis.exceptions import (
     AskError,
     ClusterCrossSlotError,
@@ -57,6 +58,7 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.retry import Retry
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
@@ -69,6 +71,7 @@ from .base import (
     log_forced,
     unknown_options,
 )
+from .notices import Notice, NoticeStream, close_streams, track
 from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import (
@@ -109,9 +112,85 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _RedisNotices:
+    """Release notices of one Redis database: a SUBSCRIBE on a client of its own.
+
+    Its connection retries nothing by itself: a dropped connection is reported to the
+    listener, which reconnects and has the leases renewed at once, since notices sent
+    meanwhile are gone (pub/sub keeps nothing for absent subscribers).
+    """
+
+    def __init__(self, backend: RedisBackend) -> None:
+        self._backend = backend
+        self._client: Any = None
+        self._pubsub: Any = None
+
+    def open(self, since: int | None) -> None:
+        backend = self._backend
+        channel = backend.notice_channel
+        track(backend, self)  # closed with the backend
+        try:
+            self._client = backend._clients.make(SYNC)
+            self._pubsub = self._client.pubsub()
+            self._pubsub.subscribe(channel)
+            self._pubsub.connection.retry = Retry(NoBackoff(), 0)
+            # Subscribed once the server confirms: every PUBLISH after that reaches us.
+            deadline = time.monotonic() + backend.connect_timeout + backend.socket_timeout
+            while True:
+                message = self._pubsub.get_message(timeout=deadline - time.monotonic())
+                if message is not None and message["type"] == "subscribe":
+                    return
+                if time.monotonic() >= deadline:
+                    raise BackendUnavailable(
+                        f"{backend.server}: no answer to SUBSCRIBE {channel}", server=backend.server
+                    )
+        except CLIENT_ERRORS as exc:
+            self.close()
+            raise translate(
+                exc, what=f"release notices ({channel})", name=None, server=backend.server
+            ) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, timeout: float) -> list[Notice]:
+        backend = self._backend
+        notices: list[Notice] = []
+        try:
+            message = self._pubsub.get_message(timeout=timeout)
+            while message is not None:
+                if message["type"] == "message":
+                    fence, _, key = _text(message["data"]).partition("|")
+                    if fence.isdigit() and key.startswith(backend.prefix + "{"):
+                        notices.append(Notice(backend._name(key), int(fence), FORCED_NOTICE))
+                message = self._pubsub.get_message(timeout=0)
+        except CLIENT_ERRORS as exc:
+            raise translate(
+                exc, what="release notices", name=None, server=backend.server
+            ) from exc
+        return notices
+
+    def close(self) -> None:
+        pubsub, client, self._pubsub, self._client = self._pubsub, self._client, None, None
+        for closing in (pubsub, client):
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    closing.close()
+
+
+#: Why a lease is lost when its lock's release was announced.
+FORCED_NOTICE = "it was force-released (an operator's release, announced by the server)"
+
+
 class RedisBackend(Backend):
     capabilities = frozenset(
-        {Capability.FENCING, Capability.MULTIPROCESS, Capability.WAKEUP, Capability.HOLDERS}
+        {
+            Capability.FENCING,
+            Capability.MULTIPROCESS,
+            Capability.WAKEUP,
+            Capability.HOLDERS,
+            Capability.RELEASE_NOTICE,
+        }
     )
 
     def __init__(self, url: str) -> None:
@@ -154,6 +233,8 @@ class RedisBackend(Backend):
             )
         self.scheme = parts.scheme.lower()
         self.cluster = self.scheme == "redis+cluster"
+        if self.cluster:  # a cluster's pub/sub is not tried yet: renewal finds the loss
+            self.capabilities = type(self).capabilities - {Capability.RELEASE_NOTICE}  # type: ignore[misc]
         #: Fence counters per hash slot: on a cluster, or once a plain URL met a node.
         self._slotted = self.cluster
         # (not urlunsplit: it would turn unix:///path into unix:/path)
@@ -231,6 +312,19 @@ class RedisBackend(Backend):
         """The lists a release pushes to, one per name: waiters BLPOP them."""
         return [self._key(name) + ":signal" for name in names]
 
+    @functools.cached_property
+    def notice_channel(self) -> str:
+        """The pub/sub channel an operator's release announces itself on: one per prefix
+        and database (channels are server-wide, databases are not)."""
+        if self.cluster:
+            return f"{self.prefix}released:0"
+        kwargs = getattr(self.client.connection_pool, "connection_kwargs", {})
+        return f"{self.prefix}released:{int(kwargs.get('db') or 0)}"
+
+    def release_notices(self) -> NoticeStream:
+        """Subscribed to :attr:`notice_channel` on a client of its own (one connection)."""
+        return _RedisNotices(self)
+
     # -- errors -------------------------------------------------------------------------
 
     def _fail(self, name: str | None, exc: Exception) -> NoReturn:
@@ -285,12 +379,14 @@ class RedisBackend(Backend):
         key = self._key(name)
         fence_arg = "" if fence is None else str(int(fence))
         release_id = secrets.token_hex(8)
+        # Only an operator's release announces itself: a holder's own is sent as before.
+        notice = [] if token else [self.notice_channel]
         if self.server_handoff:  # the release_handoff script
             keys = [key, self._counter(name), key + ":queue", key + ":signal"]
             return [4, *keys, token, fence_arg, release_id, self.tombstone_ms,
-                    self.fence_ttl_ms, self.signal_ms]  # fmt: skip
+                    self.fence_ttl_ms, self.signal_ms, *notice]  # fmt: skip
         return [2, key, key + ":signal", token, fence_arg, release_id, self.tombstone_ms,
-                self.signal_ms]  # fmt: skip
+                self.signal_ms, *notice]  # fmt: skip
 
     @property
     def _release_script(self) -> str:
@@ -774,6 +870,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         """Close the sync client; a later call reconnects. Async clients: :meth:`aclose`."""
+        close_streams(self)
         with self._client_guard:
             client, self._sync_client = self._sync_client, None
         if client is not None:

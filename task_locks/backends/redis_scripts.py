@@ -24,6 +24,9 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
   ``fence_ttl`` after the last acquire it served.
 - ``<prefix>{name}:signal`` a list a release pushes to when someone waits; waiters
   BLPOP it. It lives ``signal_ms`` (the socket timeout: no BLPOP blocks longer).
+- ``<prefix>released:<db>``, a pub/sub **channel**, not a key: an operator's release
+  publishes ``<fence>|<record key>`` to it, so the holder's process (its one listener,
+  :mod:`task_locks.notices`) marks that lease lost at once. Nothing is stored.
 - ``handoff=server`` waiters: ``<prefix>{name}:queue`` (zset of tokens by arrival),
   ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
   ``:grant:<token>`` (the list its grant is pushed to). They exist while someone waits.
@@ -144,6 +147,14 @@ end
 local function not_released(held, release_id)
   if held and held.rid == release_id then return 2 end
   return 0
+end
+-- An operator's release tells the holder's process at once (``<fence>|<key>`` on the
+-- release-notice channel, '' for none): PUBLISH stores nothing, and pcall keeps a release
+-- going where an ACL forbids the channel (the holder then learns at its next renewal).
+local function announce(channel, key, held, token)
+  if token == '' and channel ~= '' then
+    redis.pcall('publish', channel, held.fence .. '|' .. key)
+  end
 end
 local function bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
   local waiters = tonumber(held.waiters) or 0
@@ -279,6 +290,7 @@ return renewed
 # ARGV[3] - this call's release id (one per call: a resend repeats it)
 # ARGV[4] - the tombstone's ttl (ms)
 # ARGV[5] - the signal's ttl (ms)
+# ARGV[6] - the release-notice channel (an operator's release publishes to it), or ''
 # Returns 1 if the lock was released; 2 if this very call already released it (redis-py
 # resent it after losing the reply); 0 if not held / not ours / held under another fence.
 RELEASE = _lua(
@@ -292,9 +304,11 @@ local fence = ARGV[2]
 local release_id = ARGV[3]
 local tombstone_ttl = ARGV[4]
 local signal_ttl = ARGV[5]
+local channel = ARGV[6] or ''
 local held = read_record(key)
 if not names_holder(held, token, fence) then return not_released(held, release_id) end
 bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+announce(channel, key, held, token)
 return 1
 """,
 )
@@ -387,6 +401,7 @@ return refuse(key, held, queued)
 # ARGV[4] - the tombstone's ttl (ms)
 # ARGV[5] - the fence counter's ttl (ms)
 # ARGV[6] - the signal's ttl (ms)
+# ARGV[7] - the release-notice channel, or '' (as in RELEASE)
 # Returns 1 if the lock was released (handed to the first live waiter, who now holds it,
 # or else released as by RELEASE); 2 for a resend of a call that did; 0 if not held /
 # not ours / another fence.
@@ -407,10 +422,12 @@ local release_id = ARGV[3]
 local tombstone_ttl = ARGV[4]
 local counter_ttl = ARGV[5]
 local signal_ttl = ARGV[6]
+local channel = ARGV[7] or ''
 local held = read_record(key)
 if not names_holder(held, token, fence) then return not_released(held, release_id) end
 hand_on(key, counter_key, queue_key, signal_key, held, token, release_id, tombstone_ttl,
   counter_ttl, signal_ttl)
+announce(channel, key, held, token)
 return 1
 """,
 )

@@ -83,6 +83,7 @@ def test_capability_values_are_the_documented_names() -> None:
         "multiprocess",
         "wakeup",
         "holders",
+        "release_notice",
     }
     assert CAPABILITIES == {c.value for c in Capability}
     assert Capability("fencing") is Capability.FENCING

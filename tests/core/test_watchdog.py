@@ -140,9 +140,11 @@ def test_ten_thousand_leases_are_renewed_in_batches_by_one_thread(
     wait_until(lambda: all(lease.renewals for lease in leases), 2 * ttl, "one renewal of each")
 
     assert len(renewer_threads(redis_url)) == 1
-    # At most one renewal thread (one backend: one lane) and the process's deadline watch.
-    started = {t.name.split(" ")[0] for t in set(threading.enumerate()) - threads_before}
-    assert started <= {"task-locks-renewer", "task-locks-deadlines"}
+    # At most one renewal thread (one backend: one lane), the process's deadline watch and
+    # the backend's one release-notice listener.
+    started = [t.name.split(" ")[0] for t in set(threading.enumerate()) - threads_before]
+    assert set(started) <= {"task-locks-renewer", "task-locks-deadlines", "task-locks-notices"}
+    assert started.count("task-locks-notices") <= 1
     renewed = sum(size for size, _ in batches)
     assert renewed >= count
     assert len(batches) <= 50, f"{len(batches)} round trips for {renewed} renewals"
