@@ -306,9 +306,15 @@ def test_renew_many_answers_per_lease(deployment: Deployment) -> None:
 
 def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     capabilities = deployment.capabilities
-    assert capabilities <= {"fencing", "consensus", "multiprocess", "wakeup", "holders"}
+    assert capabilities <= {
+        "fencing", "consensus", "multiprocess", "wakeup", "holders", "release_notice"
+    }  # fmt: skip
     assert {"fencing", "holders"} <= capabilities
     assert ("consensus" in capabilities) == deployment.kind.startswith("etcd")
+    # A force release is announced to the holder's process (Redis pub/sub, etcd's watch,
+    # PostgreSQL's NOTIFY); Redis Cluster, Redlock, MySQL, SQLite and memory do not.
+    silent = {"cluster", "redlock", "memory", "django-sqlite", "django-mysql"}
+    assert ("release_notice" in capabilities) == (deployment.kind not in silent)
     lock = Lock("demanding", ttl=5, backend=deployment.url, require={"fencing", "consensus"})
     if "consensus" in capabilities:
         lock.acquire(timeout=0).release()
