@@ -143,6 +143,11 @@ class _MasterBackend(RedisBackend):
     noticed before the restarted master's answer is counted.
     """
 
+    #: No release notices: nobody listens on a master (a Redlock lease is renewed, and a
+    #: force release found, through the majority), and a PUBLISH there would only need
+    #: one more ACL right.
+    notice_channel = ""
+
     def __init__(self, url: str, master: _Master) -> None:
         self.master = master
         super().__init__(url)

@@ -71,6 +71,18 @@ def test_force_release(locker_url: str) -> None:
     assert backend.holder("acl-forced") is None
 
 
+def test_release_notices_under_the_acl(locker_url: str) -> None:
+    """The ACL's channel pattern lets the holder's process subscribe and the force
+    release publish: the holder hears of it at once (TTL 30 s: no renewal for 10 s)."""
+    from task_locks import notices
+
+    lease = Lock("acl-noticed", ttl=30, backend=locker_url).acquire()
+    listener = notices.listener(lease.backend, create=False)
+    assert listener is not None and listener.ready.wait(10), listener and listener.refused
+    assert get_backend(locker_url).force_release("acl-noticed", lease.fence)
+    assert lease.lost.wait(1.0) and "release notice" in (lease.lost_reason or "")
+
+
 def test_fenced_store(locker_url: str) -> None:
     store = FencedStore(locker_url)
     with Lock("acl-store", ttl=5, backend=locker_url) as lease:
