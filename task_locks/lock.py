@@ -1016,7 +1016,8 @@ class Lock(LockBase):
     :param timeout: the default wait of ``acquire()`` and ``with``, in seconds: ``None``
         waits as long as it takes, ``0`` tries once.
     :param on_lost: called with the lease when it is lost (renewals did not get through
-        before its local deadline, a force release, ``max_hold``), where the loss is noticed
+        before its local deadline, a force release: at once where the backend announces
+        it, else at the next renewal; ``max_hold``), where the loss is noticed
         (a background thread, or the lease's event loop: a coroutine it returns is run
         there); ``lease.lost`` is set either way.
     :param max_hold: seconds after the acquire at which the lease is marked lost and the
@@ -1024,7 +1025,8 @@ class Lock(LockBase):
     :param renew: ``False`` leaves the lease unrenewed: it ends at its TTL (for a holder
         that renews itself with ``lease.renew()``, or a test of a paused one).
     :param require: capabilities the backend must have (``"fencing"``, ``"consensus"``,
-        ``"multiprocess"``, ``"wakeup"``, ``"holders"``, or :class:`Capability` members);
+        ``"multiprocess"``, ``"wakeup"``, ``"holders"``, ``"release_notice"``, or
+        :class:`Capability` members);
         an unknown name is refused here, a missing one raises :class:`MissingCapability`.
     """
 
