@@ -1,7 +1,8 @@
 """``on_lost``: what a singleton task's run does when its lock is lost while the body runs.
 
 A lease is known lost when a renewal finds its token gone (a force release, an expiry
-while the holder was paused), at its local deadline (renewals could not reach the
+while the holder was paused), at once when the backend announces a force release
+(:mod:`task_locks.notices`), at its local deadline (renewals could not reach the
 server), at ``max_hold``, or when the body's own ``lease.check()``/``renew()`` finds it.
 :class:`RunWatch` hears of it through the lease's ``on_lost`` hook, from whichever
 thread found it, and does what the task's ``on_lost`` says:
