@@ -83,7 +83,13 @@ the failure, with a shorter TTL than that call's; the TTL is only ever shortened
 
 The next renewal is due a third of the TTL after the send of the open call that gives
 the soonest (``min(s + t/3)``), so a lease is renewed on the schedule of the TTL it counts
-with (a failed ``renew(ttl=SHORTER)`` moves the next renewal earlier too).
+with (a failed ``renew(ttl=SHORTER)`` moves the next renewal earlier too). Only a call
+answered (or failed) after the latest send counts from its own send; the others count
+from the latest send: one still unanswered cannot be dropped by any renewal before its
+answer, and one answered before the latest send is dropped by that call once granted.
+Counted from their own sends, they kept the next renewal in the past, and the lane
+renewed back to back (behind a ``renew()`` whose reply was lost, for its socket timeout;
+or while a renewal sent after them was on its way).
 """
 
 from __future__ import annotations
@@ -239,15 +245,28 @@ class LeaseBook:
             call.resolved_seq = next(_events)
 
     def next_renewal(self) -> float:
-        """A third of the TTL after the send of the open call that gives the soonest, or
-        the ``max_hold`` deadline if sooner."""
+        """A third of the TTL after the send of the open call that gives the soonest,
+        counted from the latest send for a call not answered since (see the module
+        docstring), or the ``max_hold`` deadline if sooner."""
         with _book_guard:
-            due = min(c.sent_at + c.ttl / 3 for c in self._open)
+            latest = max(self._open, key=_sent_seq)
+            due = min(
+                (c.sent_at if _answered_after(c, latest) else latest.sent_at) + c.ttl / 3
+                for c in self._open
+            )
         return due if self.hold_deadline is None else min(due, self.hold_deadline)
 
     def in_flight(self) -> int:
         with _book_guard:
             return sum(1 for c in self._open if c.resolved_seq is None)
+
+
+def _sent_seq(call: RenewCall) -> int:
+    return call.sent_seq
+
+
+def _answered_after(call: RenewCall, latest: RenewCall) -> bool:
+    return call.resolved_seq is not None and call.resolved_seq > latest.sent_seq
 
 
 class Renewable(Protocol):

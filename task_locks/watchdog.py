@@ -11,7 +11,9 @@ Lanes are independent: each has its own schedule, its own thread (or task, per e
 loop) and its own call timeout, so a stalled server (or one stalled cluster primary)
 delays only its own leases' renewals. A lane's thread starts with its first lease and
 exits when idle. Each renewal call is given a timeout shorter than the validity left to
-the leases it carries.
+the leases it carries, and runs beside the lane, not on it: a call whose reply was lost
+waits that long, and the lane meanwhile renews its other leases (a shorter TTL, one
+acquired since) on time. At most :data:`MAX_CALLS_IN_FLIGHT` calls of a lane are out.
 
 The :class:`DeadlineWatch` (one thread per process, a heap of deadlines) marks a lease
 lost at its local deadline, whatever renewal call is still in flight: behind a
@@ -88,6 +90,10 @@ IDLE_EXIT = 5.0
 #: User callbacks waiting for the callback thread, at most (more are dropped, logged).
 CALLBACK_QUEUE = 10_000
 
+#: Renewal calls one lane has in flight at once, at most (beyond: a server answering
+#: nothing), after which the lane waits for one to end before it sends another.
+MAX_CALLS_IN_FLIGHT = 8
+
 #: Kept for callers of the old name: a lane's schedule is a :class:`RenewalQueue`.
 Schedule = RenewalQueue
 
@@ -139,6 +145,7 @@ class ThreadLane:
         #: Clear while a renewal call is in flight (see :meth:`quiet`).
         self._between_calls = threading.Event()
         self._between_calls.set()
+        self._in_flight = 0  # calls out (under _cond)
 
     def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
         self.schedule.add(lease, due, earlier_only)
@@ -194,7 +201,7 @@ class ThreadLane:
                 due = self.schedule.next_due()
                 if due is None:
                     idle_since = idle_since or now
-                    if now - idle_since >= IDLE_EXIT:
+                    if now - idle_since >= IDLE_EXIT and not self._in_flight:
                         self._thread = None
                         return
                     self._wake_at = now + IDLE_EXIT
@@ -206,18 +213,40 @@ class ThreadLane:
                     self._cond.wait(due - now)
                     continue
                 self._wake_at = -math.inf  # busy: the loop looks again before sleeping
-                self._between_calls.clear()
-            try:
-                for backend, leases in self.schedule.take_due(now).items():
-                    self._renew(backend, leases)
-            finally:
-                self._between_calls.set()
+            for backend, leases in self.schedule.take_due(now).items():
+                batch = self.schedule.start(backend, leases)
+                if batch is not None:
+                    self._call(batch)
 
     def _renew(self, backend: Backend, leases: list[Renewable]) -> None:
-        """One renewal call of ``leases`` (due now), its answers applied."""
+        """One renewal call of ``leases`` (due now) on this thread, its answers applied."""
         batch = self.schedule.start(backend, leases)
         if batch is not None:
             self.schedule.complete(batch, _send(batch))
+
+    def _call(self, batch: RenewBatch) -> None:
+        """Send ``batch`` from a thread of its own: the lane does not wait for it."""
+        with self._cond:
+            while self._in_flight >= MAX_CALLS_IN_FLIGHT:
+                self._cond.wait()
+            self._in_flight += 1
+            self._between_calls.clear()
+        threading.Thread(
+            target=self._answer, args=(batch,), name=f"task-locks-renewal {self.label}", daemon=True
+        ).start()
+
+    def _answer(self, batch: RenewBatch) -> None:
+        mark_driver()
+        try:
+            self.schedule.complete(batch, _send(batch))
+        except Exception:
+            log.exception("applying a renewal's answer failed")
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._between_calls.set()
+                self._cond.notify_all()
 
 
 class _Lanes:
@@ -298,10 +327,14 @@ class AsyncLane:
         self._loop = loop
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Task[None]] = set()  # renewal calls in flight
         self._pid = os.getpid()
 
     def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
         self.schedule.add(lease, due, earlier_only)
+        self._start()
+
+    def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(
                 self._run(), name=f"task-locks-renewer {self.label}"
@@ -315,7 +348,9 @@ class AsyncLane:
         self.schedule.remove(lease)
 
     def idle(self) -> bool:
-        return (self._task is None or self._task.done()) and not len(self.schedule)
+        return (
+            (self._task is None or self._task.done()) and not len(self.schedule) and not self._calls
+        )
 
     async def _run(self) -> None:
         mark_driver()  # this task's context only
@@ -333,8 +368,18 @@ class AsyncLane:
                 continue
             for backend, leases in self.schedule.take_due(now).items():
                 batch = self.schedule.start(backend, leases)
-                if batch is not None:
-                    self.schedule.complete(batch, await _asend(batch))
+                if batch is not None:  # a task of its own: the lane does not wait for it
+                    call = self._loop.create_task(self._answer(batch))
+                    self._calls.add(call)
+                    call.add_done_callback(self._calls.discard)
+
+    async def _answer(self, batch: RenewBatch) -> None:
+        try:
+            self.schedule.complete(batch, await _asend(batch))
+        except Exception:
+            log.exception("applying a renewal's answer failed")
+        if len(self.schedule) and os.getpid() == self._pid:
+            self._start()  # the lane's task may have ended while this call was out
 
 
 class AsyncRenewer:

@@ -115,6 +115,24 @@ def test_a_reply_after_the_deadline_does_not_resurrect_the_lease(
         lease.check()
 
 
+def test_a_renewal_waiting_for_its_reply_holds_up_no_other_lease(
+    driver: SyncDriver, scripted_link: Proxy
+) -> None:
+    """A renewal call whose reply is slow (or lost: then it waits out the validity left)
+    is waited for beside the renewal lane, not on it: a lease of the same backend taken
+    meanwhile, with a shorter TTL, is renewed on time. (The lane used to wait for the call
+    first, and the short lease ran out behind it.)"""
+    url = proxy_url(scripted_link)
+    slow = driver.acquire("slow-reply", backend=url, ttl=3)  # renewed about 1 s on
+    scripted_link.hold_next_reply(1.8)
+    wait_until(lambda: not scripted_link.holds_pending(), 3, "the renewal's reply to be held")
+    short = driver.acquire("short-ttl", backend=url, ttl=0.6)  # renewed every 0.2 s
+    wait_until(lambda: short.renewals >= 3 or short.lost.is_set(), 2, "three renewals")
+    assert short.held, short.lost_reason
+    short.release()
+    slow.release()
+
+
 def test_a_renewal_call_waits_no_longer_than_the_validity_left(link: Proxy, redis_url: str) -> None:
     backend = get_backend(proxy_url(link))
     lease = Lock("bounded", ttl=10, backend=backend, renew=False).acquire(timeout=2)
@@ -357,7 +375,12 @@ def test_a_celery_task_sees_its_lease_lost_at_the_deadline(link: Proxy) -> None:
     app = Celery("deadline", broker="memory://", backend="cache+memory://", set_as_current=False)
     seen: dict[str, Any] = {}
 
-    @singleton_task(app=app, shared=False, key="celery-deadline", ttl=1.5, backend=proxy_url(link),
+    @singleton_task(
+        app=app,
+        shared=False,
+        key="celery-deadline",
+        ttl=1.5,
+        backend=proxy_url(link),
         on_lost="ignore",  # the lease itself is under test, not the task's outcome
     )
     def job() -> None:

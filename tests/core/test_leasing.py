@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +41,9 @@ def test_an_extension_granted_first_waits_for_the_older_renewal_in_flight() -> N
     assert book.deadline == 1.2  # the acquire's: nothing granted since
     book.granted(longer)  # answered first, though it reached the server first
     assert book.deadline == 0.4 + 1.2  # `old` may have landed after it
-    assert book.next_renewal() == 0.4 + 0.4  # on the old TTL's schedule
+    assert book.next_renewal() == pytest.approx(
+        0.45 + 0.4
+    )  # on the old TTL's schedule (from the last send)
     book.granted(old)
     assert book.deadline == 0.4 + 1.2  # and in the other reply order: the same
     later = book.begin(0.9)  # sent after both replies: it carries the new TTL
@@ -71,6 +74,38 @@ def test_a_failed_shorter_ttl_moves_the_deadline_and_the_next_renewal_earlier() 
     assert retry.ttl == 0.9
     book.granted(retry)
     assert book.deadline == 0.5 + 0.9
+
+
+def test_a_renewal_unanswered_does_not_keep_the_next_one_due_at_once() -> None:
+    """A ``renew()`` whose reply was lost stays open (and keeps the deadline) until its
+    socket timeout; the watchdog's renewals beside it go on every third of the TTL, not
+    back to back (counted from the unanswered call's send, the next one was always due)."""
+    book = LeaseBook(ttl=3, valid=3, sent_at=0.0)
+    unanswered = book.begin(0.5)  # renew(): its reply is lost
+    assert book.next_renewal() == 0.5 + 1  # a third of the TTL after the latest send
+    watchdog = book.begin(1.0)
+    book.granted(watchdog)
+    assert book.deadline == 0.5 + 3  # `unanswered` may still land after it
+    assert book.next_renewal() == 1.0 + 1  # (it was 0.5 + 1: due again at once)
+    again = book.begin(2.0)
+    book.granted(again)
+    assert book.next_renewal() == 2.0 + 1
+    # Its socket timeout: a renewal sent after the failure drops it, so one is due now.
+    book.failed(unanswered)
+    assert book.next_renewal() == 0.5 + 1
+
+
+def test_renewals_in_flight_together_do_not_keep_the_next_one_due_at_once() -> None:
+    """A call granted before a later one was sent stays open until that one is granted;
+    counted from its own send, the next renewal was due while the later one was on its
+    way (each answer of several calls in flight sent one more, back to back)."""
+    book = LeaseBook(ttl=0.3, valid=0.3, sent_at=0.0)
+    first = book.begin(0.1)
+    book.granted(first)
+    on_its_way = book.begin(0.2)  # answered later
+    assert book.next_renewal() == pytest.approx(0.2 + 0.1)  # not 0.1 + 0.1, gone by
+    book.granted(on_its_way)
+    assert book.next_renewal() == pytest.approx(0.2 + 0.1)
 
 
 def test_a_failed_call_counts_until_a_later_call_is_granted() -> None:
@@ -158,8 +193,16 @@ def test_the_local_deadline_never_passes_the_servers_expiry(
             return  # lost: nothing more to check
         # Whatever order the calls reach the server and answer in:
         assert model.book.deadline <= model.expiry + 1e-9, (op, model)
-        # and a renewal is always due before the lease would run out.
-        assert model.book.next_renewal() < model.book.deadline
+        # and a renewal is always due before the lease would run out, unless a call
+        # still in flight holds the deadline down (no renewal can lift it before its
+        # answer: the next one is due a third of the TTL after the latest send).
+        latest = max(model.book._open, key=lambda c: c.sent_seq)
+        pinned = any(
+            c.sent_at + c.valid == model.book.deadline
+            and (c.resolved_seq is None or c.resolved_seq < latest.sent_seq)
+            for c in model.book._open
+        )
+        assert pinned or model.book.next_renewal() < model.book.deadline
 
 
 # -- a lease driven by hand under a fake clock (how the simulator drives one) -----------
