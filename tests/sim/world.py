@@ -79,6 +79,8 @@ class Sim:
         #: Told of each renewal call sent (its leases), and of each lease whose local
         #: deadline passed (before the lease hears of it): the checker's hooks.
         self.on_renew: Callable[[list[Any]], None] = lambda leases: None
+        #: Told when a renewal lane's call (``on_renew``'s leases) has its answer.
+        self.on_renewed: Callable[[list[Any]], None] = lambda leases: None
         self.on_deadline: Callable[[Client, Any], None] = lambda client, lease: None
         self.after_step: Callable[[], None] | None = None
 
@@ -426,6 +428,8 @@ class SimRuntime:
         self._lane: greenlet.greenlet | None = None
         self._lane_timer: Event | None = None
         self._lane_busy = False
+        self._calls = 0  # the lane's renewal calls in flight
+        self._lane_waits: greenlet.greenlet | None = None
         self._watch_timer: Event | None = None
         self._watch_at = float("inf")
 
@@ -481,15 +485,33 @@ class SimRuntime:
                     batch = self.queue.start(backend, leases)
                     if batch is None:
                         continue
+                    # (A lane without the bound waited for each call: as if it were 1.)
+                    while self._calls >= getattr(watchdog, "MAX_CALLS_IN_FLIGHT", 1):
+                        self._lane_waits = greenlet.getcurrent()
+                        client.park()
+                    # The thread lane's _call: the call in a task of its own.
+                    self._calls += 1
                     client.sim.on_renew(batch.leases)
-                    results: Any
-                    try:
-                        results = backend.renew_many(batch.items, timeout=batch.timeout)
-                    except Exception as exc:
-                        results = exc
-                    self.queue.complete(batch, results)
+                    client.spawn(lambda b=batch: self._answer(b))
             finally:
                 self._lane_busy = False
+
+    def _answer(self, batch: Any) -> None:
+        """The thread lane's ``_answer``: one call and its answers applied."""
+        self.leasing.mark_driver()
+        results: Any
+        try:
+            results = batch.backend.renew_many(batch.items, timeout=batch.timeout)
+        except Exception as exc:
+            results = exc
+        self.client.sim.on_renewed(batch.leases)
+        try:
+            self.queue.complete(batch, results)
+        finally:
+            self._calls -= 1
+            waiting, self._lane_waits = self._lane_waits, None
+            if waiting is not None:
+                self.client.resume_at(self.client.sim.now, waiting, None)
 
     # the deadline watch
     def _wake_watch(self, when: float) -> None:

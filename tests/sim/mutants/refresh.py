@@ -315,9 +315,9 @@ on a lock that has been free most of its wait (the liveness check, on fair sched
 mutant(
     "renew_longer_ttl_overtaken_by_a_renewal_in_flight",
     """
-renew(ttl=LONGER) raced by a watchdog renewal of the old TTL already in
-flight: a granted call drops every other open call, so the deadline follows the reply
-processed last, not the call the server saw last.
+renew(ttl=LONGER) raced by a watchdog renewal of the old TTL already in flight: a granted
+call drops every other open call, so the old-TTL reply processed after the extension sets
+the deadline from the wrong TTL (the server saw the old one last: two holders).
 """,
     [
         (
@@ -330,15 +330,14 @@ processed last, not the call the server saw last.
             """            self._open = [call]""",
         )
     ],
-    pending=True,
 )
 
 mutant(
     "failed_shorter_renew_keeps_the_old_schedule",
     """
-A failed renew(ttl=SHORTER) moves the deadline earlier but the next
-renewal stays where the old TTL put it (the schedule follows granted calls only): the
-lease is declared lost with no renewal tried.
+A failed renew(ttl=SHORTER) moves the deadline earlier but the next renewal stays where
+the old TTL put it (the schedule follows granted calls only): the lease is declared lost
+with no renewal tried.
 """,
     [
         (
@@ -347,15 +346,23 @@ lease is declared lost with no renewal tried.
             """            due = min(c.sent_at + c.ttl / 3 for c in self._open if c.granted)""",
         )
     ],
-    pending=True,
+    otherwise=[  # an unanswered call counts from the latest send
+        (
+            "task_locks/leasing.py",
+            """                for c in self._open
+            )""",
+            """                for c in self._open
+                if c.granted
+            )""",
+        )
+    ],
 )
 
 mutant(
     "slow_on_lost_runs_on_the_lane",
     """
-The on_lost callback runs right where the loss is found, the renewal
-lane or the deadline watch included: a slow one stops the renewals of the process's
-other leases.
+The on_lost callback runs right where the loss is found, the renewal lane's thread or the
+deadline watch included: a slow one stops the renewals of the process's other leases.
 """,
     [
         (
@@ -364,7 +371,65 @@ other leases.
             """self._call_on_lost()""",
         )
     ],
-    pending=True,
+)
+
+mutant(
+    "handoff_release_grants_to_itself",
+    """
+Server hand-off: a release hands the lock on to the first live queue entry even when it
+is the releasing holder's own (left from a try before it took the lock free): nobody pops
+that grant, the release reports "released" and the lock stays held until its TTL. Both
+halves of the fix go: a lock taken free leaves the taker's queue entry in place, and the
+release's pop does not skip the releasing token (either half alone keeps the bug away).
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  if not head or head == token then
+    redis.call('zrem', queue_key, token)
+    redis.call('del', entry_key, key .. ':grant:' .. token)
+""",
+            """  if not head or head == token then
+""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """    local head, entry = pop_live(key, queue_key, held.token)""",
+            """    local head, entry = pop_live(key, queue_key)""",
+        ),
+    ],
+)
+
+mutant(
+    "renewal_lane_waits_for_its_call",
+    """
+A renewal lane waits for each renewal call before it sends the next: one whose reply was
+lost holds the lane for the validity left to its lease, and a lease of the same lane due
+sooner (a shorter TTL, one acquired since) runs out behind it.
+""",
+    [
+        (
+            "task_locks/watchdog.py",
+            """MAX_CALLS_IN_FLIGHT = 8""",
+            """MAX_CALLS_IN_FLIGHT = 1""",
+        )
+    ],
+)
+
+mutant(
+    "unanswered_renewal_counts_from_its_send",
+    """
+A renewal not answered since the latest send (renew() whose reply was lost, open until
+its socket timeout; one granted while a later one is on its way) schedules the next one
+from its own send: that time soon passes, and the lane renews back to back.
+""",
+    [
+        (
+            "task_locks/leasing.py",
+            """                (c.sent_at if _answered_after(c, latest) else latest.sent_at) + c.ttl / 3""",
+            """                c.sent_at + c.ttl / 3""",
+        )
+    ],
 )
 
 if STALE:
