@@ -140,10 +140,13 @@ def test_ten_thousand_leases_are_renewed_in_batches_by_one_thread(
     wait_until(lambda: all(lease.renewals for lease in leases), 2 * ttl, "one renewal of each")
 
     assert len(renewer_threads(redis_url)) == 1
-    # At most one renewal thread (one backend: one lane), the process's deadline watch and
-    # the backend's one release-notice listener.
+    # At most one renewal thread (one backend: one lane), the threads of its calls in
+    # flight (a call is sent beside the lane), the process's deadline watch and the
+    # backend's one release-notice listener.
     started = [t.name.split(" ")[0] for t in set(threading.enumerate()) - threads_before]
-    assert set(started) <= {"task-locks-renewer", "task-locks-deadlines", "task-locks-notices"}
+    assert set(started) <= {
+        "task-locks-renewer", "task-locks-renewal", "task-locks-deadlines", "task-locks-notices"
+    }  # fmt: skip
     assert started.count("task-locks-notices") <= 1
     renewed = sum(size for size, _ in batches)
     assert renewed >= count
