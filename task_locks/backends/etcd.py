@@ -75,6 +75,7 @@ password and token never appear in errors, logs or ``repr``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -192,6 +193,24 @@ class _Held:
             {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": self.revision},
             {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(self.value)},
         ]
+
+
+class _Budget:
+    """What is left of one call's time bound, across the requests it makes."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def bound(self, client: etcd3gw.Etcd3Client) -> etcd3gw.Etcd3Client:
+        """``client`` with its timeout cut to what is left (a copy sharing its session)."""
+        left = max(0.001, self.deadline - time.monotonic())
+        if client.timeout is not None and client.timeout <= left:
+            return client
+        bounded = copy.copy(client)
+        bounded.timeout = left
+        return bounded
 
 
 def _seconds(ttl_ms: int) -> int:
@@ -512,12 +531,24 @@ class EtcdBackend(Backend):
             index = (start + step) % len(clients)
             yield index, clients[index]
 
-    def _post(self, name: str | None, path: str, payload: dict[str, Any], retry: bool) -> Any:
+    def _post(
+        self,
+        name: str | None,
+        path: str,
+        payload: dict[str, Any],
+        retry: bool,
+        budget: _Budget | None = None,
+    ) -> Any:
         """One gateway request; on failure, the next endpoint when that is safe."""
-        return self._send(name, path, payload, retry)[0]
+        return self._send(name, path, payload, retry, budget)[0]
 
     def _send(
-        self, name: str | None, path: str, payload: dict[str, Any], retry: bool
+        self,
+        name: str | None,
+        path: str,
+        payload: dict[str, Any],
+        retry: bool,
+        budget: _Budget | None = None,
     ) -> tuple[Any, bool]:
         """:meth:`_post`, also saying whether an earlier attempt may have been applied.
 
@@ -531,6 +562,8 @@ class EtcdBackend(Backend):
         repeated = False
         for index, client in self._order():
             try:
+                if budget is not None:
+                    client = budget.bound(client)
                 answer = self._authorised_post(client, name, path, payload)
                 self._current = index
                 return answer, repeated
@@ -595,14 +628,26 @@ class EtcdBackend(Backend):
     def _key(self, name: str) -> bytes:
         return self.prefix + name.encode()
 
-    def _txn(self, name: str | None, txn: dict[str, Any], retry: bool = False) -> Any:
-        return self._post(name, "/kv/txn", txn, retry)
+    def _txn(
+        self,
+        name: str | None,
+        txn: dict[str, Any],
+        retry: bool = False,
+        budget: _Budget | None = None,
+    ) -> Any:
+        return self._post(name, "/kv/txn", txn, retry, budget)
 
-    def _range(self, name: str | None, key: bytes, end: bytes | None = None) -> list[Any]:
+    def _range(
+        self,
+        name: str | None,
+        key: bytes,
+        end: bytes | None = None,
+        budget: _Budget | None = None,
+    ) -> list[Any]:
         payload: dict[str, Any] = {"key": _b64(key)}
         if end is not None:
             payload["range_end"] = _b64(end)
-        answer = self._post(name, "/kv/range", payload, retry=True)
+        answer = self._post(name, "/kv/range", payload, True, budget)
         return list(answer.get("kvs", []))
 
     def _note_held(self, name: str, answer: Any) -> None:
@@ -767,12 +812,12 @@ class EtcdBackend(Backend):
         except LockError:
             pass  # it expires by its TTL
 
-    def _ours(self, name: str, token: str) -> _Held | None:
+    def _ours(self, name: str, token: str, budget: _Budget | None = None) -> _Held | None:
         """Our lock's lease and revision: remembered, or read back (another process's)."""
         held = self._held.get((name, token))
         if held is not None:
             return held
-        for kv in self._range(name, self._key(name)):
+        for kv in self._range(name, self._key(name), budget=budget):
             data, raw = self._decode(kv)
             if data.get("token") == token:
                 return _Held(int(kv.get("lease", 0)), int(kv.get("create_revision", 0)), raw)
@@ -782,34 +827,40 @@ class EtcdBackend(Backend):
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
     def renew_many(self, items: Sequence[RenewItem], timeout: float | None = None) -> list[bool]:
-        # Each request is already bounded by the ``timeout`` option (default 2 s); the
-        # watchdog marks a lease lost at its deadline whatever a call still waits for.
+        """Keep each item's lease alive; ``timeout`` bounds the whole call.
+
+        The renewal lane passes a bound (its leases' nearest deadline): without it, one
+        request whose reply is lost would hold the lane for the ``timeout`` option (2 s
+        by default) and the lane's other leases, due meanwhile, would lapse unrenewed.
+        """
         if not items:
             return []
+        budget = None if timeout is None else _Budget(timeout)
         results: list[bool] = []
         alive: list[tuple[int, RenewItem, _Held]] = []
         for index, item in enumerate(items):
-            held = self._ours(item.name, item.token)
+            held = self._ours(item.name, item.token, budget)
             ok = False
             if held is not None and _granted_seconds(held) != _seconds(item.ttl_ms):
-                held = self._relet(item, held)  # renew(ttl=...) with a different TTL
+                held = self._relet(item, held, budget)  # renew(ttl=...) with a different TTL
             if held is not None:
-                answer = self._post(item.name, "/lease/keepalive", {"ID": held.lease}, True)
+                keepalive = {"ID": held.lease}
+                answer = self._post(item.name, "/lease/keepalive", keepalive, True, budget)
                 ok = int(answer.get("result", {}).get("TTL", 0)) > 0
             results.append(ok)
             if ok and held is not None:
                 alive.append((index, item, held))
             else:
                 self._held.pop((item.name, item.token), None)
-        if alive and not self._still_ours([(i.name, h) for _, i, h in alive]):
+        if alive and not self._still_ours([(i.name, h) for _, i, h in alive], budget):
             # Someone's key changed: check each (rare; one read per key).
             for index, item, held in alive:
-                results[index] = self._still_ours([(item.name, held)])
+                results[index] = self._still_ours([(item.name, held)], budget)
                 if not results[index]:
                     self._held.pop((item.name, item.token), None)
         return results
 
-    def _relet(self, item: RenewItem, held: _Held) -> _Held | None:
+    def _relet(self, item: RenewItem, held: _Held, budget: _Budget | None = None) -> _Held | None:
         """Move our key onto a new lease of ``item.ttl_ms``: an etcd lease's TTL is fixed.
 
         One transaction puts the same value (new lease id and TTL) under the same
@@ -818,7 +869,8 @@ class EtcdBackend(Backend):
         reading the key back by token.
         """
         name, token = item.name, item.token
-        lease = int(self._post(name, "/lease/grant", {"TTL": _seconds(item.ttl_ms)}, True)["ID"])
+        grant = {"TTL": _seconds(item.ttl_ms)}
+        lease = int(self._post(name, "/lease/grant", grant, True, budget)["ID"])
         try:
             data = json.loads(held.value)
         except ValueError:
@@ -829,9 +881,10 @@ class EtcdBackend(Backend):
         key = _b64(self._key(name))
         put = {"request_put": {"key": key, "value": _b64(value), "lease": lease}}
         self._held.pop((name, token), None)  # from now on, read it back if unsure
-        answer = self._txn(name, {"compare": held.compare(key), "success": [put], "failure": []})
+        txn = {"compare": held.compare(key), "success": [put], "failure": []}
+        answer = self._txn(name, txn, budget=budget)
         if not answer.get("succeeded"):
-            current = self._ours(name, token)
+            current = self._ours(name, token, budget)
             if current is None or current.lease != lease:  # not ours any more
                 self._revoke_quietly(name, lease)
                 return None
@@ -840,10 +893,11 @@ class EtcdBackend(Backend):
         self._held[(name, token)] = relet
         return relet
 
-    def _still_ours(self, keys: list[tuple[str, _Held]]) -> bool:
+    def _still_ours(self, keys: list[tuple[str, _Held]], budget: _Budget | None = None) -> bool:
         """One transaction: does every key still have our create_revision and value?"""
         compare = [c for name, held in keys for c in held.compare(_b64(self._key(name)))]
-        answer = self._txn(keys[0][0], {"compare": compare, "success": [], "failure": []}, True)
+        txn = {"compare": compare, "success": [], "failure": []}
+        answer = self._txn(keys[0][0], txn, True, budget)
         return bool(answer.get("succeeded"))
 
     def release(self, name: str, token: str) -> bool:

@@ -256,3 +256,34 @@ def test_a_year_long_ttl_is_a_real_lease(node_backend: EtcdBackend, etcd_node: E
     kv = lock_key(node_backend, etcd_node, "yearly")
     assert kv is not None and year - 60 < lease_ttl(etcd_node, kv["lease"]) <= year
     assert node_backend.release("yearly", "tok")
+
+
+def test_a_renewal_batch_is_bounded_by_its_timeout_not_the_request_timeout(
+    etcd_node: EtcdServer,
+) -> None:
+    """The renewal lane bounds each batch by its leases' nearest deadline. With the
+    server gone silent (a blackholed proxy), one batch must end within that bound, not
+    after the URL's per-request ``timeout`` (5 s here): otherwise one lost reply would
+    hold the lane, and every other lease on it would lapse unrenewed meanwhile (the
+    simulator found it: a 0.3 s lease behind a renewal whose reply was lost)."""
+    from chaoskit.proxy import ProxyHub
+
+    from task_locks.types import RenewItem
+
+    hub = ProxyHub()
+    try:
+        proxy = hub.proxy(etcd_node.port)
+        url = f"etcd://127.0.0.1:{proxy.port}?timeout=5&prefix=bound-{uuid.uuid4().hex[:6]}/"
+        backend = EtcdBackend(url)
+        token = uuid.uuid4().hex
+        assert backend.acquire("bounded", token, 10_000, Owner(host="h", pid=1)).acquired
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            backend.renew_many([RenewItem("bounded", token, 10_000)], timeout=0.3)
+        took = time.monotonic() - started
+        assert took < 2.0, f"the batch took {took:.1f}s: bounded by the request timeout"
+        proxy.heal()
+        assert backend.release("bounded", token)
+    finally:
+        hub.close()
