@@ -366,43 +366,48 @@ class Checker:
         for name, key in self.keys.items():
             fields = record_fields(model.get_value(key)) or {}
             token = fields.get("token")
-            fence_text = fields.get("fence") if token is not None else None
-            before = self.current[name]
-            before_fence = self.current_fence.get(name)
-            # The same token with a new fence is a new grant (its first one expired).
-            if token == before and fence_text == self.current_fence.get(name):
-                if token is not None:
-                    self.expiry[name] = self._expiry_sim(key)
-                continue
-            self.current[name] = token
-            self.current_fence[name] = fence_text
-            if before is not None:
-                expiry = self.expiry.get(name)
-                expired = expiry is not None and expiry <= self.sim.now
-                if before_fence is not None:
-                    self.removed_by.setdefault(
-                        (before, int(before_fence)), "expiry" if expired else who
-                    )
-                if who.startswith("operator"):
-                    self.forced.add(before)
-                self._free(name, expiry if expired else None)
-            if token is not None:
-                fence = int(fields["fence"])
-                last = self.last_fence.get(name)
-                if last is not None and fence <= last:
-                    self.fail(f"{name!r}: fence {fence} granted after fence {last}")
-                self.last_fence[name] = fence
-                self.order += 1
-                self.forced.discard(token)
-                self.stale.discard(token)
-                self.grants[(name, token)] = Grant(
-                    name, token, fence, self.order, self.server.epoch
-                )
-                self.expiry[name] = self._expiry_sim(key)
-                self._taken(name)
+            self.track(name, token, fields.get("fence") if token is not None else None, who)
         for key in model.data:
             if key not in model.expires:
                 self.fail(f"key {key!r} has no expiry")
+
+    def track(self, name: str, token: str | None, fence_text: str | None, who: str) -> None:
+        """The server's holder of ``name`` is now ``token`` (fence ``fence_text``): note a
+        new grant (its fence above the last), and who removed the one before."""
+        key = self.keys[name]
+        before = self.current[name]
+        before_fence = self.current_fence.get(name)
+        # The same token with a new fence is a new grant (its first one expired).
+        if token == before and fence_text == self.current_fence.get(name):
+            if token is not None:
+                self.expiry[name] = self._expiry_sim(key)
+            return
+        self.current[name] = token
+        self.current_fence[name] = fence_text
+        if before is not None:
+            expiry = self.expiry.get(name)
+            expired = expiry is not None and expiry <= self.sim.now
+            if before_fence is not None:
+                self.removed_by.setdefault(
+                    (before, int(before_fence)), "expiry" if expired else who
+                )
+            if who.startswith("operator"):
+                self.forced.add(before)
+            self._free(name, expiry if expired else None)
+        if token is not None:
+            fence = int(fence_text or 0)
+            last = self.last_fence.get(name)
+            if last is not None and fence <= last:
+                self.fail(f"{name!r}: fence {fence} granted after fence {last}")
+            self.last_fence[name] = fence
+            self.order += 1
+            self.forced.discard(token)
+            self.stale.discard(token)
+            self.grants[(name, token)] = Grant(
+                name, token, fence, self.order, self.server.epoch
+            )
+            self.expiry[name] = self._expiry_sim(key)
+            self._taken(name)
 
     def _free(self, name: str, since: float | None = None) -> None:
         self.held_since[name] = None
@@ -434,7 +439,10 @@ class Checker:
             else:
                 self.waiting[name].pop(client, None)
 
-    def _expiry_sim(self, key: str) -> float | None:
+    def _alive(self, key: Any) -> bool:
+        return bool(self.server.model._alive(key))
+
+    def _expiry_sim(self, key: Any) -> float | None:
         when = self.server.model.expires.get(key)
         if when is None:
             return None
@@ -450,10 +458,9 @@ class Checker:
         if not self.leases:
             return
         # lazily expired keys: let the checker see expiry as Redis would at this moment
-        model = self.server.model
         for name, key in self.keys.items():
             token = self.current[name]
-            if token is not None and not model._alive(key):
+            if token is not None and not self._alive(key):
                 self.current[name] = None
                 fence_text = self.current_fence.get(name)
                 if fence_text is not None:
@@ -641,6 +648,8 @@ class Checker:
 
 
 def _url(scenario: Scenario, client: int = 0) -> str:
+    if scenario.protocol == "etcd":
+        return f"etcd://sim:2379?timeout={scenario.socket_timeout}&prefix=sim/"
     # An election's lock goes through the server hand-off (its queue and grants).
     handoff = scenario.protocol in ("redis-handoff", "election") or (
         scenario.protocol == "redis-mixed" and client % 2 == 0
@@ -657,6 +666,10 @@ def _backend(url: str, client: Client, server: Server, net: Net, timeout: float)
 
     Copied from one made per URL (making a redis-py client reads package metadata, a
     large share of a short run), with its own riders and the simulated client."""
+    if url.startswith("etcd"):
+        from .etcd_world import etcd_backend
+
+        return etcd_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
     prototype = _prototypes.get(url)
     if prototype is None:
         prototype = _prototypes[url] = RedisBackend(url)
@@ -684,14 +697,21 @@ def run(scenario: Scenario, record: bool = False) -> Outcome:
 
 
 def _run(sim: Sim, scenario: Scenario) -> Outcome:
-    server = Server(sim)
+    checker_class: type[Checker] = Checker
+    if scenario.protocol == "etcd":
+        from .etcd_world import EtcdSimServer, etcd_checker
+
+        server: Any = EtcdSimServer(sim)
+        checker_class = etcd_checker(Checker)
+    else:
+        server = Server(sim)
     net = Net(sim, scenario.delay)
     url = _url(scenario)
     clients = [Client(sim, i, rate) for i, rate in enumerate(scenario.rates)]
     operators = [Client(sim, -1 - i) for i in range(len(scenario.faults))]
     operator = operators[0] if operators else Client(sim, -1)
     probe = _backend(url, operator, server, net, 5.0)
-    checker = Checker(sim, server, probe, scenario)
+    checker = checker_class(sim, server, probe, scenario)
     server.observe = checker.observe
     checker.net = net
     sim.on_renew, sim.on_deadline = checker.lane_sent, checker.deadline
