@@ -67,8 +67,9 @@ from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasi
 #: redis / redis-handoff: ``Lock`` with the client / server hand-off; redis-mixed: both
 #: on one name (odd clients on the plain URL: their releases leave tombstones with the
 #: server hand-off's waiters still queued); semaphore:
-#: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence).
-PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed")
+#: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
+#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`).
+PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd")
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
