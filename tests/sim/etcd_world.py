@@ -406,7 +406,8 @@ def etcd_backend(url: str, client: Client, server: EtcdSimServer, net: Net, time
     backend = copy.copy(prototype)
     backend._guard = threading.Lock()
     backend._held, backend._seen = {}, {}
-    host, port = backend.endpoints[0]
+    # Every endpoint is a member of one cluster: one linearizable store behind each, so a
+    # request whose reply was lost is retried on the next member and may find its own write.
     backend._clients = [
         etcd3gw.Etcd3Client(
             host=host,
@@ -415,6 +416,7 @@ def etcd_backend(url: str, client: Client, server: EtcdSimServer, net: Net, time
             api_path="/v3/",
             session=SimEtcdSession(client, server, net, timeout),  # type: ignore[arg-type]
         )
+        for host, port in backend.endpoints
     ]
     backend._current = 0
     backend._pid = os.getpid()

@@ -650,7 +650,8 @@ class Checker:
 
 def _url(scenario: Scenario, client: int = 0) -> str:
     if scenario.protocol == "etcd":
-        return f"etcd://sim:2379?timeout={scenario.socket_timeout}&prefix=sim/"
+        members = "sim-a:2379,sim-b:2379,sim-c:2379"  # three members, one store
+        return f"etcd://{members}?timeout={scenario.socket_timeout}&prefix=sim/"
     # An election's lock goes through the server hand-off (its queue and grants).
     handoff = scenario.protocol in ("redis-handoff", "election") or (
         scenario.protocol == "redis-mixed" and client % 2 == 0
