@@ -17,6 +17,7 @@ idling and which lease a notice means.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any, NamedTuple, Protocol
@@ -64,6 +65,17 @@ def track(backend: object, stream: NoticeStream) -> NoticeStream:
     with _streams_guard:
         _streams.setdefault(backend, weakref.WeakSet()).add(stream)
     return stream
+
+
+def _forget_streams() -> None:
+    """A forked child must never close its parent's streams: a shutdown or a PostgreSQL
+    Terminate on the inherited socket would end the parent's subscription."""
+    global _streams_guard
+    _streams.clear()
+    _streams_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_streams)
 
 
 def close_streams(backend: object) -> None:

@@ -172,7 +172,8 @@ class _RedisNotices:
 
     def close(self) -> None:
         pubsub, client, self._pubsub, self._client = self._pubsub, self._client, None, None
-        for closing in (pubsub, client):
+        sentinels = getattr(client, "task_locks_sentinels", ())
+        for closing in (pubsub, *sentinels, client):
             if closing is not None:
                 with contextlib.suppress(Exception):
                     closing.close()

@@ -12,6 +12,7 @@ import asyncio
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -201,3 +202,37 @@ def test_a_lease_that_is_not_renewed_is_not_listened_for(redis_url: str) -> None
     found = notices.listener(lease.backend, create=False)
     assert found is None or len(found) == 0
     lease.release()
+
+
+def test_a_forked_child_closing_its_backends_leaves_the_parents_listener_alone(url: str) -> None:
+    """The child inherits the listener's socket; closing its backends must not shut it
+    down (etcd) or end the parent's session: the parent still hears the next release."""
+    import os
+
+    import task_locks
+
+    lease = Lock("forked", ttl=TTL, backend=url).acquire(0)
+    listener = listening(lease)
+    with warnings.catch_warnings():  # eventlet (imported by etcd3gw) warns at every fork
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            task_locks.close_all()
+            lease.backend.close()
+            os._exit(0)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert get_backend(url).force_release("forked", lease.fence)
+    assert lease.lost.wait(PROMPT) and "release notice" in (lease.lost_reason or "")
+    assert listener.reconnects == 0, "the child's close did not break the parent's stream"
+
+
+def test_a_holder_behind_sentinel_hears_a_force_release(redis_sentinel: object) -> None:
+    url = redis_sentinel.url(prefix=f"notices-{time.monotonic_ns()}:")  # type: ignore[attr-defined]
+    lease = Lock("sentinel-job", ttl=TTL, backend=url).acquire(0)
+    listening(lease)
+    assert get_backend(url).force_release("sentinel-job", lease.fence)
+    assert lease.lost.wait(PROMPT) and "release notice" in (lease.lost_reason or "")
