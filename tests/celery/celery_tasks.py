@@ -482,6 +482,21 @@ def lost_interrupt(self: Any, key: str, log: str, seconds: float, step: float) -
     return _lost_body(self, key, log, seconds, step)
 
 
+@singleton_task(**common, ttl=30, on_conflict="raise")
+def lost_interrupt_noticed(self: Any, key: str, log: str, seconds: float, step: float) -> str:
+    """Renewed every 10 s: an interrupt within a second comes from the release notice.
+    The body starts once the worker's listener is subscribed (a release before that is
+    found by renewal, by design)."""
+    from task_locks import notices
+    from task_locks.celery import current_lease
+
+    lease = current_lease()
+    listener = None if lease is None else notices.listener(lease.backend, create=False)
+    if listener is not None:
+        listener.ready.wait(10)
+    return _lost_body(self, key, log, seconds, step)
+
+
 @singleton_task(**common, ttl=1.5, on_conflict="raise", on_lost="fail")
 def lost_fail(self: Any, key: str, log: str, seconds: float, step: float) -> str:
     return _lost_body(self, key, log, seconds, step)

@@ -84,6 +84,22 @@ def test_interrupt_raises_lock_lost_in_the_body_as_soon_as_the_loss_is_known(
         assert result.state == "FAILURE"
 
 
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_force_release_interrupts_the_body_at_once_not_at_the_next_renewal(
+    cluster: Any, request: pytest.FixtureRequest, key: str, pool: str
+) -> None:
+    """TTL 30 s (renewals every 10 s): the worker's release-notice listener hears the
+    force release and the body is interrupted within a second or so; under gevent the
+    listener is a greenlet on the patched socket."""
+    task = cluster.tasks.lost_interrupt_noticed
+    _result, released = start_and_lose(cluster, request, task, pool, key, 30.0, 30.0)
+    end = ended(cluster, key)
+    assert time.monotonic() - released < 3.0, "interrupted long before the 10 s renewal"
+    assert end["state"] == "FAILURE" and end["error"] == "LockLost", end
+    assert "release notice" in end["message"], end
+    assert events(cluster, f"log:{key}") == ["started", "interrupted"]
+
+
 @pytest.mark.parametrize("stored", [True, False], ids=["result-stored", "ignore-result"])
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_fail_lets_the_body_finish_then_fails_with_one_line(
