@@ -326,6 +326,17 @@ def measure_django(
 ) -> Raw:
     """django:// in a child process with its own database (SQLite file / PostgreSQL db);
     on PostgreSQL, :func:`pg_floor`'s result is appended to ``floors``."""
+    line = django_child(alias, __file__, "--django-worker", alias, str(cycles), str(seconds))
+    samples, handoffs, elapsed, errors, *floor = json.loads(line)
+    if floors is not None:
+        floors.extend(floor)
+    return samples, handoffs, elapsed, errors
+
+
+def django_child(alias: str, script: str, *args: str) -> str:
+    """``script ARGS`` in a child process on the tests' Django settings, with a database of
+    its own (an SQLite file; on PostgreSQL a database created, and dropped after): the
+    last line it printed. Its last stderr line is the error if it fails."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.django.settings")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     database = f"bench_task_locks_{os.getpid()}"
@@ -333,10 +344,10 @@ def measure_django(
         env["TASK_LOCKS_TEST_SQLITE"] = os.path.join(scratch, "bench.sqlite3")
         env["TASK_LOCKS_TEST_PG"] = database
         if alias == "pg":
-            _postgres(f"CREATE DATABASE {database}")
+            postgres_admin(f"CREATE DATABASE {database}")
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--django-worker", alias, str(cycles), str(seconds)],
+                [sys.executable, script, *args],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -346,16 +357,14 @@ def measure_django(
             )
         finally:
             if alias == "pg":
-                _postgres(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+                postgres_admin(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
     if done.returncode != 0:
         raise RuntimeError((done.stderr.strip().splitlines() or ["failed"])[-1])
-    samples, handoffs, elapsed, errors, *floor = json.loads(done.stdout.strip().splitlines()[-1])
-    if floors is not None:
-        floors.extend(floor)
-    return samples, handoffs, elapsed, errors
+    return done.stdout.strip().splitlines()[-1]
 
 
-def _postgres(sql: str) -> None:
+def postgres_admin(sql: str) -> None:
+    """Run ``sql`` on the local PostgreSQL's maintenance database (CREATE/DROP DATABASE)."""
     import psycopg
 
     with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres") as conn:

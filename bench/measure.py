@@ -626,6 +626,9 @@ def hooks(
         # The django:// (PostgreSQL) target alone: one short child process.
         log("backends: django (PostgreSQL) cycle vs SELECT 1 (bench/backends_bench.py)")
         out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
+    if plan.mode != "smoke":
+        log("notices: force release to lease.lost (bench/notice_bench.py)")
+        out["notice"] = run_hook("notice_bench", quick=plan.mode != "full")
     return out
 
 

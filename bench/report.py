@@ -207,7 +207,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     add("## Celery (`bench/celery_bench.py`)\n")
     out.extend(celery_markdown(results.get("celery", {})))
     out.extend(profile_markdown(results.get("celery_profile", {})))
-    for key, title in (("backends", "Every backend of ours"), ("coordination", "Coordination")):
+    for key, title in (
+        ("backends", "Every backend of ours"),
+        ("coordination", "Coordination"),
+        ("notice", "Force release to `lease.lost`: release notice vs renewal"),
+    ):
         section = results.get(key, {})
         if section.get("markdown"):
             add(f"## {title} (`bench/{key}_bench.py`)\n")

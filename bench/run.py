@@ -8,7 +8,8 @@ process (``bench/workers.py``), in alternating rounds so that drift on the machi
 Measured: the floor (raw PING / SET from the same client), uncontended acquire+release,
 contention (2/4/8 processes, hold 0/1/10 ms, and 4 processes at hold 0.2 ms; work
 outside 2x hold; the opt-in server hand-off too), renewal of
-100/1,000/10,000 live leases, Celery throughput (``bench/celery_bench.py``) and where
+100/1,000/10,000 live leases, how soon a holder learns of a force release (release
+notice vs renewal, ``bench/notice_bench.py``), Celery throughput (``bench/celery_bench.py``) and where
 a singleton run's time goes (``bench/celery_profile.py``, its quick form, in every mode).
 The speed targets (bench/targets.py) are checked as ratios from this same run.
 
@@ -41,6 +42,7 @@ from measure import (
     machine_facts,
     measure_all,
     measure_footprint,
+    run_hook,
 )
 from peers import ensure_peers, versions_of
 from report import footprint_markdown, write_results
@@ -64,6 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--footprint-cycles", type=int, help="unique-name cycles of the footprint cell"
     )
     parser.add_argument(
+        "--only-notices",
+        action="store_true",
+        help="run only the release-notice cell (bench/notice_bench.py) and print it",
+    )
+    parser.add_argument(
         "--only-footprint",
         action="store_true",
         help="run only the footprint cell (and print it): what each lock leaves in Redis",
@@ -81,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     # Worker logs (their stderr) live in a temp dir, kept only when the run fails.
     log_dir = Path(tempfile.mkdtemp(prefix="task-locks-bench-"))
 
+    if args.only_notices:  # starts its own servers
+        print(run_hook("notice_bench", quick=args.quick).get("markdown", "failed"))
+        return 0
     machine = machine_facts()
     peers_python, peers = ensure_peers(not args.no_peers)
     server = RedisServer().start()
