@@ -27,6 +27,7 @@ which lists got pushed (:attr:`RedisModel.pushed`).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -172,6 +173,12 @@ def _sha(source: str) -> str:
     return sha
 
 
+@functools.cache
+def _command_methods(cls: type) -> tuple[str, ...]:
+    """The ``cmd_*`` methods of a model class (``dir`` is slow, and a run makes a model)."""
+    return tuple(name for name in dir(cls) if name.startswith("cmd_"))
+
+
 class RedisModel:
     """One Redis server's keyspace and script cache (see the module docstring)."""
 
@@ -189,7 +196,7 @@ class RedisModel:
         #: The script cache (SHA -> compiled function): what EVALSHA finds.
         self.scripts: dict[str, Any] = {}
         self._commands: dict[str, Callable[[list[str]], Any]] = {
-            name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")
+            name[4:]: getattr(self, name) for name in _command_methods(type(self))
         }
 
     # -- the server's life -----------------------------------------------------------

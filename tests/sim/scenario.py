@@ -315,6 +315,7 @@ class Checker:
         self.lane_calls: dict[int, int] = {}
         #: id(lease) -> its last lane renewal's send, and how many came back to back
         self.lane_last: dict[int, tuple[float, int]] = {}
+        self._parsed: dict[str, dict[str, str]] = {}
         #: client index -> how its next explicit renew() is lost (fault "lose_renew")
         self.lose_renew: dict[int, str] = {}
         self.net: Net | None = None
@@ -365,7 +366,7 @@ class Checker:
             if token in self.forced:  # a grant popped after its lock was taken back
                 self.stale.add(token)
         for name, key in self.keys.items():
-            fields = record_fields(model.get_value(key)) or {}
+            fields = self._fields(model.get_value(key))
             token = fields.get("token")
             self.track(name, token, fields.get("fence") if token is not None else None, who)
         for key in model.data:
@@ -404,11 +405,21 @@ class Checker:
             self.order += 1
             self.forced.discard(token)
             self.stale.discard(token)
-            self.grants[(name, token)] = Grant(
-                name, token, fence, self.order, self.server.epoch
-            )
+            self.grants[(name, token)] = Grant(name, token, fence, self.order, self.server.epoch)
             self.expiry[name] = self._expiry_sim(key)
             self._taken(name)
+
+    def _fields(self, value: Any) -> dict[str, str]:
+        """``record_fields`` of a lock's value, remembered (most commands leave it as it
+        was, and the checker reads it after each one)."""
+        if type(value) is not str:
+            return record_fields(value) or {}
+        fields = self._parsed.get(value)
+        if fields is None:
+            if len(self._parsed) > 256:
+                self._parsed.clear()
+            fields = self._parsed[value] = record_fields(value) or {}
+        return fields
 
     def _free(self, name: str, since: float | None = None) -> None:
         self.held_since[name] = None
@@ -749,10 +760,7 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
         )
         client.spawn(lambda c=client, b=backend, p=program: worker(c, b, p, scenario))
 
-    def after_step() -> None:
-        checker.step()
-
-    sim.after_step = after_step
+    sim.after_step = checker.step
     try:
         sim.run(until=60.0)
     except Violation as exc:
