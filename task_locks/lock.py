@@ -37,6 +37,7 @@ from ._plan import (
     AwaitGrant,
     Dequeue,
     Enqueue,
+    Op,
     Plan,
     Release,
     Unset,
@@ -764,6 +765,170 @@ def _give_back(name: str, token: str) -> Plan[None]:
         log.warning("lock %r: could not leave the wait queue (%s); its TTL frees it", name, exc)
 
 
+#: What an acquire plan returns: the token, the fence, and the send time of the try
+#: that took the lock (the lease counts from it).
+Granted = tuple[str, int, float]
+
+
+class _Attempt:
+    """One acquire's inputs, and the rules both plans share: when a grant is taken
+    (:meth:`accept`) and when a refused try ends the acquire (:meth:`refuse`).
+
+    ``held_token``: acquire under this token instead of a fresh one. It may hold the lock
+    already (Celery's publish-time lock, taken over by its run), so a try that failed
+    with no reply may have found the lock ours: it is never given back
+    (:attr:`may_give_back`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ttl: float,
+        backend: Backend,
+        clock: Clock,
+        timeout: float | None,
+        mine: tuple[LeaseBase, str] | None,
+        *,
+        held_token: str | None,
+    ) -> None:
+        self.name, self.ttl, self.backend, self.clock = name, ttl, backend, clock
+        self.timeout, self.mine = timeout, mine
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.token = held_token or secrets.token_hex(16)
+        self.may_give_back = held_token is None
+        self.owner = current_owner()
+        self.start = clock.monotonic()
+        self.deadline = None if timeout is None else self.start + timeout
+
+    def expired(self, now: float) -> bool:
+        """Whether the acquire's wait is over (never with ``timeout=None``)."""
+        return self.deadline is not None and now >= self.deadline
+
+    def accept(self, fence: int, sent_at: float) -> Plan[Granted | None]:
+        """The grant of the try sent at ``sent_at``, the lease counting from that send;
+        ``None`` (try again) if its reply came after its TTL: the lock may be someone
+        else's by now, so it is given back (token-checked), not handed out as a dead lease.
+        """
+        now = self.clock.monotonic()
+        if now < sent_at + self.ttl - self.backend.clock_margin(self.ttl):
+            log.debug("acquired lock %r (fence %s)", self.name, fence)
+            report_acquired(self.name, self.backend, fence, self.owner, now - self.start)
+            return self.token, fence, sent_at
+        log.warning("lock %r: the acquire's reply came after the TTL; retrying", self.name)
+        yield Release(self.name, self.token)
+        if self.expired(self.clock.monotonic()):
+            raise BackendUnavailable(
+                f"lock {self.name!r}: the acquire's reply took longer than the TTL "
+                f"({self.ttl}s) at {self.backend.server}",
+                name=self.name,
+                server=self.backend.server,
+            )
+        return None
+
+    def refuse(self, result: AcquireResult, now: float, leave: Op | None = None) -> Plan[None]:
+        """Raise :class:`LockHeld` if the try refused with ``result`` ends the acquire
+        (``leave``: the op that takes this waiter out of the server's queue first).
+
+        It ends at the deadline, and when the wait would be for itself: the server says
+        the lease :attr:`mine` holds the lock, it is renewed, and there is no timeout, so
+        the wait would never end. A bounded wait, or one for an unrenewed lease (its TTL
+        frees it), waits as usual.
+        """
+        if self.expired(now):
+            if leave is not None:
+                yield leave
+            held = _held_message(self.name, result, now - self.start)
+            report_conflict(
+                self.name, self.backend, held, now - self.start, self.timeout, self.owner,
+                result.holder_fence,
+            )  # fmt: skip
+            raise held
+        mine = self.mine
+        if (
+            mine is not None
+            and self.deadline is None
+            and result.holder_fence == mine[0].fence
+            and mine[0].held
+            and mine[0]._renewer is not None
+        ):
+            if leave is not None:
+                yield leave
+            raise LockHeld(
+                f"lock {self.name!r} is already held by this same {mine[1]} (fence "
+                f"{mine[0].fence}): a second acquire would wait for itself; release "
+                "the first lease, or pass it along instead of acquiring again",
+                name=self.name,
+            )
+
+
+def _plain_plan(attempt: _Attempt) -> Plan[Granted]:
+    """Try; while held, wait for a release's wake-up or the holder's TTL, and try again."""
+    a = attempt
+    while True:
+        sent_at = a.clock.monotonic()
+        result: AcquireResult = yield Acquire(a.name, a.token, a.ttl_ms, a.owner)
+        if result.fence is None:
+            now = a.clock.monotonic()
+            yield from a.refuse(result, now)
+            yield Wait(a.name, pause(result.retry_after, now, a.deadline))
+            continue
+        granted = yield from a.accept(result.fence, sent_at)
+        if granted is not None:
+            return granted
+
+
+def _handoff_plan(attempt: _Attempt) -> Plan[Granted]:
+    """Each try also queues this waiter, and the wait is a short blocking pop of the grant
+    a release makes inside the server.
+
+    A grant can land any time after the try's request was sent, so the lease counts
+    from that send, never from the pop that brought it. A waiter that gives up leaves the
+    queue, and one whose call fails gives back a grant that raced in. A popped fence not
+    above the holder's fence that try reported is a stale grant (made before the try,
+    and taken back since by a force release): the backend drops it.
+    """
+    a = attempt
+    grant_slice = handoff_slice(a.ttl)
+    queued = False
+    while True:
+        sent_at = a.clock.monotonic()
+        # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
+        wait_ms = 0 if a.expired(sent_at) else entry_ms(a.ttl)
+        queued = queued or wait_ms > 0
+        enqueue = Enqueue(a.name, a.token, a.ttl_ms, a.owner, wait_ms)
+        result: AcquireResult = yield from _leaving_if_failed(a, enqueue, give_back=a.may_give_back)
+        fence = result.fence
+        if fence is None:
+            now = a.clock.monotonic()
+            yield from a.refuse(result, now, Dequeue(a.name, a.token) if queued else None)
+            # A slice, and no longer than the holder's TTL: a dead holder makes no release.
+            block = min(grant_slice, pause(result.retry_after, now, a.deadline))
+            grant = AwaitGrant(a.name, a.token, block, result.holder_fence)
+            fence = yield from _leaving_if_failed(a, grant, give_back=True)
+            if fence is None:
+                continue  # the next try refreshes the entry (or finds the lock ours by then)
+        granted = yield from a.accept(fence, sent_at)
+        if granted is not None:
+            return granted
+
+
+def _leaving_if_failed(
+    attempt: _Attempt, op: Enqueue | AwaitGrant, *, give_back: bool
+) -> Plan[Any]:
+    """``op``'s answer. If it fails (a lost reply, or the waiter interrupted: cancelled,
+    Ctrl-C, a task time limit) with its entry still queued and maybe a grant taken, the
+    waiter leaves the queue, giving the grant back (unless ``give_back`` is false), rather
+    than have the lock held by no one until its TTL runs out."""
+    try:
+        return (yield op)
+    except GeneratorExit:
+        raise
+    except BaseException:
+        if give_back:
+            yield from _give_back(attempt.name, attempt.token)
+        raise
+
+
 class LockBase:
     """Configuration and the shared acquire loop of :class:`Lock` and :class:`AsyncLock`."""
 
@@ -833,114 +998,30 @@ class LockBase:
         backend: Backend,
         timeout: float | None,
         mine: tuple[LeaseBase, str] | None = None,
-    ) -> Plan[tuple[str, int, float]]:
+    ) -> Plan[Granted]:
         """The acquire loop: try, and while held, wait for the release or the holder's TTL.
 
-        ``mine``: a lease of this lock that the calling thread or task holds (and who that
-        is). When the server says that very lease holds the lock, it is renewed, and there
-        is no timeout, the wait would never end (the holder is waiting for itself), so
-        :class:`LockHeld` is raised at once. A bounded wait, or one for an unrenewed lease
-        (its TTL frees it), waits as usual.
+        One plan per protocol, over the same rules of when a grant is taken and when the
+        acquire gives up (:class:`_Attempt`): :func:`_plain_plan`, where a release wakes
+        the waiter to try again, or :func:`_handoff_plan`, where the release hands the
+        lock to the queued waiter inside the server (``backend.server_handoff``).
 
-        With the server hand-off (``backend.server_handoff``) each try also queues this
-        waiter, and the wait is a short blocking pop of the grant a release makes inside
-        the server. A grant can land any time after the last try's request was sent, so
-        the lease counts from that send (``sent_at``), never from the pop that brought it;
-        a waiter that gives up leaves the queue and gives back a grant that raced in. A
-        popped fence not above the holder's fence that try reported is a stale grant (made
-        before the try, and taken back since by a force release): it is dropped.
+        ``mine``: a lease of this lock that the calling thread or task holds (and who
+        that is): see :meth:`_Attempt.refuse`. :attr:`_token`: the token to acquire
+        under (Celery's publish-time lock), see :class:`_Attempt`.
         """
-        name, ttl = self.name, self.effective_ttl
-        clock = self._lease_runtime().clock
-        ttl_ms = max(1, int(ttl * 1000))
-        token = self._token or secrets.token_hex(16)
-        owner = current_owner()
-        start = clock.monotonic()
-        deadline = None if timeout is None else start + timeout
-        handoff = backend.server_handoff
-        grant_slice = handoff_slice(ttl)
-        queued = False
-        granted: int | None = None  # a fence the server handed over (hand-off only)
-        while True:
-            result: AcquireResult
-            if granted is not None:
-                # Handed over after the last try was sent: the lease counts from that send.
-                result, granted = AcquireResult(granted), None
-            elif handoff:
-                sent_at = clock.monotonic()
-                # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
-                wait_ms = 0 if deadline is not None and sent_at >= deadline else entry_ms(ttl)
-                queued = queued or wait_ms > 0
-                try:
-                    result = yield Enqueue(name, token, ttl_ms, owner, wait_ms)
-                except GeneratorExit:
-                    raise
-                except BaseException:  # a lost reply, or the caller interrupted
-                    if self._token is None:  # (never give back a lock handed over to us)
-                        yield from _give_back(name, token)
-                    raise
-            else:
-                sent_at = clock.monotonic()
-                result = yield Acquire(name, token, ttl_ms, owner)
-            if result.fence is not None:
-                now = clock.monotonic()
-                if now < sent_at + ttl - backend.clock_margin(ttl):
-                    log.debug("acquired lock %r (fence %s)", name, result.fence)
-                    report_acquired(name, backend, result.fence, owner, now - start)
-                    return token, result.fence, sent_at
-                # The grant arrived after its TTL: it may be someone else's lock by now.
-                # Give it back (token-checked) rather than hand out a dead lease.
-                log.warning("lock %r: the acquire's reply came after the TTL; retrying", name)
-                yield Release(name, token)
-                if deadline is not None and clock.monotonic() >= deadline:
-                    raise BackendUnavailable(
-                        f"lock {name!r}: the acquire's reply took longer than the TTL "
-                        f"({ttl}s) at {backend.server}",
-                        name=name,
-                        server=backend.server,
-                    )
-                continue
-            now = clock.monotonic()
-            if deadline is not None and now >= deadline:
-                if queued:
-                    yield Dequeue(name, token)
-                held = _held_message(name, result, now - start)
-                report_conflict(
-                    name, backend, held, now - start, timeout, owner, result.holder_fence
-                )
-                raise held
-            if (
-                mine is not None
-                and deadline is None
-                and result.holder_fence == mine[0].fence
-                and mine[0].held
-                and mine[0]._renewer is not None
-            ):
-                if queued:
-                    yield Dequeue(name, token)
-                raise LockHeld(
-                    f"lock {name!r} is already held by this same {mine[1]} (fence "
-                    f"{mine[0].fence}): a second acquire would wait for itself; release "
-                    "the first lease, or pass it along instead of acquiring again",
-                    name=name,
-                )
-            if not handoff:
-                yield Wait(name, pause(result.retry_after, now, deadline))
-                continue
-            # A slice, and no longer than the holder's TTL: a dead holder makes no release.
-            block = min(grant_slice, pause(result.retry_after, now, deadline))
-            # None: the next Enqueue refreshes the entry (or finds the lock ours by then).
-            try:
-                granted = yield AwaitGrant(name, token, block, result.holder_fence)
-            except GeneratorExit:
-                raise
-            except BaseException:
-                # The pop may have taken a grant whose reply was lost, or the waiter was
-                # interrupted (cancelled, Ctrl-C, a task time limit) with its entry still
-                # queued: leave, giving back a grant, rather than have the lock held by no
-                # one until its TTL runs out.
-                yield from _give_back(name, token)
-                raise
+        attempt = _Attempt(
+            self.name,
+            self.effective_ttl,
+            backend,
+            self._lease_runtime().clock,
+            timeout,
+            mine,
+            held_token=self._token,
+        )
+        if backend.server_handoff:
+            return (yield from _handoff_plan(attempt))
+        return (yield from _plain_plan(attempt))
 
     def _lease(
         self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float

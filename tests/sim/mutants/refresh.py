@@ -207,6 +207,13 @@ later than the server's expiry.
     [
         (
             "task_locks/lock.py",
+            """            return self.token, fence, sent_at""",
+            """            return self.token, fence, now""",
+        )
+    ],
+    otherwise=[  # the one plan before it was split by protocol
+        (
+            "task_locks/lock.py",
             """                    return token, result.fence, sent_at""",
             """                    return token, result.fence, now""",
         )
@@ -264,6 +271,16 @@ and the lease must count from that send; counted from the pop that brought it, t
 deadline is later than the server's expiry.
 """,
     [
+        (
+            "task_locks/lock.py",
+            """            fence = yield from _leaving_if_failed(a, grant, give_back=True)
+""",
+            """            fence = yield from _leaving_if_failed(a, grant, give_back=True)
+            sent_at = a.clock.monotonic()
+""",
+        )
+    ],
+    otherwise=[  # the one plan before it was split by protocol
         (
             "task_locks/lock.py",
             """                result, granted = AcquireResult(granted), None""",
