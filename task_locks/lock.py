@@ -26,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable, Collection
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from . import events
 from ._plan import MIN_PAUSE as MIN_PAUSE
@@ -73,6 +73,8 @@ log = logging.getLogger("task_locks.lock")
 MAX_NAME_LENGTH: Final = 512
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 L = TypeVar("L", bound="LeaseBase")
+SL = TypeVar("SL", bound="Lease")
+AL = TypeVar("AL", bound="AsyncLease")
 #: (backend id, lock name, thread or task): see ``_held_by``.
 _HolderKey = tuple[int, str, "weakref.ref[Any]"]
 
@@ -1080,7 +1082,60 @@ class LockBase:
         return f"<{type(self).__name__} {self.name!r} ttl={self.effective_ttl}>"
 
 
-class Lock(LockBase):
+class _SyncAcquire(LockBase, Generic[SL]):
+    """``try_acquire`` and ``with`` over a sync ``acquire``, written once for the sync lock
+    types (:class:`Lock`, :class:`~task_locks.Semaphore`): they differ only in how they
+    acquire, and a fix to the per-thread stack of ``with`` blocks must reach both."""
+
+    def acquire(self, timeout: float | Unset | None = UNSET) -> SL:
+        raise NotImplementedError
+
+    def try_acquire(self) -> SL | None:
+        """One attempt: what :meth:`acquire` returns, or ``None`` if it is taken."""
+        try:
+            return self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    def __enter__(self) -> SL:
+        return self._push(threading.get_ident(), self.acquire())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
+
+
+class _AsyncAcquire(LockBase, Generic[AL]):
+    """The asyncio twin of :class:`_SyncAcquire` (one stack of ``async with`` blocks per
+    task), for :class:`AsyncLock` and :class:`~task_locks.AsyncSemaphore`."""
+
+    async def acquire(self, timeout: float | Unset | None = UNSET) -> AL:
+        raise NotImplementedError
+
+    async def try_acquire(self) -> AL | None:
+        """One attempt: what :meth:`acquire` returns, or ``None`` if it is taken."""
+        try:
+            return await self.acquire(timeout=0)
+        except LockHeld:
+            return None
+
+    async def __aenter__(self) -> AL:
+        return self._push(asyncio.current_task(), await self.acquire())
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._pop(asyncio.current_task()).__aexit__(exc_type, exc, tb)
+
+
+class Lock(_SyncAcquire[Lease]):
     """A named distributed lock. ``acquire()`` (or ``with``) returns a :class:`Lease`.
 
     Making a ``Lock`` takes nothing and sends nothing; bad arguments are refused here, with
@@ -1128,30 +1183,12 @@ class Lock(LockBase):
             raise
         return self._keep(self._lease(Lease, backend, self.name, *granted), holder)
 
-    def try_acquire(self) -> Lease | None:
-        """One attempt: a :class:`Lease`, or ``None`` if someone else holds the lock."""
-        try:
-            return self.acquire(timeout=0)
-        except LockHeld:
-            return None
-
     def holder(self) -> Holder | None:
         """Who holds the lock now, if anyone (one round trip)."""
         return self.backend.holder(self.name)
 
-    def __enter__(self) -> Lease:
-        return self._push(threading.get_ident(), self.acquire())
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
-
-
-class AsyncLock(LockBase):
+class AsyncLock(_AsyncAcquire[AsyncLease]):
     """The asyncio twin of :class:`Lock`: same arguments, same semantics."""
 
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncLease:
@@ -1172,24 +1209,6 @@ class AsyncLock(LockBase):
             raise
         return self._keep(self._lease(AsyncLease, backend, self.name, *granted), holder)
 
-    async def try_acquire(self) -> AsyncLease | None:
-        """One attempt: an :class:`AsyncLease`, or ``None`` if someone else holds the lock."""
-        try:
-            return await self.acquire(timeout=0)
-        except LockHeld:
-            return None
-
     async def holder(self) -> Holder | None:
         """Who holds the lock now, if anyone (one round trip)."""
         return await self.backend.aholder(self.name)
-
-    async def __aenter__(self) -> AsyncLease:
-        return self._push(asyncio.current_task(), await self.acquire())
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._pop(asyncio.current_task()).__aexit__(exc_type, exc, tb)

@@ -20,13 +20,10 @@ show "2 / 3" (:func:`describe`).
 
 from __future__ import annotations
 
-import asyncio
 import random
 import secrets
-import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
-from types import TracebackType
 from typing import Any, Final, TypeVar
 
 from ._plan import (
@@ -43,7 +40,15 @@ from ._plan import (
 )
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld
-from .lock import AsyncLease, Lease, LockBase, format_wait, validate_name
+from .lock import (
+    AsyncLease,
+    Lease,
+    LockBase,
+    _AsyncAcquire,
+    _SyncAcquire,
+    format_wait,
+    validate_name,
+)
 from .owner import current_owner
 from .types import (
     SEMAPHORE_PREFIX,
@@ -222,7 +227,7 @@ class _SemaphoreBase(LockBase):
         return f"<{type(self).__name__} {self.name!r} limit={self.limit} ttl={self.effective_ttl}>"
 
 
-class Semaphore(_SemaphoreBase):
+class Semaphore(_SemaphoreBase, _SyncAcquire[Permit]):
     """At most ``limit`` holders of ``name`` at once; ``acquire()`` returns a :class:`Permit`.
 
     ``with Semaphore("export:tenant-7", limit=3, ttl=60) as permit:`` waits ``timeout``
@@ -235,13 +240,6 @@ class Semaphore(_SemaphoreBase):
         granted = run_against(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(Permit, backend, *granted)
 
-    def try_acquire(self) -> Permit | None:
-        """One pass over the slots: a :class:`Permit`, or ``None`` if all are taken."""
-        try:
-            return self.acquire(timeout=0)
-        except LockHeld:
-            return None
-
     def holders(self) -> list[Holder]:
         """The permits taken now (one round trip)."""
         return self._mine(self.backend.holders(self._holder_prefix()))
@@ -250,19 +248,8 @@ class Semaphore(_SemaphoreBase):
         """The semaphore now: its limit and each permit's holder (one round trip)."""
         return self._info(self.backend.holders(self._holder_prefix()))
 
-    def __enter__(self) -> Permit:
-        return self._push(threading.get_ident(), self.acquire())
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._pop(threading.get_ident()).__exit__(exc_type, exc, tb)
-
-
-class AsyncSemaphore(_SemaphoreBase):
+class AsyncSemaphore(_SemaphoreBase, _AsyncAcquire[AsyncPermit]):
     """The asyncio twin of :class:`Semaphore`: same arguments, same semantics."""
 
     async def acquire(self, timeout: float | Unset | None = UNSET) -> AsyncPermit:
@@ -271,13 +258,6 @@ class AsyncSemaphore(_SemaphoreBase):
         granted = await arun_against(self._permit_plan(backend, self._timeout(timeout)), backend)
         return self._permit(AsyncPermit, backend, *granted)
 
-    async def try_acquire(self) -> AsyncPermit | None:
-        """One pass over the slots: an :class:`AsyncPermit`, or ``None`` if all are taken."""
-        try:
-            return await self.acquire(timeout=0)
-        except LockHeld:
-            return None
-
     async def holders(self) -> list[Holder]:
         """The permits taken now (one round trip)."""
         return self._mine(await self.backend.aholders(self._holder_prefix()))
@@ -285,17 +265,6 @@ class AsyncSemaphore(_SemaphoreBase):
     async def info(self) -> SemaphoreInfo:
         """The semaphore now: its limit and each permit's holder (one round trip)."""
         return self._info(await self.backend.aholders(self._holder_prefix()))
-
-    async def __aenter__(self) -> AsyncPermit:
-        return self._push(asyncio.current_task(), await self.acquire())
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._pop(asyncio.current_task()).__aexit__(exc_type, exc, tb)
 
 
 __all__ = [
