@@ -31,14 +31,22 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
 from . import events
 from ._plan import UNSET, Unset
 from .backends.base import Backend
 from .errors import InvalidArgument, LockHeld, LockLost
-from .lock import AsyncLease, AsyncLock, Lease, LeaseBase, Lock, validate_name
+from .lock import (
+    AsyncLease,
+    AsyncLock,
+    Lease,
+    LeaseBase,
+    Lock,
+    aunless_held,
+    unless_held,
+    validate_name,
+)
 from .owner import owner_context
 from .types import Holder, Owner
 
@@ -327,10 +335,7 @@ class Election(_ElectionBase[Leadership]):
 
     def try_campaign(self) -> Leadership | None:
         """One attempt (one round trip): the term, or ``None`` while someone else leads."""
-        try:
-            return self.campaign(timeout=0)
-        except LockHeld:
-            return None
+        return unless_held(lambda: self.campaign(timeout=0))
 
     def resign(self) -> bool:
         """Give up this candidate's term, if any; ``False`` if it did not lead."""
@@ -365,12 +370,7 @@ class Election(_ElectionBase[Leadership]):
     def __enter__(self) -> Leadership:
         return self.campaign()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.resign()
 
 
@@ -404,10 +404,7 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
 
     async def try_campaign(self) -> AsyncLeadership | None:
         """One attempt (one round trip): the term, or ``None`` while someone else leads."""
-        try:
-            return await self.campaign(timeout=0)
-        except LockHeld:
-            return None
+        return await aunless_held(self.campaign(timeout=0))
 
     async def resign(self) -> bool:
         """Give up this candidate's term, if any; ``False`` if it did not lead."""
@@ -438,12 +435,7 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
     async def __aenter__(self) -> AsyncLeadership:
         return await self.campaign()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.resign()
 
 

@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
@@ -75,6 +75,7 @@ _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 L = TypeVar("L", bound="LeaseBase")
 SL = TypeVar("SL", bound="Lease")
 AL = TypeVar("AL", bound="AsyncLease")
+T = TypeVar("T")
 #: (backend id, lock name, thread or task): see ``_held_by``.
 _HolderKey = tuple[int, str, "weakref.ref[Any]"]
 
@@ -1082,6 +1083,23 @@ class LockBase:
         return f"<{type(self).__name__} {self.name!r} ttl={self.effective_ttl}>"
 
 
+def unless_held(attempt: Callable[[], T]) -> T | None:
+    """``attempt()`` (a ``timeout=0`` acquire or campaign), or ``None`` where it met
+    :class:`LockHeld`: what every ``try_...`` method means by one attempt, in one place."""
+    try:
+        return attempt()
+    except LockHeld:
+        return None
+
+
+async def aunless_held(attempt: Awaitable[T]) -> T | None:
+    """The asyncio twin of :func:`unless_held`."""
+    try:
+        return await attempt
+    except LockHeld:
+        return None
+
+
 class _SyncAcquire(LockBase, Generic[SL]):
     """``try_acquire`` and ``with`` over a sync ``acquire``, written once for the sync lock
     types (:class:`Lock`, :class:`~task_locks.Semaphore`): they differ only in how they
@@ -1092,10 +1110,7 @@ class _SyncAcquire(LockBase, Generic[SL]):
 
     def try_acquire(self) -> SL | None:
         """One attempt: what :meth:`acquire` returns, or ``None`` if it is taken."""
-        try:
-            return self.acquire(timeout=0)
-        except LockHeld:
-            return None
+        return unless_held(lambda: self.acquire(timeout=0))
 
     def __enter__(self) -> SL:
         return self._push(threading.get_ident(), self.acquire())
@@ -1118,10 +1133,7 @@ class _AsyncAcquire(LockBase, Generic[AL]):
 
     async def try_acquire(self) -> AL | None:
         """One attempt: what :meth:`acquire` returns, or ``None`` if it is taken."""
-        try:
-            return await self.acquire(timeout=0)
-        except LockHeld:
-            return None
+        return await aunless_held(self.acquire(timeout=0))
 
     async def __aenter__(self) -> AL:
         return self._push(asyncio.current_task(), await self.acquire())
