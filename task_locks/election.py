@@ -24,6 +24,7 @@ Sync and async share everything but the I/O: :class:`AsyncElection` drives an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -268,6 +269,20 @@ class _ElectionBase(Generic[LS]):
         # The lost term is logged once, as the lease's loss (task_locks.events).
         return None if self.on_lost is None else self.on_lost(leadership)
 
+    @contextlib.contextmanager
+    def _campaigning(self) -> Iterator[None]:
+        """What a campaign's acquire runs under, for both flavours: this candidate's
+        identity as the owner, no conflict event (a follower finding a leader is no
+        conflict), and :class:`LockHeld` naming the election's leader."""
+        try:
+            with (
+                owner_context(identity=self.identity),
+                events.context(policy="", detail=self._detail),
+            ):
+                yield
+        except LockHeld as exc:
+            raise self._held_error(exc) from None
+
     def _held_error(self, exc: LockHeld) -> LockHeld:
         who = exc.holder.describe() if exc.holder else "another candidate"
         return LockHeld(
@@ -320,15 +335,8 @@ class Election(_ElectionBase[Leadership]):
         current = self._current()
         if current is not None:
             return current
-        try:
-            # A follower's campaign finding a leader is no conflict worth an event.
-            with (
-                owner_context(identity=self.identity),
-                events.context(policy="", detail=self._detail),
-            ):
-                lease = self._lock.acquire(timeout)
-        except LockHeld as exc:
-            raise self._held_error(exc) from None
+        with self._campaigning():
+            lease = self._lock.acquire(timeout)
         leadership = Leadership(self.name, self.identity, lease)
         self._announce(leadership)
         return leadership
@@ -388,14 +396,8 @@ class AsyncElection(_ElectionBase[AsyncLeadership]):
         current = self._current()
         if current is not None:
             return current
-        try:
-            with (
-                owner_context(identity=self.identity),
-                events.context(policy="", detail=self._detail),
-            ):
-                lease = await self._lock.acquire(timeout)
-        except LockHeld as exc:
-            raise self._held_error(exc) from None
+        with self._campaigning():
+            lease = await self._lock.acquire(timeout)
         leadership = AsyncLeadership(self.name, self.identity, lease)
         outcome = self._announce(leadership)
         if inspect.isawaitable(outcome):
