@@ -92,6 +92,8 @@ class Fault:
         who = "operator" if self.client < 0 else f"client{self.client}"
         if self.kind == "lose_renew":
             return f"{who}'s renew() call: {self.detail}"
+        if self.kind == "lose_lane":
+            return f"{who}'s first lane renewal from {self.at * 1000:.0f} ms on: {self.detail}"
         if self.kind == "msg":
             return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
         if self.kind in ("restart", "failover", "clock_step"):
@@ -204,6 +206,15 @@ def generate(
             faults.append(
                 Fault("lose_renew", who, 0.0, 0.0, rng.choice(("drop_request", "drop_reply")))
             )
+    # A lane renewal lost on its way (or its reply), for clients that take one lease after
+    # another: the lane must not wait for it before renewing the next (drawn from a stream
+    # of its own, so the rest of each schedule is what it was before this fault existed).
+    # Only in schedules with faults already: fair ones (liveness is checked there) stay.
+    lanes = random.Random(seed * 104_729 + 17)
+    for who, program in enumerate(programs):
+        if faults and len(program) > 1 and lanes.random() < 0.4:
+            detail = lanes.choice(("drop_request", "drop_reply"))
+            faults.append(Fault("lose_lane", who, lanes.random() * horizon, 0.0, detail))
     kinds = {f.kind for f in faults}
     if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -318,6 +329,8 @@ class Checker:
         self._parsed: dict[str, dict[str, str]] = {}
         #: client index -> how its next explicit renew() is lost (fault "lose_renew")
         self.lose_renew: dict[int, str] = {}
+        #: client index -> (from when, how) its next lane renewal is lost ("lose_lane")
+        self.lose_lane: dict[int, tuple[float, str]] = {}
         self.net: Net | None = None
         self.granted_at: dict[int, float] = {}
         #: Clients paused, killed or whose clock jumped: their renewals may lapse.
@@ -615,6 +628,13 @@ class Checker:
                     f"(TTL {lease.ttl:g} s)"
                 )
 
+    def lane_call(self, client: Client) -> None:
+        """A lane's call is about to go out: the fault "lose_lane" makes it its request."""
+        planned = self.lose_lane.get(client.index)
+        if planned is not None and self.sim.now >= planned[0] and self.net is not None:
+            del self.lose_lane[client.index]
+            self.net.faults[(client.index, client.requests + 1)] = (planned[1], 0.0)
+
     def lane_answered(self, leases: list[Any]) -> None:
         for lease in leases:
             self.lane_calls[id(lease)] -= 1
@@ -728,7 +748,7 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
     server.observe = checker.observe
     checker.net = net
     sim.on_renew, sim.on_deadline = checker.lane_sent, checker.deadline
-    sim.on_renewed = checker.lane_answered
+    sim.on_renewed, sim.on_lane_call = checker.lane_answered, checker.lane_call
     violation: list[str] = []
 
     for fault, operator_n in zip(scenario.faults, operators, strict=True):
@@ -823,6 +843,8 @@ def _plan_fault(
         sim.at(fault.at, wall_jump)
     elif kind == "lose_renew" and target is not None:
         checker.lose_renew[target.index] = fault.detail
+    elif kind == "lose_lane" and target is not None:
+        checker.lose_lane[target.index] = (fault.at, fault.detail)
     elif kind == "restart":
         sim.at(fault.at, lambda: server.restart(fault.amount))
     elif kind == "failover":

@@ -81,6 +81,8 @@ class Sim:
         self.on_renew: Callable[[list[Any]], None] = lambda leases: None
         #: Told when a renewal lane's call (``on_renew``'s leases) has its answer.
         self.on_renewed: Callable[[list[Any]], None] = lambda leases: None
+        #: Told just before a lane's call sends its request (the client's next request).
+        self.on_lane_call: Callable[[Client], None] = lambda client: None
         self.on_deadline: Callable[[Client, Any], None] = lambda client, lease: None
         self.after_step: Callable[[], None] | None = None
 
@@ -508,6 +510,7 @@ class SimRuntime:
         """The thread lane's ``_answer``: one call and its answers applied."""
         self.leasing.mark_driver()
         results: Any
+        self.client.sim.on_lane_call(self.client)
         try:
             results = batch.backend.renew_many(batch.items, timeout=batch.timeout)
         except Exception as exc:
