@@ -65,7 +65,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from task_locks.backends.base import Backend, Capability, unknown_options
-from task_locks.backends.notices import Notice, NoticeStream, close_streams, track
+from task_locks.backends.notices import Notice, NoticeStream, close_streams, retired, track
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
 from task_locks.types import AcquireResult, Holder, Owner, RenewItem
@@ -929,22 +929,28 @@ class _PostgresNotices:
     def __init__(self, backend: DjangoBackend) -> None:
         self._backend = backend
         self._wrapper: Any = None
+        self._guard = threading.Lock()
 
     def open(self, since: int | None) -> None:
         from django.db import Error as DatabaseError
 
         backend = self._backend
         track(backend, self)  # closed with the backend
+        wrapper = backend._pool._open()
         try:
-            wrapper = backend._pool._open()
-            self._wrapper = wrapper
             wrapper.ensure_connection()
             wrapper.connection.execute(f"LISTEN {FORCED_CHANNEL}")  # autocommit: at once
         except DatabaseError as exc:
-            self.close()
+            _close_raw(wrapper)
             raise BackendUnavailable(
                 f"release notices: cannot LISTEN at {backend.server}: {exc}", server=backend.server
             ) from exc
+        with self._guard:  # the backend's close() may have run meanwhile, from its thread
+            if not retired(self):
+                self._wrapper = wrapper
+                return
+        _close_raw(wrapper)
+        raise BackendUnavailable(f"{backend.server}: closed", server=backend.server)
 
     def read(self, timeout: float) -> list[Notice]:
         backend = self._backend
@@ -962,10 +968,20 @@ class _PostgresNotices:
         return notices
 
     def close(self) -> None:
-        wrapper, self._wrapper = self._wrapper, None
+        with self._guard:
+            wrapper, self._wrapper = self._wrapper, None
         if wrapper is not None:
-            with contextlib.suppress(Exception):
-                wrapper.close()
+            _close_raw(wrapper)
+
+
+def _close_raw(wrapper: Any) -> None:
+    """Close the driver's connection itself: Django's ``close()`` refuses to run where an
+    event loop runs (async_unsafe), and a backend's close may be called from there."""
+    raw = wrapper.connection
+    if raw is not None:
+        with contextlib.suppress(Exception):
+            raw.close()
+        wrapper.connection = None
 
 
 __all__ = ["DjangoBackend"]

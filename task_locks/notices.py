@@ -55,7 +55,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .backends.base import Capability
-from .backends.notices import Notice, NoticeStream
+from .backends.notices import Notice, NoticeStream, retired
 from .errors import BackendMisconfigured
 from .leasing import Renewable, mark_driver
 
@@ -184,6 +184,11 @@ class Listener:
                     if now - idle_since >= IDLE_EXIT:
                         self._thread = None
                         return
+            if retired(stream):  # its backend was closed: renewal alone from now on
+                with self._guard:
+                    self._leases.clear()
+                    self._thread = None
+                return
             if not connected:
                 fences = [int(getattr(lease, "fence", 0)) for lease in live]
                 try:
@@ -222,7 +227,8 @@ class Listener:
                 stream.close()
                 connected = False
                 with self._guard:
-                    if not self._live():  # (the backend was closed, say): no reconnect
+                    if not self._live() or retired(stream):  # no reconnect for nobody
+                        self._leases.clear()
                         self._thread = None
                         return
                 log.info("release notices from %s interrupted (%s); reconnecting", self.server, exc)

@@ -96,7 +96,7 @@ from requests.adapters import HTTPAdapter
 from ..errors import BackendUnavailable, InvalidArgument, LockError
 from ..types import AcquireResult, Holder, Owner, RenewItem
 from .base import Backend, Capability
-from .notices import Notice, NoticeStream, close_streams, track
+from .notices import Notice, NoticeStream, close_streams, retired, track
 
 _OPTIONS: Final = {"prefix", "timeout"}
 #: Options only ``etcds://`` takes (TLS files and the hostname check).
@@ -256,6 +256,7 @@ class _EtcdNotices:
         #: The first revision not yet seen (0: from now).
         self._next = 0
         self._created = 0
+        self._guard = threading.Lock()
 
     def open(self, since: int | None) -> None:
         backend = self._backend
@@ -293,10 +294,15 @@ class _EtcdNotices:
                 client.session.close()
                 failures.append(f"{client.host}:{client.port}: {exc}")
                 continue
-            self._client, self._response, self._lines = client, response, lines
-            self._created = int(created.get("header", {}).get("revision", 0))
-            self._next = max(self._next, start)
-            return
+            with self._guard:  # the backend's close() may have run meanwhile
+                if not retired(self):
+                    self._client, self._response, self._lines = client, response, lines
+                    self._created = int(created.get("header", {}).get("revision", 0))
+                    self._next = max(self._next, start)
+                    return
+            response.close()
+            client.session.close()
+            raise BackendUnavailable(f"{backend.server}: closed", server=backend.server)
         raise BackendUnavailable(
             f"release notices: cannot watch {backend.prefix.decode()!r} at {backend.server}: "
             + "; ".join(failures),
@@ -345,8 +351,9 @@ class _EtcdNotices:
         return notices
 
     def close(self) -> None:
-        response, client = self._response, self._client
-        self._response = self._client = self._lines = None
+        with self._guard:
+            response, client = self._response, self._client
+            self._response = self._client = self._lines = None
         if response is not None:
             # Shut the socket down first: closing it while the listener thread reads would
             # wait for that read (its buffer's lock) until the read timeout.

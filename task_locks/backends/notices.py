@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Notice", "NoticeStream", "close_streams", "track"]
+__all__ = ["RETIRED", "Notice", "NoticeStream", "close_streams", "retired", "track"]
 
 
 class Notice(NamedTuple):
@@ -79,9 +79,20 @@ os.register_at_fork(after_in_child=_forget_streams)
 
 
 def close_streams(backend: object) -> None:
-    """Close every stream ``backend`` opened (from its ``close()``). A listener reading one
-    sees it break; with no lease left it stops, else it opens a new one."""
+    """Close every stream ``backend`` opened (from its ``close()``), for good: the
+    listener reading one stops (its leases fall back to renewal) rather than reconnect,
+    and the next lease acquired on the backend starts a new one."""
     with _streams_guard:
         streams = list(_streams.pop(backend, ()))
     for stream in streams:
+        setattr(stream, RETIRED, True)
         stream.close()
+
+
+#: Set on a stream its backend's ``close()`` closed (see :func:`retired`).
+RETIRED = "task_locks_retired"
+
+
+def retired(stream: NoticeStream) -> bool:
+    """Whether ``stream``'s backend closed it: its listener must not open it again."""
+    return bool(getattr(stream, RETIRED, False))

@@ -71,7 +71,7 @@ from .base import (
     log_forced,
     unknown_options,
 )
-from .notices import Notice, NoticeStream, close_streams, track
+from .notices import Notice, NoticeStream, close_streams, retired, track
 from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import (
@@ -139,7 +139,7 @@ class _RedisNotices:
             while True:
                 message = self._pubsub.get_message(timeout=deadline - time.monotonic())
                 if message is not None and message["type"] == "subscribe":
-                    return
+                    break
                 if time.monotonic() >= deadline:
                     raise BackendUnavailable(
                         f"{backend.server}: no answer to SUBSCRIBE {channel}", server=backend.server
@@ -152,6 +152,9 @@ class _RedisNotices:
         except BaseException:
             self.close()
             raise
+        if retired(self):  # the backend's close() ran meanwhile: it may have missed these
+            self.close()
+            raise BackendUnavailable(f"{backend.server}: closed", server=backend.server)
 
     def read(self, timeout: float) -> list[Notice]:
         backend = self._backend
