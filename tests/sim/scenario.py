@@ -324,8 +324,9 @@ class Checker:
         self.renewed_at: dict[int, float] = {}
         #: id(lease) -> the renewal lane's calls carrying it that wait for an answer
         self.lane_calls: dict[int, int] = {}
-        #: id(lease) -> its last lane renewal's send, and how many came back to back
-        self.lane_last: dict[int, tuple[float, int]] = {}
+        #: id(lease) -> its last lane renewal's send; a lane -> its calls back to back
+        self.lane_last: dict[int, float] = {}
+        self.lane_streak: dict[int, int] = {}
         self._parsed: dict[str, dict[str, str]] = {}
         #: client index -> how its next explicit renew() is lost (fault "lose_renew")
         self.lose_renew: dict[int, str] = {}
@@ -611,22 +612,24 @@ class Checker:
 
     def lane_sent(self, leases: list[Any]) -> None:
         """A renewal lane's call: it waits for its answer (see :meth:`deadline`), and
-        follows the schedule: a lease renewed again within a twentieth of its TTL (one
-        extra call may follow a failure; a retry waits a tenth) three times in a row is
-        renewed back to back, a storm of calls against the server."""
+        follows the schedule: a lane whose calls come three times in a row with every
+        lease in them renewed again within a twentieth of its TTL (one extra call may
+        follow a failure; a retry waits a tenth; a lease due soon rides along with a
+        call) renews back to back, a storm of calls against the server."""
         self.renew_sent(leases)
         now = self.sim.now
+        early = bool(leases)
         for lease in leases:
             key = id(lease)
             self.lane_calls[key] = self.lane_calls.get(key, 0) + 1
-            last, streak = self.lane_last.get(key, (-1.0, 0))
-            streak = streak + 1 if now - last < lease.ttl / 20 else 0
-            self.lane_last[key] = (now, streak)
-            if streak >= 3:
-                self.fail(
-                    f"the lane renewed {lease.name!r} {streak + 1} times back to back "
-                    f"(TTL {lease.ttl:g} s)"
-                )
+            early = early and now - self.lane_last.get(key, -1.0) < lease.ttl / 20
+            self.lane_last[key] = now
+        lane = id(leases[0].backend) if leases else 0
+        streak = self.lane_streak.get(lane, 0) + 1 if early else 0
+        self.lane_streak[lane] = streak
+        if streak >= 3:
+            names = ", ".join(sorted({repr(lease.name) for lease in leases}))
+            self.fail(f"the lane renewed {names} {streak + 1} times back to back")
 
     def lane_call(self, client: Client) -> None:
         """A lane's call is about to go out: the fault "lose_lane" makes it its request."""

@@ -19,10 +19,10 @@ stepped. Tokens and release ids come from each client's own seeded stream
 (``secrets`` is replaced the same way), so a seed replays exactly.
 
 Threads. The lease's renewal lane and deadline watch are threads in production; here
-the lane is a greenlet per client that runs the production ``Schedule`` and
-``ThreadLane._renew`` (its thread loop, a wait on a condition, is the only part
-rewritten), and the deadline watch is an event at each lease's local deadline calling
-the lease's own ``_deadline_passed``.
+(:class:`SimRuntime`) the lane is a greenlet per client driving the production
+``RenewalQueue`` as ``ThreadLane`` does, each renewal call in a greenlet of its own (the
+thread lane's ``_call``, bounded by ``watchdog.MAX_CALLS_IN_FLIGHT``), and the deadline
+watch is the production ``DeadlineHeap`` woken by events at the local deadlines.
 """
 
 from __future__ import annotations
