@@ -71,15 +71,19 @@ def explore(seeds: int, start: int, jobs: int, protocol: str | None) -> int:
 def first_failure(seeds: int, start: int, protocol: str | None) -> int:
     """One process, seed after seed, until one fails (``make sim-mutants``)."""
     began = time.perf_counter()
-    for seed in range(start, start + seeds):
-        outcome = sim.run(sim.generate(seed, protocol))
-        if outcome.violation:
-            elapsed = time.perf_counter() - began
-            print(f"sim: seed {seed} fails after {seed - start + 1} seeds ({elapsed:.1f} s)")
-            print_story(seed, protocol)
-            return 1
+    with sim.fewer_collections():
+        seed = next((s for s in range(start, start + seeds) if _fails(s, protocol)), None)
+    if seed is not None:
+        elapsed = time.perf_counter() - began
+        print(f"sim: seed {seed} fails after {seed - start + 1} seeds ({elapsed:.1f} s)")
+        print_story(seed, protocol)
+        return 1
     print(f"sim: {seeds} seeds, no failure ({time.perf_counter() - began:.1f} s)")
     return 0
+
+
+def _fails(seed: int, protocol: str | None) -> bool:
+    return sim.run(sim.generate(seed, protocol)).violation is not None
 
 
 def print_story(seed: int, protocol: str | None = None) -> bool:
