@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -173,17 +174,23 @@ class Listener:
         """Connect, read, deliver; reconnect after a failure; return once idle."""
         idle_since: float | None = None
         delay, connected, failed, opened = RETRY_FIRST, False, False, False
+        live: list[Any] = []
+        looked = -math.inf
         while True:
-            with self._guard:
-                live = self._live()
-                now = time.monotonic()
-                if live:
-                    idle_since = None
-                else:
-                    idle_since = idle_since or now
-                    if now - idle_since >= IDLE_EXIT:
-                        self._thread = None
-                        return
+            now = time.monotonic()
+            # Its leases at most once a read slice: an etcd watch streams every delete
+            # under the prefix, and a busy prefix must not cost a pass over them each.
+            if not connected or now - looked >= READ_SLICE:
+                looked = now
+                with self._guard:
+                    live = self._live()
+                    if live:
+                        idle_since = None
+                    else:
+                        idle_since = idle_since or now
+                        if now - idle_since >= IDLE_EXIT:
+                            self._thread = None
+                            return
             if retired(stream):  # its backend was closed: renewal alone from now on
                 with self._guard:
                     self._leases.clear()
@@ -220,6 +227,7 @@ class Listener:
                         _renew_soon(lease)
                 delay, connected, failed, opened = RETRY_FIRST, True, False, True
                 self.ready.set()
+            live = []  # no strong reference across a read: a dropped lease stays collectable
             try:
                 notices = stream.read(READ_SLICE)
             except Exception as exc:

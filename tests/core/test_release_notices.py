@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -236,3 +237,30 @@ def test_a_holder_behind_sentinel_hears_a_force_release(redis_sentinel: object) 
     listening(lease)
     assert get_backend(url).force_release("sentinel-job", lease.fence)
     assert lease.lost.wait(PROMPT) and "release notice" in (lease.lost_reason or "")
+
+
+def test_a_force_release_that_hands_the_lock_on_tells_only_the_old_holder(
+    redis_factory: object,
+) -> None:
+    """``handoff=server``: the force release grants the lock to the queued waiter inside
+    the script; the notice names the old holder's fence, so the new holder keeps it."""
+    server: RedisServer = redis_factory()  # type: ignore[operator]
+    url = server.url(handoff="server")
+    client = redis.Redis(port=server.port)
+    first = Lock("queued", ttl=TTL, backend=url).acquire(0)
+    listening(first)
+    granted: list[Lease] = []
+    waiter = threading.Thread(
+        target=lambda: granted.append(Lock("queued", ttl=TTL, backend=url).acquire(10))
+    )
+    waiter.start()
+    wait_until(
+        lambda: client.zcard(get_backend(url)._key("queued") + ":queue"),  # type: ignore[attr-defined]
+        10,
+        "the waiter to queue",
+    )
+    assert get_backend(url).force_release("queued", first.fence)
+    assert first.lost.wait(PROMPT) and "release notice" in (first.lost_reason or "")
+    waiter.join(10)
+    assert granted and granted[0].held and granted[0].fence > first.fence
+    granted[0].release()
