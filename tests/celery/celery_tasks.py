@@ -375,8 +375,7 @@ def short_ttl_task(self: Any, key: str, log: str, seconds: float) -> dict[str, A
     return fields
 
 
-@singleton_task(**common, ttl=1, on_conflict="raise")
-def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
+def _hub_blocking_body(log: str, count: int) -> bool:
     """One C call (``sum`` over a ``range``) longer than the TTL: under gevent or eventlet it
     blocks the hub, so the lease's renewal cannot run and the lock expires meanwhile."""
     lease = current_lease()
@@ -386,6 +385,21 @@ def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
     held = lease.held
     record(log, event="call ended", held=held)
     return held
+
+
+@singleton_task(**common, ttl=1, on_conflict="raise")
+def hub_blocking_task(self: Any, key: str, log: str, count: int) -> bool:
+    return _hub_blocking_body(log, count)
+
+
+@singleton_task(**common, ttl=1, on_conflict="raise", on_lost="fail")
+def hub_blocking_fail(self: Any, key: str, log: str, count: int) -> bool:
+    return _hub_blocking_body(log, count)
+
+
+@singleton_task(**common, ttl=1, on_conflict="raise", on_lost="ignore")
+def hub_blocking_ignore(self: Any, key: str, log: str, count: int) -> bool:
+    return _hub_blocking_body(log, count)
 
 
 # Redeliveries and recycled children.

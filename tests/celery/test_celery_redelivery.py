@@ -14,7 +14,7 @@ What is documented (docs/celery.md, "Redeliveries and copies"):
 - ``worker_max_tasks_per_child`` / ``worker_max_memory_per_child``: a child that exits
   after a run sends that run's release first, so the next run of the key, in the next
   child, finds it free.
-- a hard time limit: the main process releases the lock (``test_celery_acceptance``).
+- a hard time limit: the child is killed by the main process, which releases the lock.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from celery.exceptions import TimeLimitExceeded
 from servers import wait_until
 
 from task_locks import get_backend
@@ -69,13 +70,15 @@ def redis_crash_workers(cluster: Any) -> Iterator[list[Any]]:
 
 
 @contextmanager
-def publishing(cluster: Any, broker: str, redis_queue: str = "tl_acks") -> Iterator[dict[str, Any]]:
+def publishing(
+    cluster: Any, broker: str, redis_queue: str = "tl_acks", amqp_queue: str = AMQP_QUEUE
+) -> Iterator[dict[str, Any]]:
     """``apply_async`` options that publish to ``broker`` ("redis" or "amqp")."""
     if broker == "redis":
         yield {"queue": redis_queue}
         return
     with cluster.app.connection_for_write(AMQP) as connection:
-        yield {"queue": AMQP_QUEUE, "connection": connection}
+        yield {"queue": amqp_queue, "connection": connection}
 
 
 def started(intervals: Any, log: str, count: int) -> list[dict[str, Any]]:
@@ -134,20 +137,46 @@ def _in_group(pid: int, leader: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_a_hard_time_limit_frees_the_lock_within_seconds(
+    cluster: Any, request: pytest.FixtureRequest, broker: str, key: str, intervals: Any
+) -> None:
+    """``time_limit=1``: the child is killed by its main process, so no ``finally`` runs;
+    the main process releases the key (ttl=60) and the run ends ``TimeLimitExceeded``."""
+    request.getfixturevalue("acks_worker" if broker == "redis" else "amqp_workers")
+    log, name = f"log:{key}", f"t:{key}"
+    began = time.monotonic()
+    with publishing(cluster, broker) as options:
+        result = cluster.tasks.hard_limited_task.apply_async((key, log), **options)
+    started(intervals, log, 1)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=20)
+    wait_until(lambda: holder(cluster, name) is None, 3, "the key to be free")
+    assert time.monotonic() - began < 8  # the body sleeps 20 s
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
 @pytest.mark.parametrize(
     "recycle", ["--max-tasks-per-child=1", "--max-memory-per-child=1"], ids=["tasks", "memory"]
 )
 def test_a_recycled_child_sends_its_runs_release_before_it_exits(
-    cluster: Any, recycle: str, key: str, intervals: Any
+    cluster: Any, recycle: str, broker: str, key: str, intervals: Any
 ) -> None:
     """Each run in a fresh child (the limit is one task, or 1 KiB of memory: every child
     is over it after its first task); results not stored, so each release follows its
     run. ``on_conflict="raise"`` refuses a run that finds the key taken: all three run."""
-    queue = f"tl_recycle_{recycle.split('-')[3]}"
+    queue = f"tl_recycle_{recycle.split('-')[3]}_{broker}"
+    if broker == "amqp":
+        queue = f"{AMQP_QUEUE}_{queue}"
+    env, ready_on = ({"TL_CELERY_BROKER": AMQP}, AMQP) if broker == "amqp" else ({}, None)
     log = f"log:{key}"
-    with cluster.running([(queue, ["-P", "prefork", "-c", "1", recycle, "-Q", queue], {})]):
+    options = ["-P", "prefork", "-c", "1", recycle, "-Q", queue]
+    with (
+        cluster.running([(queue, options, env)], ready_on),
+        publishing(cluster, broker, queue, queue) as publish,
+    ):
         for _ in range(3):
-            cluster.tasks.fire_and_forget_task.apply_async((key, log), queue=queue)
+            cluster.tasks.fire_and_forget_task.apply_async((key, log), **publish)
         wait_until(lambda: len(intervals(log)) >= 3, 30, "three runs")
         assert len({r["pid"] for r in intervals(log)}) == 3  # three children: one run each
         wait_until(lambda: holder(cluster, f"t:{key}") is None, 5, "the key to be free")
