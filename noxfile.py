@@ -21,9 +21,18 @@ import nox
 PYTHON = None
 #: The floor declared in pyproject.toml, exactly.
 LOWEST = {"django": "5.2", "celery": "5.3.0", "kombu": "5.3.0", "redis": "5.0.1"}
+#: The Celery pools every set runs real workers of (``POOL_CELLS``).
+POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
+#: One cell per pool: a lock lost mid-run interrupts the body (a signal in prefork and
+#: solo, an async exception in threads, the hub's throw in gevent and eventlet).
+POOL_CELLS = [
+    "tests/celery/test_celery_outcomes.py::"
+    f"test_interrupt_raises_lock_lost_in_the_body_as_soon_as_the_loss_is_known[{pool}-True]"
+    for pool in POOLS
+]
 #: Tests that exercise every integration point the pins affect: the lock API and the Redis
 #: backend's scripts and error translation (core), LockedCommand and both CLIs (Django),
-#: and real prefork workers (Celery), in about a minute.
+#: and real workers of every pool (Celery), in about a minute.
 SMOKE = [
     "tests/core/test_lock_api.py",
     "tests/core/test_redis_backend.py",
@@ -34,6 +43,7 @@ SMOKE = [
     "tests/celery/test_celery_acceptance.py::test_revoke_terminate_frees_the_lock_within_3s",
     "tests/celery/test_celery_acceptance.py::test_enqueue_lock_queues_one_message_per_key",
     "tests/celery/test_celery_acceptance.py::test_async_task_runs_under_an_async_lease_and_releases",
+    *POOL_CELLS,
 ]
 #: What the smoke subset needs beyond the package (not the whole `test` extra: no browser,
 #: no linters), so a session installs in seconds.
@@ -43,6 +53,8 @@ TEST_TOOLS = [
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
     "psycopg[binary]>=3.1",
+    "gevent>=24.2",  # the gevent and eventlet pools' workers
+    "eventlet>=0.36",
 ]
 
 

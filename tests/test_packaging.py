@@ -85,11 +85,20 @@ def test_readme_supported_versions_are_sessions_the_noxfile_runs() -> None:
     readme = (ROOT / "docs" / "installation.md").read_text()
     table = readme.split("<!-- matrix-results -->", 1)[1].split("<!-- /matrix-results -->")[0]
     rows = re.findall(
-        r"^\| ([\w.-]+)[^|]* \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.M
+        r"^\| ([\w.-]+)[^|]* \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$",
+        table,
+        re.M,
     )
     rows = [row for row in rows if row[0] != "set"]  # the header
     assert rows and rows[0][0] == "lowest"
-    _, ids, _ = _noxfile()
+    _, ids, text = _noxfile()
+    pools = re.search(r"^POOLS = \(([^)]*)\)", text, re.M)
+    assert pools, "noxfile.py names the Celery pools each set runs (POOLS)"
+    every_pool = re.findall(r'"(\w+)"', pools.group(1))
+    assert set(every_pool) == {"prefork", "threads", "solo", "gevent", "eventlet"}
     for row in rows:
         assert row[0] in ids, row
-        assert "passed" in row[4] or "failed" in row[4], row  # a result, so it ran
+        assert set(re.findall(r"\w+", row[4])) <= set(every_pool), row  # pools it ran
+        assert "passed" in row[5] or "failed" in row[5], row  # a result, so it ran
+    # The sets run since the pools joined the smoke subset ran every one of them.
+    assert any(set(re.findall(r"\w+", row[4])) == set(every_pool) for row in rows)
