@@ -244,20 +244,24 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
+#: The columns of one holder in the locks' and the semaphores' tables (:func:`_held`).
+_HELD_COLUMNS = ("HOLDER", "FENCE", "HELD FOR", "EXPIRES IN")
+
+
+def _held(h: Holder) -> tuple[str, str, str, str]:
+    """A holder's cells under :data:`_HELD_COLUMNS`: one place, so that a lock and a
+    semaphore's permit read the same way."""
+    return (
+        h.owner.describe(),
+        str(h.fence),
+        format_duration(h.held_for),
+        format_duration(h.expires_in),
+    )
+
+
 def render_table(holders: Sequence[Holder]) -> str:
     """The plain locks: one row per lock."""
-    header = ("NAME", "HOLDER", "FENCE", "HELD FOR", "EXPIRES IN")
-    rows = [
-        (
-            h.name,
-            h.owner.describe(),
-            str(h.fence),
-            format_duration(h.held_for),
-            format_duration(h.expires_in),
-        )
-        for h in holders
-    ]
-    return _table(header, rows)
+    return _table(("NAME", *_HELD_COLUMNS), [(h.name, *_held(h)) for h in holders])
 
 
 def render_elections(elections: Sequence[tuple[LeaderInfo, Holder]]) -> str:
@@ -280,17 +284,9 @@ def render_elections(elections: Sequence[tuple[LeaderInfo, Holder]]) -> str:
 
 def render_semaphores(semaphores: Sequence[SemaphoreInfo]) -> str:
     """One row per permit, the semaphore and its "holders / limit" on its first row."""
-    header = ("SEMAPHORE", "HOLDERS / LIMIT", "PERMIT", "HOLDER", "FENCE", "HELD FOR", "EXPIRES IN")
+    header = ("SEMAPHORE", "HOLDERS / LIMIT", "PERMIT", *_HELD_COLUMNS)
     rows = [
-        (
-            "" if index else info.name,
-            "" if index else info.summary,
-            h.name,
-            h.owner.describe(),
-            str(h.fence),
-            format_duration(h.held_for),
-            format_duration(h.expires_in),
-        )
+        ("" if index else info.name, "" if index else info.summary, h.name, *_held(h))
         for info in semaphores
         for index, h in enumerate(info.holders)
     ]
