@@ -109,12 +109,17 @@ def conflict_holder(backend: Backend, error: LockHeld) -> Holder | None:
 # -- the parser, shared --------------------------------------------------------------
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a number of seconds >= 0 (``inf``: forever)."""
+def _number_of_seconds(text: str) -> float:
+    """``text`` as a float, else the error both seconds types give for what is no number."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0 (``inf``: forever)."""
+    value = _number_of_seconds(text)
     if math.isnan(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds: {text!r}")
     return value
@@ -122,10 +127,7 @@ def seconds(text: str) -> float:
 
 def positive_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0 (a TTL)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    value = _number_of_seconds(text)
     if not value > 0 or math.isinf(value):  # NaN too
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text!r}")
     return value
