@@ -494,16 +494,21 @@ def run_verb(
                 err=err,
                 audit=audit,
             )
-    except BackendUnavailable as exc:
-        err.write(f"task-locks: {exc}\n")
-        return EX_UNAVAILABLE
-    except BackendMisconfigured as exc:
-        err.write(f"task-locks: {exc}\n")
-        return EX_CONFIG
     except LockError as exc:
         err.write(f"task-locks: {exc}\n")
-        return EX_USAGE
+        return _error_status(exc)
     raise ValueError(f"unknown verb {verb!r}")
+
+
+def _error_status(exc: LockError) -> int:
+    """The exit status of a verb that failed with ``exc``: 69 for an unreachable backend,
+    78 for one refusing its URL, else 2 (usage). One place, so every verb maps an error
+    alike."""
+    if isinstance(exc, BackendUnavailable):
+        return EX_UNAVAILABLE
+    if isinstance(exc, BackendMisconfigured):
+        return EX_CONFIG
+    return EX_USAGE
 
 
 __all__ = [
