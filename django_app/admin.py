@@ -110,6 +110,43 @@ def _grouped(listing: Listing) -> dict[str, Any]:
     }
 
 
+#: The column titles of the holders page's tables, in order, for the one header template
+#: they share (``_table_head.html``; Action follows where the user may force a release).
+COLUMNS = {
+    "locks": (
+        gettext_lazy("Name"),
+        gettext_lazy("Job"),
+        gettext_lazy("Host"),
+        gettext_lazy("PID"),
+        gettext_lazy("Fence"),
+        gettext_lazy("Acquired"),
+        gettext_lazy("Held for"),
+        gettext_lazy("Expires in"),
+        gettext_lazy("Renewals"),
+    ),
+    "elections": (
+        gettext_lazy("Election"),
+        gettext_lazy("Leader"),
+        gettext_lazy("Term"),
+        gettext_lazy("Since"),
+        gettext_lazy("Leading for"),
+        gettext_lazy("Expires in"),
+        gettext_lazy("Leader's job"),
+    ),
+    "semaphores": (
+        gettext_lazy("Semaphore"),
+        gettext_lazy("Holders / limit"),
+        gettext_lazy("Permit"),
+        gettext_lazy("Job"),
+        gettext_lazy("Host"),
+        gettext_lazy("PID"),
+        gettext_lazy("Fence"),
+        gettext_lazy("Held for"),
+        gettext_lazy("Expires in"),
+    ),
+}
+
+
 #: Seconds between two refreshes of the holders page; ``?refresh=0`` starts paused.
 REFRESH_EVERY = 5
 
@@ -196,6 +233,7 @@ class LockHolderAdmin(_ReadOnlyAdmin):
             **_grouped(group_holders(shown)),
             "error": error,
             "can_force_release": self.has_force_release_permission(request),
+            "columns": COLUMNS,
             "now": timezone.now(),
             **(extra_context or {}),
         }
@@ -409,7 +447,9 @@ _BREAK_AFTER = re.compile(r"(?<=[.@\-_/\[(:])")
 def _breakable(text: str) -> str:
     """``text`` with line-break opportunities after its separators, so a long host name
     wraps at a dot instead of widening the table (or being cut at a random letter)."""
-    return format_html_join(mark_safe("<wbr>"), "{}", ((part,) for part in _BREAK_AFTER.split(text)))
+    return format_html_join(
+        mark_safe("<wbr>"), "{}", ((part,) for part in _BREAK_AFTER.split(text))
+    )
 
 
 def _local_time(at: dt.datetime) -> str:
