@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import redis
 import redis.asyncio
@@ -102,6 +102,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: ``_FencedBase._op`` without a value (``del``, ``claim``).
+_NO_VALUE: Any = object()
+
+
+class _Op(NamedTuple):
+    resource: str
+    fence: int
+    lock_name: str | None
+    args: list[Any]
+
+
 class _FencedBase:
     """Argument checks, request shaping and reply parsing shared by sync and async."""
 
@@ -148,6 +159,18 @@ class _FencedBase:
 
     def _request(self, resource: str, fence: int, op: str, value: Any = "") -> list[Any]:
         return [1, self.key(resource), str(fence), op, value]
+
+    def _op(self, resource: object, fence: object, op: str, value: object = _NO_VALUE) -> _Op:
+        """One fenced call (``set``, ``del``, ``claim``) checked and shaped before its I/O:
+        one place for what every write, delete and claiming read does, sync or async."""
+        resource = self._resource(resource)
+        number, lock_name = self._fence(fence, resource)
+        payload = "" if value is _NO_VALUE else self._value(value, resource)
+        return _Op(resource, number, lock_name, self._request(resource, number, op, payload))
+
+    def _check(self, op: _Op, reply: Any) -> list[Any]:
+        """``op``'s reply, or :class:`~task_locks.StaleFence` if a newer fence refused it."""
+        return self._accepted(reply, op.resource, op.fence, op.lock_name)
 
     @staticmethod
     def _accepted(reply: Any, resource: str, fence: int, lock_name: str | None) -> list[Any]:
@@ -215,23 +238,13 @@ class FencedStore(_FencedBase):
         version. Raises :class:`~task_locks.StaleFence` (``.resource``, ``.fence``,
         ``.current``) when refused; nothing is changed then.
         """
-        resource = self._resource(resource)
-        number, lock_name = self._fence(fence, resource)
-        args = self._request(resource, number, "set", self._value(value, resource))
-        reply = self._accepted(self._script(resource, args), resource, number, lock_name)
-        return int(_text(reply[1]))
+        op = self._op(resource, fence, "set", value)
+        return int(_text(self._check(op, self._script(op.resource, op.args))[1]))
 
     def delete(self, resource: str, fence: Fence) -> int:
         """Drop the value (the mark stays, so older holders stay refused); new version."""
-        resource = self._resource(resource)
-        number, lock_name = self._fence(fence, resource)
-        reply = self._accepted(
-            self._script(resource, self._request(resource, number, "del")),
-            resource,
-            number,
-            lock_name,
-        )
-        return int(_text(reply[1]))
+        op = self._op(resource, fence, "del")
+        return int(_text(self._check(op, self._script(op.resource, op.args))[1]))
 
     def read(self, resource: str, *, fence: Fence | None = None) -> FencedValue:
         """The current value, fence and version.
@@ -240,21 +253,16 @@ class FencedStore(_FencedBase):
         (or :class:`~task_locks.StaleFence` if a newer one got there first), so no
         older holder can write between this read and your write.
         """
-        resource = self._resource(resource)
         if fence is None:
+            resource = self._resource(resource)
             try:
                 fields = self.client.hmget(self.key(resource), ["value", "fence", "version"])
             except CLIENT_ERRORS as exc:
                 self._fail(resource, exc)
             return self._snapshot(fields)
-        number, lock_name = self._fence(fence, resource)
-        reply = self._accepted(
-            self._script(resource, self._request(resource, number, "claim")),
-            resource,
-            number,
-            lock_name,
-        )
-        return self._snapshot([reply[2], str(number), reply[1]])
+        op = self._op(resource, fence, "claim")
+        reply = self._check(op, self._script(op.resource, op.args))
+        return self._snapshot([reply[2], str(op.fence), reply[1]])
 
 
 class AsyncFencedStore(_FencedBase):
@@ -285,33 +293,26 @@ class AsyncFencedStore(_FencedBase):
 
     async def write(self, resource: str, value: bytes | str | int | float, fence: Fence) -> int:
         """See :meth:`FencedStore.write`."""
-        resource = self._resource(resource)
-        number, lock_name = self._fence(fence, resource)
-        args = self._request(resource, number, "set", self._value(value, resource))
-        reply = self._accepted(await self._script(resource, args), resource, number, lock_name)
-        return int(_text(reply[1]))
+        op = self._op(resource, fence, "set", value)
+        return int(_text(self._check(op, await self._script(op.resource, op.args))[1]))
 
     async def delete(self, resource: str, fence: Fence) -> int:
         """See :meth:`FencedStore.delete`."""
-        resource = self._resource(resource)
-        number, lock_name = self._fence(fence, resource)
-        args = self._request(resource, number, "del")
-        reply = self._accepted(await self._script(resource, args), resource, number, lock_name)
-        return int(_text(reply[1]))
+        op = self._op(resource, fence, "del")
+        return int(_text(self._check(op, await self._script(op.resource, op.args))[1]))
 
     async def read(self, resource: str, *, fence: Fence | None = None) -> FencedValue:
         """See :meth:`FencedStore.read`."""
-        resource = self._resource(resource)
         if fence is None:
+            resource = self._resource(resource)
             key = self.key(resource)
             fields = await self._call(
                 resource, lambda: self.client.hmget(key, ["value", "fence", "version"])
             )
             return self._snapshot(fields)
-        number, lock_name = self._fence(fence, resource)
-        args = self._request(resource, number, "claim")
-        reply = self._accepted(await self._script(resource, args), resource, number, lock_name)
-        return self._snapshot([reply[2], str(number), reply[1]])
+        op = self._op(resource, fence, "claim")
+        reply = self._check(op, await self._script(op.resource, op.args))
+        return self._snapshot([reply[2], str(op.fence), reply[1]])
 
 
 def fenced_set(
