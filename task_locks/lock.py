@@ -437,12 +437,7 @@ class LeaseBase:
             self._mark_lost(LostReason.UNREACHABLE, _unreachable(error))
             return False
         self._renew_error = error
-        if self._reported:  # logged by the events' logging subscriber
-            events.emit(
-                events.RenewalFailed(
-                    name=self.name, backend=self.backend.server, fence=self.fence, reason=str(error)
-                )
-            )
+        self._report(events.RenewalFailed, reason=str(error))  # logged by its subscriber
         return True
 
     def _renewal_refused(self) -> None:
@@ -481,6 +476,18 @@ class LeaseBase:
         except Exception as exc:
             log.warning("releasing lock %r after max_hold failed: %s", self.name, exc)
 
+    def _held(self) -> float:
+        """Seconds this lease has been held (from its acquire's send), for its events."""
+        return self._clock.monotonic() - self._acquired_mono
+
+    def _report(self, event: type[events.LockEvent], **fields: Any) -> None:
+        """Emit ``event`` about this lease, named the same way in each (lock, server,
+        fence): a user's lease only, never the library's own records (``_reported``)."""
+        if self._reported:
+            events.emit(
+                event(name=self.name, backend=self.backend.server, fence=self.fence, **fields)
+            )
+
     def _mark_lost(self, reason: LostReason, message: str) -> None:
         """The lease is lost, for ``reason`` (what the metrics count), said as ``message``
         (``lost_reason``, the ``lost`` event's words); the first call wins."""
@@ -494,18 +501,10 @@ class LeaseBase:
             return
         self._unschedule()
         self._unwatch()
-        if self._reported:  # logged (once) by the events' logging subscriber
-            events.emit(
-                events.Lost(
-                    name=self.name,
-                    backend=self.backend.server,
-                    fence=self.fence,
-                    held=self._clock.monotonic() - self._acquired_mono,
-                    reason=reason,
-                    message=message,
-                    detail=self._detail,
-                )
-            )
+        # Logged (once) by the events' logging subscriber.
+        self._report(
+            events.Lost, held=self._held(), reason=reason, message=message, detail=self._detail
+        )
         if self._on_lost is not None:
             # Never here: this may be a renewal lane or the deadline watch, and a slow
             # callback would hold up every other lease's renewals.
@@ -589,17 +588,12 @@ class LeaseBase:
                 log.debug("released lock %r (fence %s)", self.name, self.fence)
             else:
                 log.debug("lock %r (fence %s) handed to %s", self.name, self.fence, handed_to)
-            if self._reported:
-                events.emit(
-                    events.Released(
-                        name=self.name,
-                        backend=self.backend.server,
-                        fence=self.fence,
-                        held=self._clock.monotonic() - self._acquired_mono,
-                        reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
-                        detail=self._detail if handed_to is None else f"handed to {handed_to}",
-                    )
-                )
+            self._report(
+                events.Released,
+                held=self._held(),
+                reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
+                detail=self._detail if handed_to is None else f"handed to {handed_to}",
+            )
             return
         if self._release_failed:
             # An earlier release got no reply: it most likely freed the lock.
