@@ -29,7 +29,7 @@ from typing import Any, Final, Never, NoReturn, TypeVar
 
 from . import events
 from ._steps import arun, run
-from .backends.base import Backend
+from .backends.base import Backend, ServerHandoff
 from .errors import LockHeld
 from .types import Owner
 
@@ -206,6 +206,17 @@ def _unknown(op: Never) -> NoReturn:
     raise TypeError(f"a plan yielded {op!r}, which is not an op of task_locks._plan")
 
 
+def _handoff(backend: Backend, name: str) -> ServerHandoff:
+    """``backend`` as the server hand-off a hand-off op needs. Only the lock's hand-off
+    plan yields those, and only against a :class:`ServerHandoff`: any other plan that
+    does is a bug, told as such (thrown into the plan, like every failed op)."""
+    if not isinstance(backend, ServerHandoff):
+        raise NotImplementedError(
+            f"lock {name!r}: {backend!r} does not hand locks off in the server"
+        )
+    return backend
+
+
 def run_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns.
 
@@ -224,11 +235,11 @@ def _answer(op: Op, backend: Backend) -> Any:
         case WaitAny(names, seconds):
             return backend.wait_any(names, seconds)
         case Enqueue(name, token, ttl_ms, owner, wait_ms):
-            return backend.enqueue(name, token, ttl_ms, owner, wait_ms)
+            return _handoff(backend, name).enqueue(name, token, ttl_ms, owner, wait_ms)
         case AwaitGrant(name, token, seconds, above):
-            return backend.await_grant(name, token, seconds, above)
+            return _handoff(backend, name).await_grant(name, token, seconds, above)
         case Dequeue(name, token):
-            return backend.dequeue(name, token)
+            return _handoff(backend, name).dequeue(name, token)
         case _:
             _unknown(op)
 
@@ -249,10 +260,10 @@ async def _aanswer(op: Op, backend: Backend) -> Any:
         case WaitAny(names, seconds):
             return await backend.await_any(names, seconds)
         case Enqueue(name, token, ttl_ms, owner, wait_ms):
-            return await backend.aenqueue(name, token, ttl_ms, owner, wait_ms)
+            return await _handoff(backend, name).aenqueue(name, token, ttl_ms, owner, wait_ms)
         case AwaitGrant(name, token, seconds, above):
-            return await backend.aawait_grant(name, token, seconds, above)
+            return await _handoff(backend, name).aawait_grant(name, token, seconds, above)
         case Dequeue(name, token):
-            return await backend.adequeue(name, token)
+            return await _handoff(backend, name).adequeue(name, token)
         case _:
             _unknown(op)

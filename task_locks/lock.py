@@ -50,7 +50,7 @@ from ._plan import (
     report_conflict,
     run_against,
 )
-from .backends.base import Backend, parse_capabilities
+from .backends.base import Backend, ServerHandoff, parse_capabilities
 from .config import default_ttl, resolve_backend, validate_ttl
 from .errors import (
     BackendUnavailable,
@@ -1001,7 +1001,7 @@ class LockBase:
         One plan per protocol, over the same rules of when a grant is taken and when the
         acquire gives up (:class:`_Attempt`): :func:`_plain_plan`, where a release wakes
         the waiter to try again, or :func:`_handoff_plan`, where the release hands the
-        lock to the queued waiter inside the server (``backend.server_handoff``).
+        lock to the queued waiter inside the server (a :class:`ServerHandoff` backend).
 
         ``mine``: a lease of this lock that the calling thread or task holds (and who
         that is): see :meth:`_Attempt.refuse`. :attr:`_token`: the token to acquire
@@ -1016,7 +1016,7 @@ class LockBase:
             mine,
             held_token=self._token,
         )
-        if backend.server_handoff:
+        if isinstance(backend, ServerHandoff):
             return (yield from _handoff_plan(attempt))
         return (yield from _plain_plan(attempt))
 
@@ -1167,8 +1167,8 @@ class Lock(_SyncAcquire[Lease]):
     :param renew: ``False`` leaves the lease unrenewed: it ends at its TTL (for a holder
         that renews itself with ``lease.renew()``, or a test of a paused one).
     :param require: capabilities the backend must have (``"fencing"``, ``"consensus"``,
-        ``"multiprocess"``, ``"wakeup"``, ``"holders"``, ``"release_notice"``, or
-        :class:`Capability` members);
+        ``"multiprocess"``, ``"wakeup"``, ``"holders"``, ``"release_notice"``,
+        ``"server_handoff"``, or :class:`Capability` members);
         an unknown name is refused here, a missing one raises :class:`MissingCapability`.
     """
 

@@ -16,8 +16,8 @@ behind them, until its lease expired.
 One word per concept, here and across the package:
 
 - a **hand-off** is the server's: a release hands the lock to the first queued waiter
-  (:attr:`Backend.server_handoff`: ``enqueue``, ``await_grant``, ``dequeue``; the waiter
-  is *granted* it);
+  (a :class:`ServerHandoff` backend, declaring :attr:`Capability.SERVER_HANDOFF`:
+  ``enqueue``, ``await_grant``, ``dequeue``; the waiter is *granted* it);
 - a **hand-over** is a holder's: a lease passed on with its token to another run or
   process (Celery's publish-time lock to its worker, a run to its retry, a beat tick to
   its message); here it ends as a release with reason ``handed_over``;
@@ -147,6 +147,9 @@ class Capability(StrEnum):
     #: A holder's process hears at once that its lock was freed by someone else (a
     #: force release): :meth:`Backend.release_notices`.
     RELEASE_NOTICE = "release_notice"
+    #: A release hands the lock to the first queued waiter inside the server, in FIFO
+    #: order: declared by a :class:`ServerHandoff` backend, and only by one.
+    SERVER_HANDOFF = "server_handoff"
 
 
 #: Every capability name (plain strings, derived from :class:`Capability`).
@@ -266,22 +269,90 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
+class ServerHandoff(abc.ABC):
+    """What a :class:`Backend` whose release hands the lock to the first queued waiter
+    inside the server also implements (the waiter is *granted* the lock, with no second
+    acquire, in strict FIFO order). A backend inherits it exactly when it declares
+    :attr:`Capability.SERVER_HANDOFF` (checked where the class is written).
+
+    The lock's acquire runs its hand-off plan against these methods only on a backend
+    that is one of these (:func:`isinstance`), so the capability and the methods cannot
+    disagree. As with :class:`Backend`, the sync methods are required and the asyncio
+    twins default to the sync one in a worker thread.
+    """
+
+    @abc.abstractmethod
+    def enqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        """Acquire, or else queue ``token`` for the lock (an entry living ``wait_ms``,
+        refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue."""
+
+    @abc.abstractmethod
+    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
+        """Block up to ``timeout`` seconds for a release to hand the lock to ``token``:
+        its fence, or ``None``. A grant is the lock, taken after this call was sent.
+
+        ``above``: the holder's fence the last :meth:`enqueue` reported. A grant whose
+        fence is not above it was made before that enqueue and taken back since (a force
+        release): stale, it is dropped (``None``). ``None`` trusts no grant: each one is
+        dropped, and the next enqueue finds the lock already this token's."""
+
+    @abc.abstractmethod
+    def dequeue(self, name: str, token: str) -> bool:
+        """Leave the queue, giving back (token-checked) a grant that raced in: ``True``
+        if one was given back."""
+
+    async def aenqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        """The asyncio twin of :meth:`enqueue`."""
+        return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
+
+    async def aawait_grant(
+        self, name: str, token: str, timeout: float, above: int | None
+    ) -> int | None:
+        """The asyncio twin of :meth:`await_grant`."""
+        return await asyncio.to_thread(self.await_grant, name, token, timeout, above)
+
+    async def adequeue(self, name: str, token: str) -> bool:
+        """The asyncio twin of :meth:`dequeue`."""
+        return await asyncio.to_thread(self.dequeue, name, token)
+
+
 class Backend(abc.ABC):
     """The contract between :class:`~task_locks.Lock` and a lock service."""
 
     #: What this backend guarantees (the URL schemes it serves are named only in the
     #: registry, :data:`task_locks.backends.BUILTIN_SCHEMES`).
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
-    #: The server hands a released lock to the next waiter (``enqueue``, ``await_grant``,
-    #: ``dequeue``); opt-in on Redis (``?handoff=server``), off everywhere else.
-    server_handoff: bool = False
     #: The longest lock name this backend stores as given (``None``: no bound of its own
     #: below the library's). A longer one is refused by :meth:`check_name`, never cut.
     max_name_length: int | None = None
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A backend declares :attr:`Capability.SERVER_HANDOFF` exactly when it is a
+        :class:`ServerHandoff`: a claim without the methods, or the methods unclaimed,
+        fails where the class is written, not in a waiter."""
+        super().__init_subclass__(**kwargs)
+        declared = Capability.SERVER_HANDOFF in cls.capabilities
+        if declared != issubclass(cls, ServerHandoff):
+            missing = "ServerHandoff" if declared else "Capability.SERVER_HANDOFF"
+            raise TypeError(
+                f"{cls.__qualname__}: the server hand-off is declared by Capability."
+                f"SERVER_HANDOFF and implemented by ServerHandoff, together; {missing} "
+                "is missing"
+            )
+
     def __init__(self, url: str) -> None:
         self.url = url
         self.server = redact_url(url)
+
+    @property
+    def server_handoff(self) -> bool:
+        """Whether a release hands the lock to the next waiter inside the server: this
+        backend is a :class:`ServerHandoff` (opt-in on Redis, ``?handoff=server``)."""
+        return isinstance(self, ServerHandoff)
 
     def check_name(self, name: str) -> None:
         """Refuse a name longer than :attr:`max_name_length`, naming the limit: a database
@@ -420,30 +491,6 @@ class Backend(abc.ABC):
         """
         return 0.0
 
-    # -- server-side hand-off, only where ``server_handoff`` is true -----------------
-
-    def enqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
-    ) -> AcquireResult:
-        """Acquire, or else queue ``token`` for the lock (an entry living ``wait_ms``,
-        refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue."""
-        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
-
-    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
-        """Block up to ``timeout`` seconds for a release to hand the lock to ``token``:
-        its fence, or ``None``. A grant is the lock, taken after this call was sent.
-
-        ``above``: the holder's fence the last :meth:`enqueue` reported. A grant whose
-        fence is not above it was made before that enqueue and taken back since (a force
-        release): stale, it is dropped (``None``). ``None`` trusts no grant: each one is
-        dropped, and the next enqueue finds the lock already this token's."""
-        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
-
-    def dequeue(self, name: str, token: str) -> bool:
-        """Leave the queue, giving back (token-checked) a grant that raced in: ``True``
-        if one was given back."""
-        raise NotImplementedError(f"{self!r} does not hand locks over in the server")
-
     def defer_release(self, release: DeferredRelease) -> bool:
         """Send ``release`` ahead of this backend's next (sync) acquire, in the same round
         trip, if it is still unclaimed then; ``False``: this backend cannot (the caller
@@ -492,22 +539,6 @@ class Backend(abc.ABC):
     async def aholders(self, prefix: str = "") -> list[Holder]:
         """The asyncio twin of :meth:`holders`."""
         return await asyncio.to_thread(self.holders, prefix)
-
-    async def aenqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
-    ) -> AcquireResult:
-        """The asyncio twin of :meth:`enqueue` (the server hand-off)."""
-        return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
-
-    async def aawait_grant(
-        self, name: str, token: str, timeout: float, above: int | None
-    ) -> int | None:
-        """The asyncio twin of :meth:`await_grant` (the server hand-off)."""
-        return await asyncio.to_thread(self.await_grant, name, token, timeout, above)
-
-    async def adequeue(self, name: str, token: str) -> bool:
-        """The asyncio twin of :meth:`dequeue` (the server hand-off)."""
-        return await asyncio.to_thread(self.dequeue, name, token)
 
     async def aforce_release(self, name: str, fence: int | None = None) -> bool:
         """The asyncio twin of :meth:`force_release`."""

@@ -67,6 +67,7 @@ from .base import (
     Backend,
     Capability,
     DeferredRelease,
+    ServerHandoff,
     check_ttl_ms,
     log_forced,
     unknown_options,
@@ -110,6 +111,14 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _handoff_option(url: str) -> str | None:
+    """The URL's ``handoff`` option, if given (checked by the backend it makes)."""
+    try:
+        return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)).get("handoff")
+    except ValueError:  # a malformed URL: the backend's own parsing says what is wrong
+        return None
 
 
 class _RedisNotices:
@@ -187,6 +196,13 @@ FORCED_NOTICE = "it was force-released (an operator's release, announced by the 
 
 
 class RedisBackend(Backend):
+    """A lock per key, over one connection pool (the module's docstring says how).
+
+    ``RedisBackend(url)`` with ``handoff=server`` in the URL makes a
+    :class:`RedisHandoffBackend`, as ``pathlib.Path`` makes a ``PosixPath``: the server
+    hand-off's methods exist exactly on the backends that declare it.
+    """
+
     capabilities = frozenset(
         {
             Capability.FENCING,
@@ -196,6 +212,13 @@ class RedisBackend(Backend):
             Capability.RELEASE_NOTICE,
         }
     )
+
+    def __new__(cls, url: str = "", *args: Any, **kwargs: Any) -> RedisBackend:
+        # No URL: copy.copy or pickle rebuilding an instance of the class it already is.
+        chosen: type[RedisBackend] = cls
+        if cls is RedisBackend and _handoff_option(url) == "server":
+            chosen = RedisHandoffBackend
+        return super().__new__(chosen)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -224,12 +247,15 @@ class RedisBackend(Backend):
         # A waiter's BLPOP never blocks longer than the socket timeout (_block_for): a
         # signal nobody popped by then has no one left to wake.
         self.signal_ms = max(1, int(min(self.socket_timeout, MAX_TTL) * 1000))
-        handoff = options.get("handoff", "client")
+        handoff = options.get("handoff", "server" if self.server_handoff else "client")
         if handoff not in ("client", "server"):
             raise InvalidArgument(
                 f"{self.server}: option handoff must be 'client' or 'server', got {handoff!r}"
             )
-        self.server_handoff = handoff == "server"
+        if (handoff == "server") != self.server_handoff:  # a subclass made directly
+            raise InvalidArgument(
+                f"{self.server}: option handoff={handoff} does not fit {type(self).__name__}"
+            )
         if self.server_handoff and self.wait_replicas:
             # A grant made inside a release has no WAIT of its own to count replicas.
             raise InvalidArgument(
@@ -395,35 +421,6 @@ class RedisBackend(Backend):
     @property
     def _release_script(self) -> str:
         return "release_handoff" if self.server_handoff else "release"
-
-    def _enqueue_args(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
-    ) -> list[Any]:
-        check_ttl_ms(ttl_ms, name)
-        key = self._key(name)
-        keys = [key, self._counter(name), key + ":queue"]
-        return [3, *keys, token, ttl_ms, owner.to_json(), self.fence_ttl_ms, max(0, wait_ms)]
-
-    def _dequeue_args(self, name: str, token: str) -> list[Any]:
-        key = self._key(name)
-        keys = [key, self._counter(name), key + ":queue", key + ":signal"]
-        return [4, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms,
-                self.signal_ms]  # fmt: skip
-
-    def _grant_key(self, name: str, token: str) -> str:
-        return f"{self._key(name)}:grant:{token}"
-
-    @staticmethod
-    def _granted(reply: Any, above: int | None) -> int | None:
-        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``), if it
-        is above ``above``: a grant at or below the holder's fence the last ENQUEUE saw is
-        stale (made before that try, and the lock taken back since), and is dropped."""
-        if isinstance(reply, list | tuple):
-            reply = reply[1]
-        if reply is None or above is None:
-            return None
-        fence = int(reply)
-        return fence if fence > above else None
 
     def _acquire_result(self, reply: Any) -> AcquireResult:
         if isinstance(reply, int):
@@ -789,40 +786,6 @@ class RedisBackend(Backend):
         except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
-    def enqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
-    ) -> AcquireResult:
-        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
-        riders = self._take_riders() if self._riders else None
-        if riders:
-            (reply,) = self._after_releases(
-                name, riders, lambda by_sha: [script_command("enqueue", by_sha, args)]
-            )
-            if isinstance(reply, Exception):
-                self._fail(name, reply)
-            return self._acquire_result(reply)
-        try:
-            return self._acquire_result(self._eval(self.client, "enqueue", args))
-        except CLIENT_ERRORS as exc:
-            self._fail(name, exc)
-
-    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
-        block = self._block_for(timeout)
-        key = self._grant_key(name, token)
-        try:
-            if block is None:
-                time.sleep(self._nap(timeout))
-                return self._granted(self.client.lpop(key), above)
-            return self._granted(self.client.blpop([key], block), above)
-        except CLIENT_ERRORS as exc:
-            self._fail(name, exc)
-
-    def dequeue(self, name: str, token: str) -> bool:
-        try:
-            return bool(self._eval(self.client, "dequeue", self._dequeue_args(name, token)))
-        except CLIENT_ERRORS as exc:
-            self._fail(name, exc)
-
     def force_release(self, name: str, fence: int | None = None) -> bool:
         return self._forced(name, self._release(name, "", fence))
 
@@ -1011,31 +974,6 @@ class RedisBackend(Backend):
         script = self._release_script
         return bool(await self._acall(name, lambda: self._aeval(client, script, args)))
 
-    async def aenqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
-    ) -> AcquireResult:
-        client = self._async_client()
-        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
-        reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
-        return self._acquire_result(reply)
-
-    async def aawait_grant(
-        self, name: str, token: str, timeout: float, above: int | None
-    ) -> int | None:
-        block = self._block_for(timeout)
-        key = self._grant_key(name, token)
-        client = self._async_client()
-        if block is None:
-            await asyncio.sleep(self._nap(timeout))
-            return self._granted(await self._acall(name, lambda: client.lpop(key)), above)
-        reply = await self._acall(name, lambda: client.blpop([key], block))
-        return self._granted(reply, above)
-
-    async def adequeue(self, name: str, token: str) -> bool:
-        client = self._async_client()
-        args = self._dequeue_args(name, token)
-        return bool(await self._acall(name, lambda: self._aeval(client, "dequeue", args)))
-
     async def arelease(self, name: str, token: str) -> bool:
         return await self._arelease(name, token, None)
 
@@ -1096,3 +1034,107 @@ class RedisBackend(Backend):
             for sentinel in getattr(client, "task_locks_sentinels", ()):
                 await sentinel.aclose()
             await client.aclose()
+
+
+class RedisHandoffBackend(RedisBackend, ServerHandoff):
+    """``handoff=server``: a waiter that finds the lock held queues itself in the same
+    script, and a release grants the lock to the first live waiter (the module's
+    docstring; ``ENQUEUE`` in :mod:`.redis_scripts`). Made by ``RedisBackend(url)``
+    (``get_backend``) when the URL says so.
+    """
+
+    capabilities = RedisBackend.capabilities | {Capability.SERVER_HANDOFF}
+
+    # -- request shaping shared by sync and async paths ----------------------------------
+
+    def _enqueue_args(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> list[Any]:
+        check_ttl_ms(ttl_ms, name)
+        key = self._key(name)
+        keys = [key, self._counter(name), key + ":queue"]
+        return [3, *keys, token, ttl_ms, owner.to_json(), self.fence_ttl_ms, max(0, wait_ms)]
+
+    def _dequeue_args(self, name: str, token: str) -> list[Any]:
+        key = self._key(name)
+        keys = [key, self._counter(name), key + ":queue", key + ":signal"]
+        return [4, *keys, token, self.fence_ttl_ms, secrets.token_hex(8), self.tombstone_ms,
+                self.signal_ms]  # fmt: skip
+
+    def _grant_key(self, name: str, token: str) -> str:
+        return f"{self._key(name)}:grant:{token}"
+
+    @staticmethod
+    def _granted(reply: Any, above: int | None) -> int | None:
+        """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``), if it
+        is above ``above``: a grant at or below the holder's fence the last ENQUEUE saw is
+        stale (made before that try, and the lock taken back since), and is dropped."""
+        if isinstance(reply, list | tuple):
+            reply = reply[1]
+        if reply is None or above is None:
+            return None
+        fence = int(reply)
+        return fence if fence > above else None
+
+    # -- blocking
+
+    def enqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        riders = self._take_riders() if self._riders else None
+        if riders:
+            (reply,) = self._after_releases(
+                name, riders, lambda by_sha: [script_command("enqueue", by_sha, args)]
+            )
+            if isinstance(reply, Exception):
+                self._fail(name, reply)
+            return self._acquire_result(reply)
+        try:
+            return self._acquire_result(self._eval(self.client, "enqueue", args))
+        except CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
+        block = self._block_for(timeout)
+        key = self._grant_key(name, token)
+        try:
+            if block is None:
+                time.sleep(self._nap(timeout))
+                return self._granted(self.client.lpop(key), above)
+            return self._granted(self.client.blpop([key], block), above)
+        except CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    def dequeue(self, name: str, token: str) -> bool:
+        try:
+            return bool(self._eval(self.client, "dequeue", self._dequeue_args(name, token)))
+        except CLIENT_ERRORS as exc:
+            self._fail(name, exc)
+
+    # -- asyncio
+
+    async def aenqueue(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+    ) -> AcquireResult:
+        client = self._async_client()
+        args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
+        return self._acquire_result(reply)
+
+    async def aawait_grant(
+        self, name: str, token: str, timeout: float, above: int | None
+    ) -> int | None:
+        block = self._block_for(timeout)
+        key = self._grant_key(name, token)
+        client = self._async_client()
+        if block is None:
+            await asyncio.sleep(self._nap(timeout))
+            return self._granted(await self._acall(name, lambda: client.lpop(key)), above)
+        reply = await self._acall(name, lambda: client.blpop([key], block))
+        return self._granted(reply, above)
+
+    async def adequeue(self, name: str, token: str) -> bool:
+        client = self._async_client()
+        args = self._dequeue_args(name, token)
+        return bool(await self._acall(name, lambda: self._aeval(client, "dequeue", args)))

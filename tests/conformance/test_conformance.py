@@ -307,7 +307,8 @@ def test_renew_many_answers_per_lease(deployment: Deployment) -> None:
 def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     capabilities = deployment.capabilities
     assert capabilities <= {
-        "fencing", "consensus", "multiprocess", "wakeup", "holders", "release_notice"
+        "fencing", "consensus", "multiprocess", "wakeup", "holders", "release_notice",
+        "server_handoff",
     }  # fmt: skip
     assert {"fencing", "holders"} <= capabilities
     assert ("consensus" in capabilities) == deployment.kind.startswith("etcd")
@@ -315,6 +316,8 @@ def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     # PostgreSQL's NOTIFY); Redis Cluster, Redlock, MySQL, SQLite and memory do not.
     silent = {"cluster", "redlock", "memory", "django-sqlite", "django-mysql"}
     assert ("release_notice" in capabilities) == (deployment.kind not in silent)
+    # Declared with the URL's opt-in only (TASK_LOCKS_TEST_HANDOFF=server on Redis).
+    assert ("server_handoff" in capabilities) == ("handoff=server" in deployment.url)
     lock = Lock("demanding", ttl=5, backend=deployment.url, require={"fencing", "consensus"})
     if "consensus" in capabilities:
         lock.acquire(timeout=0).release()

@@ -84,6 +84,7 @@ def test_capability_values_are_the_documented_names() -> None:
         "wakeup",
         "holders",
         "release_notice",
+        "server_handoff",
     }
     assert CAPABILITIES == {c.value for c in Capability}
     assert Capability("fencing") is Capability.FENCING
