@@ -2,7 +2,7 @@
 
 A run whose outcome nobody waits for (its result is not stored, no callback or chain
 follows it) does not need its lock's release round trip before the worker moves on.
-The run hands the lease over here, and the release rides ahead of the next acquire the
+The run defers the lease's release here, and the release rides ahead of the next acquire the
 process sends to that backend, in the acquire's own pipelined round trip
 (:meth:`~task_locks.backends.base.Backend.defer_release`): back-to-back runs pay one
 round trip each, and no thread runs beside the worker's. If no acquire comes within
@@ -27,13 +27,13 @@ What keeps it safe:
 - worker shutdown, a pool child's exit and the interpreter's exit flush the queue
   (bounded by :data:`FLUSH_TIMEOUT`); a release still unsent after that is left to the
   lock's TTL, like any lock of a process that died;
-- only leases still held as far as this process knows are handed over, and their
+- only leases still held as far as this process knows are deferred, and their
   renewal stops at once: a lease lost while the body ran is released in the run, which
   fails loudly as before. A release the server refuses later (the lock was
   force-released meanwhile) marks the lease lost (the ``lost`` event) and is logged at
   WARNING; the run has already ended.
 
-A child killed while a run holds its lock never got to hand it over: the worker's main
+A child killed while a run holds its lock never got to defer its release: the worker's main
 process recovers that lock as before (:mod:`task_locks.celery.request`). A child killed
 in the few milliseconds between a run's end and the release going out leaves that lock
 to its TTL (renewal stopped when the run ended).
@@ -58,7 +58,7 @@ log = logging.getLogger("task_locks.celery")
 
 #: Seconds a flush waits for the releases in flight (a release is one round trip).
 FLUSH_TIMEOUT: Final = 5.0
-#: Seconds a handed-over release waits for an acquire to carry it before the releaser
+#: Seconds a deferred release waits for an acquire to carry it before the releaser
 #: thread sends it: the longest a finished run's key stays taken, plus the release's
 #: round trip (and the thread's wait for a CPU).
 RELEASE_DELAY: Final = 0.005
@@ -67,7 +67,7 @@ OnError = Callable[[Lease, LockError], None]
 
 
 class _Pending(DeferredRelease):
-    """One handed-over release: the lease, who hears of its failure, when it is due."""
+    """One deferred release: the lease, who hears of its failure, when it is due."""
 
     __slots__ = ("due", "key", "lease", "on_error", "owner")
 
@@ -97,7 +97,7 @@ class Releaser:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._done = threading.Condition(self._lock)
-        #: Handed over and not yet claimed by a sender (claimed ones leave lazily).
+        #: Deferred and not yet claimed by a sender (claimed ones leave lazily).
         self._queue: list[_Pending] = []
         #: key -> releases of it not yet answered (queued or in flight).
         self._pending: dict[str, int] = {}
@@ -106,7 +106,7 @@ class Releaser:
         self._thread: threading.Thread | None = None
         #: When the thread wakes on its own (``inf``: it waits for work).
         self._wake_at = math.inf
-        #: Releases handed over so far (the thread sleeps for good only when none came).
+        #: Releases deferred so far (the thread sleeps for good only when none came).
         self._submitted = 0
 
     def submit(self, key: str, lease: Lease, on_error: OnError) -> None:
@@ -139,7 +139,7 @@ class Releaser:
                 self._work.notify()
 
     def pending(self, key: str) -> bool:
-        """Whether a release of ``key`` handed over in this process is not answered yet."""
+        """Whether a release of ``key`` deferred in this process is not answered yet."""
         return key in self._pending
 
     def flush_key(self, key: str, timeout: float = FLUSH_TIMEOUT) -> bool:
@@ -159,7 +159,7 @@ class Releaser:
         return self._flush(which, lambda: not any(map(which, self._open)), timeout)
 
     def idle(self) -> bool:
-        """Whether every release handed over in this process has been answered."""
+        """Whether every release deferred in this process has been answered."""
         return not self._open
 
     def _flush(
@@ -226,8 +226,8 @@ class Releaser:
                         self._wake_at = math.inf  # nothing came since the last look
                         self._work.wait()
                         continue
-                    # Runs keep handing releases over (and acquires keep carrying them):
-                    # look again a delay on rather than be woken by the next hand-over,
+                    # Runs keep deferring releases (and acquires keep carrying them):
+                    # look again a delay on rather than be woken by the next deferral,
                     # whose due time is later still. A wake-up per run would cost the
                     # run's thread the GIL each time.
                     seen = self._submitted

@@ -31,7 +31,7 @@ from .unavailable import warn_if_unreachable
 
 
 def _before_task(sender: Any = None, **_: Any) -> None:
-    """Send the releases handed over by finished runs before this task's body can keep
+    """Send the releases deferred by finished runs before this task's body can keep
     the GIL (and with it the releaser thread) for as long as it likes.
 
     A singleton task whose run takes its lock on the releases' backend carries them in
@@ -86,7 +86,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _on_shutdown(**_: Any) -> None:
-    releaser.flush()  # releases handed over by finished runs go out first
+    releaser.flush()  # releases deferred by finished runs go out first
     leftovers = live_leases.pop_all()
     if leftovers:
         release_leftovers(leftovers, "worker shutdown")
