@@ -47,17 +47,24 @@ def _speaks_plain_redis(host: str, port: int, timeout: float) -> bool:
 
 
 class _ShortHandshake(redis.connection.Connection):
-    """The TCP half of :class:`_TLSConnection`: its socket leaves with the probe's short
-    timeout (unless a full handshake was asked for), so the TLS handshake redis-py runs
-    on it next waits no longer than that."""
+    """The TCP half of :class:`_TLSConnection`: once connected (with the full connect
+    timeout), the TLS handshake redis-py runs next waits no longer than the probe's short
+    timeout, unless a full handshake was asked for. Both ways redis-py sets it are
+    covered: the socket's own timeout (redis-py 5 and 6) and ``socket_connect_timeout``,
+    which newer versions apply to the socket again just before the handshake (restored
+    by :class:`_TLSConnection` once the handshake is over)."""
 
     _full_handshake = False
     _tcp: socket.socket | None = None
+    _connect_timeout: Any = None
 
     def _connect(self) -> Any:
         sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
         if not self._full_handshake:
-            sock.settimeout(_probe_after(self))
+            short = _probe_after(self)
+            sock.settimeout(short)
+            self._connect_timeout = self.socket_connect_timeout
+            self.socket_connect_timeout = short
         self._tcp = sock
         return sock
 
@@ -83,6 +90,7 @@ class _TLSConnection(redis.connection.SSLConnection, _ShortHandshake):
         try:
             tls = super()._connect()  # type: ignore[no-untyped-call]
         except BaseException as exc:
+            self._restore_connect_timeout()
             if self._tcp is not None:
                 self._tcp.close()  # redis-py 5.0 leaves it open when the handshake fails
             if not isinstance(exc, TimeoutError):
@@ -95,8 +103,13 @@ class _TLSConnection(redis.connection.SSLConnection, _ShortHandshake):
             return super()._connect()  # type: ignore[no-untyped-call]
         finally:
             self._tcp = None
+            self._restore_connect_timeout()
         tls.settimeout(self.socket_timeout)
         return tls
+
+    def _restore_connect_timeout(self) -> None:
+        if self._connect_timeout is not None:
+            self.socket_connect_timeout, self._connect_timeout = self._connect_timeout, None
 
 
 @functools.cache
