@@ -76,10 +76,12 @@ times under a coarse or virtual clock never let a call be dropped early.
 So: ``renew(ttl=LONGER)`` raced by a watchdog renewal with the old TTL leaves the
 deadline at the old TTL's, whichever reply comes first, until a renewal sent after both
 replies is granted (it carries the new TTL). A failed call stays open (it may have
-reached the server) until a later call is granted. Not covered: a request the client
-gave up on (timed out) that still reaches the server later, behind a call sent after
-the failure, with a shorter TTL than that call's; the TTL is only ever shortened by
-``renew(ttl=...)`` by the holder itself.
+reached the server) until a later call is granted; and since its request may still
+reach the server after any later call (a request the client gave up on, delayed on its
+way), the lease counts every later call with the shortest TTL of a failed call from then
+on: after a renewal of the old TTL timed out, ``renew(ttl=LONGER)`` extends the server's
+expiry but not the local deadline (the late request would cut the expiry back to the
+old TTL from its arrival). A failed call that carried the lease's TTL costs nothing.
 
 The next renewal is due a third of the TTL after the send of the open call that gives
 the soonest (``min(s + t/3)``), so a lease is renewed on the schedule of the TTL it counts
@@ -203,7 +205,15 @@ class LeaseBook:
     passes ``now``. Thread-safe.
     """
 
-    __slots__ = ("_open", "deadline", "hold_deadline", "ttl", "valid")
+    __slots__ = (
+        "_failed_ttl",
+        "_failed_valid",
+        "_open",
+        "deadline",
+        "hold_deadline",
+        "ttl",
+        "valid",
+    )
 
     def __init__(
         self, ttl: float, valid: float, sent_at: float, hold_deadline: float | None = None
@@ -214,6 +224,9 @@ class LeaseBook:
         granted = RenewCall(sent_at, ttl, valid, next(_events), next(_events), True)
         self._open = [granted]
         self.deadline = sent_at + valid
+        #: The shortest TTL (and validity) of a call that failed: its request may still
+        #: land after any later call, so every later call counts with at most this.
+        self._failed_ttl = self._failed_valid = math.inf
 
     def begin(self, now: float, ttl: float | None = None, valid: float | None = None) -> RenewCall:
         """A call is being sent at ``now`` (with a new ``ttl``/``valid`` if given, which
@@ -223,7 +236,7 @@ class LeaseBook:
                 self.ttl, self.valid = ttl, valid
             call = RenewCall(now, self.ttl, self.valid, next(_events))
             self._open.append(call)
-            self.deadline = min(self.deadline, now + call.valid)
+            self.deadline = min(self.deadline, now + min(call.valid, self._failed_valid))
             return call
 
     def granted(self, call: RenewCall) -> float:
@@ -236,13 +249,17 @@ class LeaseBook:
                 for c in self._open
                 if c is call or c.resolved_seq is None or c.resolved_seq > call.sent_seq
             ]
-            self.deadline = min(c.sent_at + c.valid for c in self._open)
+            floor = self._failed_valid
+            self.deadline = min(c.sent_at + min(c.valid, floor) for c in self._open)
             return self.deadline
 
     def failed(self, call: RenewCall) -> None:
-        """No answer for ``call``: it may or may not have reached the server (it stays open)."""
+        """No answer for ``call``: it may or may not have reached the server, now or later
+        (it stays open; its TTL bounds every later call's)."""
         with _book_guard:
             call.resolved_seq = next(_events)
+            self._failed_ttl = min(self._failed_ttl, call.ttl)
+            self._failed_valid = min(self._failed_valid, call.valid)
 
     def next_renewal(self) -> float:
         """A third of the TTL after the send of the open call that gives the soonest,
@@ -250,8 +267,9 @@ class LeaseBook:
         docstring), or the ``max_hold`` deadline if sooner."""
         with _book_guard:
             latest = max(self._open, key=_sent_seq)
+            ttl = self._failed_ttl
             due = min(
-                (c.sent_at if _answered_after(c, latest) else latest.sent_at) + c.ttl / 3
+                (c.sent_at if _answered_after(c, latest) else latest.sent_at) + min(c.ttl, ttl) / 3
                 for c in self._open
             )
         return due if self.hold_deadline is None else min(due, self.hold_deadline)

@@ -108,7 +108,23 @@ def test_renewals_in_flight_together_do_not_keep_the_next_one_due_at_once() -> N
     assert book.next_renewal() == pytest.approx(0.2 + 0.1)
 
 
-def test_a_failed_call_counts_until_a_later_call_is_granted() -> None:
+def test_a_timed_out_renewal_may_land_after_a_longer_one() -> None:
+    """The watchdog's renewal (TTL 1 s) times out with its request still on its way; a
+    renew(ttl=3) sent after the failure is granted, and then the late request lands:
+    the server's expiry is 1 s from its arrival, so the lease must count with 1 s."""
+    book = LeaseBook(ttl=1, valid=1, sent_at=0.0)
+    late = book.begin(0.3)
+    book.failed(late)  # the socket timeout
+    longer = book.begin(0.9, ttl=3, valid=3)
+    book.granted(longer)
+    assert book.deadline == 0.9 + 1  # not 0.9 + 3: `late` may land any time after it
+    assert book.next_renewal() == pytest.approx(0.9 + 1 / 3)
+    again = book.begin(1.2)  # later calls too: `late` may land after each of them
+    book.granted(again)
+    assert book.deadline == 1.2 + 1
+
+
+def test_a_failed_call_counts_until_a_later_call_is_granted_and_its_ttl_after() -> None:
     book = LeaseBook(ttl=3, valid=3, sent_at=0.0)
     failed = book.begin(1.0, ttl=1, valid=1)
     retry = book.begin(1.5, ttl=3, valid=3)  # sent before the failure was seen
@@ -117,7 +133,7 @@ def test_a_failed_call_counts_until_a_later_call_is_granted() -> None:
     assert book.deadline == 1.0 + 1  # `failed` may still have landed after `retry`
     after = book.begin(1.8)
     book.granted(after)
-    assert book.deadline == 1.8 + 3
+    assert book.deadline == 1.8 + 1  # and may still land after `after`, with its 1 s
 
 
 @dataclass
@@ -125,6 +141,8 @@ class _Flight:
     call: RenewCall
     arrived: bool = False
     granted: bool | None = None
+    #: The client gave up on it (no answer will be read); its request may still arrive.
+    failed: bool = False
 
 
 @dataclass
@@ -144,7 +162,9 @@ class _Model:
 
     def step(self, op: str, pick: int, amount: float) -> None:
         waiting = [f for f in self.flights if not f.arrived]
-        answerable = [f for f in self.flights if f.arrived and f.granted is not None]
+        answerable = [
+            f for f in self.flights if f.arrived and f.granted is not None and not f.failed
+        ]
         if op == "tick":
             self.now += amount
         elif op == "send":
@@ -165,10 +185,13 @@ class _Model:
                 self.lost = True  # refused, or answered after the deadline: lost
             else:
                 self.book.granted(flight.call)
-        elif op == "fail" and self.flights:
-            # No answer: it reached the server or it did not (and never will).
-            flight = self.flights.pop(pick % len(self.flights))
-            self.book.failed(flight.call)
+        elif op == "fail":
+            # No answer: it reached the server, or it has not yet (it may, any time later).
+            unfailed = [f for f in self.flights if not f.failed]
+            if unfailed:
+                flight = unfailed[pick % len(unfailed)]
+                flight.failed = True
+                self.book.failed(flight.call)
 
 
 steps = st.lists(
