@@ -95,7 +95,10 @@ class Fault:
         if self.kind == "lose_renew":
             return f"{who}'s renew() call: {self.detail}"
         if self.kind == "lose_lane":
-            return f"{who}'s first lane renewal from {self.at * 1000:.0f} ms on: {self.detail}"
+            return (
+                f"{who}'s first lane renewal from {self.at * 1000:.0f} ms on: {self.detail} "
+                f"{self.amount or ''}"
+            ).strip()
         if self.kind == "msg":
             return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
         if self.kind in ("restart", "failover", "clock_step"):
@@ -214,9 +217,12 @@ def generate(
     # Only in schedules with faults already: fair ones (liveness is checked there) stay.
     lanes = random.Random(seed * 104_729 + 17)
     for who, program in enumerate(programs):
-        if faults and len(program) > 1 and lanes.random() < 0.4:
-            detail = lanes.choice(("drop_request", "drop_reply"))
-            faults.append(Fault("lose_lane", who, lanes.random() * horizon, 0.0, detail))
+        extends = any(step.renew_ttl is not None for step in program)
+        if faults and (len(program) > 1 or extends) and lanes.random() < 0.4:
+            # (a request delayed past the socket timeout still lands, after later calls)
+            detail = lanes.choice(("drop_request", "drop_reply", "delay_request"))
+            amount = lanes.choice((1.0, 3.0)) if detail == "delay_request" else 0.0
+            faults.append(Fault("lose_lane", who, lanes.random() * horizon, amount, detail))
     kinds = {f.kind for f in faults}
     if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -332,8 +338,8 @@ class Checker:
         self._parsed: dict[str, dict[str, str]] = {}
         #: client index -> how its next explicit renew() is lost (fault "lose_renew")
         self.lose_renew: dict[int, str] = {}
-        #: client index -> (from when, how) its next lane renewal is lost ("lose_lane")
-        self.lose_lane: dict[int, tuple[float, str]] = {}
+        #: client index -> the fault "lose_lane" planned for its next lane renewal
+        self.lose_lane: dict[int, Fault] = {}
         self.net: Net | None = None
         self.granted_at: dict[int, float] = {}
         #: Clients paused, killed or whose clock jumped: their renewals may lapse.
@@ -636,9 +642,9 @@ class Checker:
     def lane_call(self, client: Client) -> None:
         """A lane's call is about to go out: the fault "lose_lane" makes it its request."""
         planned = self.lose_lane.get(client.index)
-        if planned is not None and self.sim.now >= planned[0] and self.net is not None:
+        if planned is not None and self.sim.now >= planned.at and self.net is not None:
             del self.lose_lane[client.index]
-            self.net.faults[(client.index, client.requests + 1)] = (planned[1], 0.0)
+            self.net.faults[(client.index, client.requests + 1)] = (planned.detail, planned.amount)
 
     def lane_answered(self, leases: list[Any]) -> None:
         for lease in leases:
@@ -849,7 +855,7 @@ def _plan_fault(
     elif kind == "lose_renew" and target is not None:
         checker.lose_renew[target.index] = fault.detail
     elif kind == "lose_lane" and target is not None:
-        checker.lose_lane[target.index] = (fault.at, fault.detail)
+        checker.lose_lane[target.index] = fault
     elif kind == "restart":
         sim.at(fault.at, lambda: server.restart(fault.amount))
     elif kind == "failover":

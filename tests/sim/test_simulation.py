@@ -254,3 +254,26 @@ def test_the_renewal_lane_and_checker_findings(scenario: Scenario) -> None:
     renewal without an answer holds up no other renewal (the last two)."""
     violation, story = sim.story(scenario)
     assert violation is None, "\n".join(story)
+
+
+#: Found by the long run (``generate(44632)``, shrunk): the watchdog's renewal (TTL 1 s)
+#: times out with its request delayed on its way; ``renew(ttl=3.0)`` and the renewals after
+#: it are granted, then the late request lands and cuts the server's expiry back to 1 s
+#: from its arrival, while the lease counted with 3 s (the deadline past the expiry).
+TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION = Scenario(
+    seed=44632,
+    protocol="redis-mixed",
+    programs=(
+        (Iteration("job", 1.0, 0.0, 0.3, 3, None, None, True, 0.0),),
+        (Iteration("job", 1.0, 3.0, 2.0, 0, 0.9180846710502996, 3.0, False, 0.0),),
+    ),
+    rates=(1.0001, 1.0),
+    faults=(Fault("msg", 1, 9.0, 1.0, "delay_request"),),
+    delay=(0.0005, 0.005),
+    socket_timeout=0.5,
+)
+
+
+def test_a_timed_out_renewal_landing_late_cuts_no_lease_short() -> None:
+    violation, story = sim.story(TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION)
+    assert violation is None, "\n".join(story)

@@ -363,7 +363,14 @@ with no renewal tried.
             """            due = min(c.sent_at + c.ttl / 3 for c in self._open if c.granted)""",
         )
     ],
-    otherwise=[  # an unanswered call counts from the latest send
+    otherwise=[  # an unanswered call counts from the latest send; failed calls' TTL floor
+        (
+            "task_locks/leasing.py",
+            """            ttl = self._failed_ttl
+            due = min(""",
+            """            ttl = math.inf
+            due = min(""",
+        ),
         (
             "task_locks/leasing.py",
             """                for c in self._open
@@ -371,7 +378,7 @@ with no renewal tried.
             """                for c in self._open
                 if c.granted
             )""",
-        )
+        ),
     ],
 )
 
@@ -443,8 +450,8 @@ from its own send: that time soon passes, and the lane renews back to back.
     [
         (
             "task_locks/leasing.py",
-            """                (c.sent_at if _answered_after(c, latest) else latest.sent_at) + c.ttl / 3""",
-            """                c.sent_at + c.ttl / 3""",
+            """(c.sent_at if _answered_after(c, latest) else latest.sent_at) + min(c.ttl, ttl) / 3""",
+            """c.sent_at + min(c.ttl, ttl) / 3""",
         )
     ],
 )
