@@ -130,15 +130,71 @@ async def _asend(batch: RenewBatch) -> list[bool] | BaseException:
         return exc
 
 
-class ThreadLane:
+class _IdleExitThread:
+    """A daemon thread started on demand that exits once it had nothing to do for
+    :data:`IDLE_EXIT`: the renewal lane's and the deadline watch's, written once so that
+    both start, fail and exit by the same rules. It forgets itself under ``_cond`` as it
+    exits, so an ``add()`` either finds it still running or starts a new one."""
+
+    #: What the thread is, for its failure's log line.
+    _what: str
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._thread_name = name
+        self._idle_since: float | None = None
+
+    def _start(self) -> bool:
+        """Start the thread unless it runs; ``True`` if this call started it."""
+        with self._cond:
+            if self._thread is not None:
+                return False
+            self._idle_since = None
+            self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+            self._thread.start()
+            return True
+
+    def _run(self) -> None:
+        mark_driver()
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("%s failed; the next acquire starts a new one", self._what)
+            raise
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def _sleep(self, now: float, until: float) -> None:
+        """Wait on ``_cond`` (held) until ``until``, or until woken."""
+        self._cond.wait(max(0.0, until - now))
+
+    def _idle(self, now: float, busy: bool = False) -> bool:
+        """Nothing is due (``_cond`` held): ``True`` once idle for :data:`IDLE_EXIT` and not
+        ``busy``, the thread then forgotten (it must return); else it sleeps that long."""
+        self._idle_since = self._idle_since or now
+        if now - self._idle_since >= IDLE_EXIT and not busy:
+            self._thread = None
+            return True
+        self._sleep(now, now + IDLE_EXIT)
+        return False
+
+
+class ThreadLane(_IdleExitThread):
     """The renewal thread (daemon) of one lane; started on demand, exits when idle."""
+
+    _what = "a renewal thread"
 
     def __init__(self, key: Hashable = None, label: str = "") -> None:
         self.key = key
         self.label = label
+        super().__init__(f"task-locks-renewer {label}")
         self.schedule = RenewalQueue(SYSTEM_CLOCK, wake=self._wake)
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
         # When the sleeping thread wakes on its own; add() wakes it only for an earlier
         # lease, so a busy acquire/release loop never pays for a thread switch.
         self._wake_at = -math.inf
@@ -150,12 +206,8 @@ class ThreadLane:
     def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
         self.schedule.add(lease, due, earlier_only)
         with self._cond:
-            if self._thread is None:  # _run() clears it, under this lock, as it exits
-                self._thread = threading.Thread(
-                    target=self._run, name=f"task-locks-renewer {self.label}", daemon=True
-                )
+            if self._start():
                 self._wake_at = -math.inf
-                self._thread.start()
 
     def _wake(self, due: float) -> None:
         with self._cond:
@@ -179,20 +231,11 @@ class ThreadLane:
         """Wait (at most ``timeout``) until no renewal call of this lane is in flight."""
         return self._between_calls.wait(timeout)
 
-    def _run(self) -> None:
-        mark_driver()
-        try:
-            self._loop()
-        except BaseException:
-            log.exception("a renewal thread failed; the next acquire starts a new one")
-            raise
-        finally:
-            with self._cond:
-                if self._thread is threading.current_thread():
-                    self._thread = None
+    def _sleep(self, now: float, until: float) -> None:
+        self._wake_at = until  # add() wakes the thread only for a lease due before this
+        super()._sleep(now, until)
 
     def _loop(self) -> None:
-        idle_since: float | None = None
         while True:
             # Reading the schedule and going to sleep happen under the condition, so an
             # add() in between cannot be missed.
@@ -200,17 +243,12 @@ class ThreadLane:
                 now = time.monotonic()
                 due = self.schedule.next_due()
                 if due is None:
-                    idle_since = idle_since or now
-                    if now - idle_since >= IDLE_EXIT and not self._in_flight:
-                        self._thread = None
+                    if self._idle(now, busy=self._in_flight > 0):
                         return
-                    self._wake_at = now + IDLE_EXIT
-                    self._cond.wait(IDLE_EXIT)
                     continue
-                idle_since = None
+                self._idle_since = None
                 if due > now:
-                    self._wake_at = due
-                    self._cond.wait(due - now)
+                    self._sleep(now, due)
                     continue
                 self._wake_at = -math.inf  # busy: the loop looks again before sleeping
             for backend, leases in self.schedule.take_due(now).items():
@@ -247,6 +285,9 @@ class ThreadLane:
                 if not self._in_flight:
                     self._between_calls.set()
                 self._cond.notify_all()
+
+
+LaneT = TypeVar("LaneT", "ThreadLane", "AsyncLane")
 
 
 class _Lanes:
@@ -289,20 +330,32 @@ class _Lanes:
             lane.schedule.clear()
 
 
-class ThreadRenewer:
-    """The process's renewal lanes for :class:`~task_locks.Lock` leases."""
+class _Renewer(Generic[LaneT]):
+    """What both renewers do with their lanes, written once: a lease goes to the lane of
+    its backend and of the backend's lane for its name (sync and asyncio lanes apart)."""
 
-    def __init__(self) -> None:
-        self.lanes = _Lanes(ThreadLane)
+    _asynchronous: bool
+
+    def __init__(self, make: Callable[[Hashable, str], LaneT]) -> None:
+        self.lanes = _Lanes(make)
 
     @property
     def schedule(self) -> _Lanes:
         return self.lanes
 
-    def add(self, lease: Renewable) -> ThreadLane:
-        lane: ThreadLane = self.lanes.get(lease, asynchronous=False)
+    def add(self, lease: Renewable) -> LaneT:
+        lane: LaneT = self.lanes.get(lease, asynchronous=self._asynchronous)
         lane.add(lease)
         return lane
+
+
+class ThreadRenewer(_Renewer[ThreadLane]):
+    """The process's renewal lanes for :class:`~task_locks.Lock` leases."""
+
+    _asynchronous = False
+
+    def __init__(self) -> None:
+        super().__init__(ThreadLane)
 
     def quiet(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` in all) until no lane has a renewal call in flight.
@@ -382,43 +435,32 @@ class AsyncLane:
             self._start()  # the lane's task may have ended while this call was out
 
 
-class AsyncRenewer:
+class AsyncRenewer(_Renewer[AsyncLane]):
     """The renewal lanes of one event loop, for :class:`~task_locks.AsyncLock` leases."""
+
+    _asynchronous = True
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.lanes = _Lanes(lambda key, label: AsyncLane(loop, key, label))
-
-    @property
-    def schedule(self) -> _Lanes:
-        return self.lanes
-
-    def add(self, lease: Renewable) -> AsyncLane:
-        lane: AsyncLane = self.lanes.get(lease, asynchronous=True)
-        lane.add(lease)
-        return lane
+        super().__init__(lambda key, label: AsyncLane(loop, key, label))
 
 
-class DeadlineWatch:
+class DeadlineWatch(_IdleExitThread):
     """Marks leases lost at their local deadline: one thread per process, around a
     :class:`~task_locks.leasing.DeadlineHeap`."""
 
+    _what = "the deadline watch"
+
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        super().__init__("task-locks-deadlines")
         self.heap = DeadlineHeap(wake=self._wake)
-        self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
         return len(self.heap)
 
     def add(self, lease: Renewable) -> None:
         self.heap.add(lease)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="task-locks-deadlines", daemon=True
-                )
-                self._thread.start()
+        self._start()
 
     def _wake(self, deadline: float) -> None:
         with self._cond:
@@ -427,37 +469,20 @@ class DeadlineWatch:
     def remove(self, lease: Renewable) -> None:
         self.heap.remove(lease)
 
-    def _run(self) -> None:
-        mark_driver()
-        try:
-            self._loop()
-        except BaseException:
-            log.exception("the deadline watch failed; the next acquire starts a new one")
-            raise
-        finally:
-            with self._cond:
-                if self._thread is threading.current_thread():
-                    self._thread = None
-
     def _loop(self) -> None:
-        idle_since: float | None = None
         while True:
             with self._cond:
                 now = time.monotonic()
-                deadline = self.heap.next_deadline()
-                if deadline is None:
-                    idle_since = idle_since or now
-                    if now - idle_since >= IDLE_EXIT:
-                        self._thread = None
+                if self.heap.next_deadline() is None:
+                    if self._idle(now):
                         return
-                    self._cond.wait(IDLE_EXIT)
                     continue
-                idle_since = None
+                self._idle_since = None
                 expired = self.heap.expired(now)
                 if not expired:
                     deadline = self.heap.next_deadline()
                     if deadline is not None:
-                        self._cond.wait(max(0.0, deadline - now))
+                        self._sleep(now, deadline)
                     continue
             for lease in expired:  # outside the lock: marking lost takes other locks
                 try:
