@@ -71,7 +71,7 @@ PARTS: dict[str, list[tuple[Any, str]]] = {
         (registry.LiveLeases, "discard"),
         (lock.Lease, "_watch"),
         (lock.Lease, "_schedule"),
-        (lock.Lease, "_unschedule"),
+        (lock.Lease, "stop_renewal"),
         (lock.Lease, "_unwatch"),
         (events, "context"),
     ],

@@ -244,7 +244,7 @@ class LeaseBase:
     _renewer: Lane | None = None
     #: Whether the deadline watch has this lease.
     _watched: bool = False
-    #: A release was sent and got no answer (see ``_release_unknown``).
+    #: A release was sent and got no answer (see ``release_unknown``).
     _release_failed: bool = False
     #: Its holder is releasing it: a release notice is about our own delete (etcd).
     _releasing: bool = False
@@ -287,7 +287,9 @@ class LeaseBase:
         #: The last renewal failure, to say why the lease ran out.
         self._renew_error: BaseException | None = None
         self._released = False
-        self._on_lost = on_lost
+        #: Called with the lease when it is found lost (off the renewal lanes). A front end
+        #: may chain its own hook in front of it (:class:`task_locks._friends.FriendLease`).
+        self.on_lost = on_lost
         self.renewals = 0
         #: What the front end said when it took the lock (for the events it reports).
         self._detail = events.current_context().detail
@@ -499,21 +501,21 @@ class LeaseBase:
             self._lost_reason = message
         if not self.lost._claim():
             return
-        self._unschedule()
+        self.stop_renewal()
         self._unwatch()
         # Logged (once) by the events' logging subscriber.
         self._report(
             events.Lost, held=self._held(), reason=reason, message=message, detail=self._detail
         )
-        if self._on_lost is not None:
+        if self.on_lost is not None:
             # Never here: this may be a renewal lane or the deadline watch, and a slow
             # callback would hold up every other lease's renewals.
             self._runtime.run_callback(self, self._call_on_lost)
 
     def _call_on_lost(self) -> None:
-        assert self._on_lost is not None
+        assert self.on_lost is not None
         try:
-            outcome = self._on_lost(self)
+            outcome = self.on_lost(self)
             if inspect.isawaitable(outcome):
                 _spawn(outcome)
         except Exception:
@@ -532,14 +534,19 @@ class LeaseBase:
             self._watched = False
             self._runtime.unwatch(self)
 
-    def _unschedule(self) -> None:
+    def stop_renewal(self) -> None:
+        """Friends only (:class:`task_locks._friends.FriendLease`): stop renewing the lease,
+        which keeps its lock until the TTL runs out (a Celery run parking it for its retry)."""
         # The renewer it was given, not the current thread's or loop's: a lease may be
         # marked lost from another thread, and must still leave its schedule.
         if self._renewer is not None:
             self._renewer.remove(self)
 
-    def _begin_release(self) -> bool:
-        """``False`` when there is nothing to send (already released, or not ours to send).
+    def begin_release(self) -> bool:
+        """Friends only (:class:`task_locks._friends.FriendLease`), with
+        :meth:`finish_release`: a release sent by someone else than :meth:`release` (the
+        Celery releaser's thread). ``False`` when there is nothing to send (already
+        released, or not ours to send).
 
         A forked child that unwinds a ``with`` block must not free its parent's lock, so
         there the release only forgets the lease locally.
@@ -552,11 +559,12 @@ class LeaseBase:
             log.debug("lock %r belongs to parent process %s; not released", self.name, self._pid)
             return False
         self._releasing = True
-        self._unschedule()
+        self.stop_renewal()
         return True
 
-    def _release_unknown(self, error: BackendUnavailable) -> None:
-        """A release whose outcome is unknown (no reply): the lock may be free already.
+    def release_unknown(self, error: BackendUnavailable) -> None:
+        """Friends only: a release whose outcome is unknown (no reply): the lock may be
+        free already.
 
         The lease stops counting as held (another process may hold the lock any moment);
         a later ``release()`` may still send it, and its "not ours" then means the first
@@ -568,14 +576,17 @@ class LeaseBase:
             f"the release's outcome is unknown, so it may be free already ({error})",
         )
 
-    def _hand_over(self, to: str) -> None:
-        """The lock goes on to another process (``to``: a queued task's worker...): this
-        process stops holding it, with no request to the server, and reports it released
-        (reason :data:`events.HANDED_OVER`), not lost at its deadline."""
-        if self._begin_release():
-            self._finish_release(True, to)
+    def hand_over(self, to: str) -> None:
+        """Friends only (:class:`task_locks._friends.FriendLease`): the lock goes on to
+        another process (``to``: a queued task's worker...): this process stops holding
+        it, with no request to the server, and reports it released (reason
+        :data:`events.HANDED_OVER`), not lost at its deadline."""
+        if self.begin_release():
+            self.finish_release(True, to)
 
-    def _finish_release(self, ok: bool, handed_to: str | None = None) -> None:
+    def finish_release(self, ok: bool, handed_to: str | None = None) -> None:
+        """Friends only: the answer to the release :meth:`begin_release` began (``ok``: the
+        server freed it); a refused one marks the lease lost and raises :class:`NotOwned`."""
         if self._holder_key is not None:
             ref = _held_by.get(self._holder_key)
             if ref is not None and ref() is self:
@@ -663,13 +674,13 @@ class Lease(LeaseBase):
 
         Calling it again after a successful release does nothing.
         """
-        if self._begin_release():
+        if self.begin_release():
             try:
                 ok = self.backend.release(self.name, self.token)
             except BackendUnavailable as exc:
-                self._release_unknown(exc)
+                self.release_unknown(exc)
                 raise
-            self._finish_release(ok)
+            self.finish_release(ok)
 
     def __enter__(self) -> Lease:
         return self
@@ -720,13 +731,13 @@ class AsyncLease(LeaseBase):
     async def release(self) -> None:
         """The asyncio twin of :meth:`Lease.release`: free the lock if it is still ours;
         raise :class:`NotOwned` if it was lost."""
-        if self._begin_release():
+        if self.begin_release():
             try:
                 ok = await self.backend.arelease(self.name, self.token)
             except BackendUnavailable as exc:
-                self._release_unknown(exc)
+                self.release_unknown(exc)
                 raise
-            self._finish_release(ok)
+            self.finish_release(ok)
 
     async def __aenter__(self) -> AsyncLease:
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from kombu.utils.json import register_type
 
@@ -20,7 +20,7 @@ from ..errors import LockHeld
 from ..policies import ON_CONFLICT
 
 if TYPE_CHECKING:
-    from .task import SingletonTask
+    from ..backends.base import Backend
 
 #: The word skipped runs are reported with (the worker's INFO line, :class:`Skipped`'s
 #: ``state``). A skipped run no longer *ends* in this custom state, which Celery never
@@ -52,6 +52,27 @@ class LockedTask:
     checks for, without importing the task module."""
 
     __slots__ = ()
+
+
+class LockingTask(Protocol):
+    """What the modules below :mod:`~task_locks.celery.task` (the publish guard, the
+    recovery in the worker's main process, the signal handlers, the outage probe) may use
+    of a singleton task: its options, Celery's own members, and these public methods,
+    never its private ones (a test reads the package's source for that)."""
+
+    name: str
+    lock_on: str
+    on_conflict: str
+    lock_unavailable: str
+    wait_timeout: float | None
+    enqueue_ttl: float | None
+    lock_backend: Any
+
+    @property
+    def request(self) -> Any: ...
+    def lock_name(self, /, *args: Any, **kwargs: Any) -> str: ...
+    def held_lock_names(self, name: str, task_id: str | None = None) -> list[str]: ...
+    def resolved_lock_backend(self) -> Backend: ...
 
 
 class DuplicateTask(LockHeld):
@@ -160,9 +181,7 @@ register_type(
 )
 
 
-def hand_over_to_retry(
-    task: SingletonTask, task_id: str, args: Any, kwargs: Any
-) -> AnyLease | None:
+def hand_over_to_retry(task: LockingTask, task_id: str, args: Any, kwargs: Any) -> AnyLease | None:
     """The running lease a ``lock_on="both"`` task passes to its own retry message, if any.
 
     ``self.retry()`` publishes the next attempt while this one still holds the key.
@@ -173,7 +192,7 @@ def hand_over_to_retry(
     lease = current_lease()
     if task.lock_on != "both" or lease is None or not lease.held:
         return None
-    if task.request.id != task_id or task._lock_name(args, kwargs) != lease.name:
+    if task.request.id != task_id or task.lock_name(*(args or ()), **(kwargs or {})) != lease.name:
         return None
     return lease
 
@@ -206,6 +225,7 @@ __all__ = [
     "TOKEN_HEADER",
     "DuplicateTask",
     "LockedTask",
+    "LockingTask",
     "Skipped",
     "StaleTick",
     "hand_over_to_retry",

@@ -335,7 +335,7 @@ class LeaderMixin:
             lease = claim.try_acquire()
         if lease is None:
             return None
-        lease._hand_over(f"tick {tick}, kept to its TTL")  # held by the sent message now
+        lease.hand_over(f"tick {tick}, kept to its TTL")  # held by the sent message now
         return lease.token
 
     def apply_async(

@@ -121,8 +121,8 @@ class RunWatch:
         self._green: Any = None  # the body's greenlet (gevent, eventlet)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lost_at_end = False
-        self._previous = lease._on_lost
-        lease._on_lost = self._lost
+        self._previous = lease.on_lost
+        lease.on_lost = self._lost
 
     @property
     def lost_known(self) -> bool:

@@ -33,15 +33,15 @@ class PeerCheckedTask(SingletonTask):
     #: The peer keys to wait out (``None``: an ordinary singleton task).
     lock_peers: PeerKeys | None = None
 
-    def _run_lock(self, name: str) -> Lock | Semaphore:
+    def run_lock(self, name: str) -> Lock | Semaphore:
         if self.lock_peers is None or self.lock_limit != 1:
-            return super()._run_lock(name)
-        return PeerCheckedLock(name, peers=self.lock_peers, **self._lock_options())
+            return super().run_lock(name)
+        return PeerCheckedLock(name, peers=self.lock_peers, **self.lock_arguments())
 
-    def _async_run_lock(self, name: str) -> AsyncLock | AsyncSemaphore:
+    def async_run_lock(self, name: str) -> AsyncLock | AsyncSemaphore:
         if self.lock_peers is None or self.lock_limit != 1:
-            return super()._async_run_lock(name)
-        return AsyncPeerCheckedLock(name, peers=self.lock_peers, **self._lock_options())
+            return super().async_run_lock(name)
+        return AsyncPeerCheckedLock(name, peers=self.lock_peers, **self.lock_arguments())
 
 
 __all__ = ["PeerCheckedTask"]

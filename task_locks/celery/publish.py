@@ -131,7 +131,7 @@ def guarded_publish(
     retries = headers.get("retries") or (body.get("retries") if isinstance(body, dict) else 0)
     if retries:
         return _publish_retry(task, send, producer, name, message, options, task_id, args, kwargs)
-    key = task._lock_name(args, kwargs)
+    key = task.lock_name(*args, **kwargs)
     if releaser.pending(key):  # a run of this key here just ended: let its release land
         releaser.flush_key(key)
     lock = Lock(key, ttl=_enqueue_ttl(task, headers), backend=task.lock_backend, renew=False)
@@ -164,7 +164,7 @@ def guarded_publish(
         except LockError as exc:
             log.warning("releasing lock %r after a failed publish: %s", key, exc)
         raise
-    lease._hand_over(f"the worker of {task.name}[{task_id}]")  # no longer held here
+    lease.hand_over(f"the worker of {task.name}[{task_id}]")  # no longer held here
     return sent
 
 

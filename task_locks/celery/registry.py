@@ -21,7 +21,7 @@ from ..lock import Lease
 if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..lock import AsyncLease
-    from .task import SingletonTask
+    from ._common import LockingTask
 
 log = logging.getLogger("task_locks.celery")
 
@@ -138,7 +138,7 @@ def _release_queued_if_never_taken(backend: Backend, name: str, token: str, why:
 
 
 def recover_task_locks(
-    task: SingletonTask,
+    task: LockingTask,
     task_id: str,
     args: Any,
     kwargs: Any,
@@ -157,9 +157,9 @@ def recover_task_locks(
     that task and that pid: a redelivered copy may hold the same token by then.
     """
     try:
-        name = task._lock_name(args, kwargs)
-        held_names = task._held_names(name, task_id)
-        backend = task._lock_backend()
+        name = task.lock_name(*(args or ()), **(kwargs or {}))
+        held_names = task.held_lock_names(name, task_id)
+        backend = task.resolved_lock_backend()
     except LockError as exc:
         log.warning("cannot recover the lock of %s[%s]: %s", task.name, task_id, exc)
         return

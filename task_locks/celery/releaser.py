@@ -114,7 +114,7 @@ class Releaser:
 
         Its renewal stops now; it stays counted as held until the release is answered.
         """
-        if not lease._begin_release():
+        if not lease.begin_release():
             return  # already released, or a forked child's copy: nothing to send
         item = _Pending(self, key, lease, on_error)
         with self._lock:
@@ -185,9 +185,9 @@ class Releaser:
         try:
             if isinstance(outcome, LockError):
                 if isinstance(outcome, BackendUnavailable):
-                    lease._release_unknown(outcome)
+                    lease.release_unknown(outcome)
                 raise outcome
-            lease._finish_release(outcome)  # False: marks it lost, raises NotOwned
+            lease.finish_release(outcome)  # False: marks it lost, raises NotOwned
         except LockError as exc:
             try:
                 item.on_error(lease, exc)

@@ -42,7 +42,7 @@ def _before_task(sender: Any = None, **_: Any) -> None:
     carrier = None
     if isinstance(sender, SingletonTask) and sender.lock_on != "enqueue":
         try:
-            carrier = sender._lock_backend()
+            carrier = sender.resolved_lock_backend()
         except LockError:  # not configured: its run fails on its own; send them all
             carrier = None
     releaser.flush(keep=carrier)

@@ -30,10 +30,11 @@ from typing import Any, Final, NamedTuple, NoReturn, TypeVar, cast
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
+from .._friends import acquire_under, current_lease_var
 from .._steps import Call, adrive, drive
 from ..backends.base import Backend
 from ..config import resolve_backend, validate_ttl
-from ..context import AnyLease, _current, current_lease  # shared with @locked
+from ..context import AnyLease, current_lease
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
 from ..lock import AsyncLease, AsyncLock, Lease, LeaseBase, Lock, validate_timeout
 from ..owner import owner_context
@@ -253,7 +254,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         """The lease of the current run (bound tasks: ``self.lease.fence``)."""
         return current_lease()
 
-    def lock_name(self, *args: Any, **kwargs: Any) -> str:
+    def lock_name(self, /, *args: Any, **kwargs: Any) -> str:
         """The lock a call with these arguments takes: ``sync_account.lock_name(42)``.
 
         With ``limit`` > 1 it is the name of the :class:`~task_locks.Semaphore`.
@@ -288,7 +289,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 raise
             return duplicate.existing
 
-    # -- internals shared by the run, the publish guard and the recovery -----------------
+    # -- what the publish guard, the recovery and subclasses use (LockingTask) ------------
 
     def _lock_name(self, args: Any, kwargs: Any) -> str:
         key = type(self)._task_key
@@ -296,23 +297,29 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             raise InvalidArgument(f"task {self.name} has no run() to key its lock on")
         return key(tuple(args or ()), kwargs or {})
 
-    def _lock_backend(self) -> Backend:
+    def resolved_lock_backend(self) -> Backend:
+        """The backend this task's locks live on (``lock_backend``, else the default)."""
         return resolve_backend(self.lock_backend)
 
-    def _lock_options(self) -> dict[str, Any]:
+    def lock_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of the locks a run takes (``ttl``, ``backend``,
+        ``max_hold``): a subclass building its own run lock passes them on."""
         return {"ttl": self.lock_ttl, "backend": self.lock_backend, "max_hold": self.max_hold}
 
-    def _run_lock(self, name: str) -> Lock | Semaphore:
+    def run_lock(self, name: str) -> Lock | Semaphore:
+        """The lock a run of key ``name`` takes (a :class:`~task_locks.Semaphore` if
+        ``limit`` > 1). A subclass may return its own (``PeerCheckedTask`` does)."""
         if self.lock_limit == 1:
-            return Lock(name, **self._lock_options())
-        return Semaphore(name, self.lock_limit, **self._lock_options())
+            return Lock(name, **self.lock_arguments())
+        return Semaphore(name, self.lock_limit, **self.lock_arguments())
 
-    def _async_run_lock(self, name: str) -> AsyncLock | AsyncSemaphore:
+    def async_run_lock(self, name: str) -> AsyncLock | AsyncSemaphore:
+        """:meth:`run_lock` of an ``async def`` task."""
         if self.lock_limit == 1:
-            return AsyncLock(name, **self._lock_options())
-        return AsyncSemaphore(name, self.lock_limit, **self._lock_options())
+            return AsyncLock(name, **self.lock_arguments())
+        return AsyncSemaphore(name, self.lock_limit, **self.lock_arguments())
 
-    def _held_names(self, name: str, task_id: str | None = None) -> list[str]:
+    def held_lock_names(self, name: str, task_id: str | None = None) -> list[str]:
         """The lock names a run of key ``name`` may hold (the semaphore's slots if limit > 1,
         and the run guard of ``task_id``)."""
         names = [name]
@@ -394,7 +401,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         try:
             return await adrive(self._plan(body, name, handed, args, kwargs))
         finally:
-            used = [self._lock_backend()]
+            used = [self.resolved_lock_backend()]
             if _beat_tick(self.request) is not None:
                 used.append(beat_backend(self.app))
             for backend in dict.fromkeys(used):
@@ -444,7 +451,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             return None if request.called_directly or task_id is None else lease
         if handed and _queued_fence(request) not in (None, lease.fence):
             self._queued_lock_expired(name)
-        reset = _current.set(lease)
+        reset = current_lease_var.set(lease)  # shared with @locked
         live_leases.add(task_id, lease)
         if guard is not None:
             live_leases.add(task_id, guard)
@@ -460,7 +467,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 raise watch.failure() from None
             raise
         finally:
-            _current.reset(reset)
+            current_lease_var.reset(reset)
         watch.end()
         later = name if self._releases_later(request) else None
         yield from self._release(lease, task_id, later=later)
@@ -489,7 +496,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 raise
             except _OwnCopy as copy:  # a redelivery met its own task id: alive or dead?
                 watched = True
-                if not (yield from watch(self._lock_backend(), copy.held.name, copy.held)):
+                if not (yield from watch(self.resolved_lock_backend(), copy.held.name, copy.held)):
                     self._refuse_copy(copy.who)  # renewed, or released: never run it again
                 self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
             else:
@@ -517,7 +524,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         second delivery of a running message never comes here: it is ignored."""
         if handed and self.lock_on == "both":
             try:
-                yield _DropQueued(self._lock_backend(), name, handed)
+                yield _DropQueued(self.resolved_lock_backend(), name, handed)
             except LockError as exc:  # it expires by its TTL; the refusal goes on
                 log.warning(
                     "task %s[%s]: freeing the queued lock %r: %s",
@@ -546,7 +553,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         keep = unpark(lease)
         try:
             if keep is not None:
-                lease._unschedule()
+                lease.stop_renewal()
                 self._parked(lease, (yield _Renew(lease, int(keep * 1000))))
                 return
             yield _Release(lease, self._late(lease, later, task_id))
@@ -583,7 +590,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _parked(self, lease: AnyLease, kept: bool) -> None:
         if kept:
-            lease._hand_over(f"the retry of {self.name}[{self.request.id}]")
+            lease.hand_over(f"the retry of {self.name}[{self.request.id}]")
             log.info(
                 "task %s[%s]: lock %r handed to its retry", self.name, self.request.id, lease.name
             )
@@ -625,7 +632,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         queued lock over instead (:meth:`_run_token`), and drops it only for a run it
         refuses before that (a stale beat tick).
         """
-        if not (yield _DropQueued(self._lock_backend(), name, token)):
+        if not (yield _DropQueued(self.resolved_lock_backend(), name, token)):
             self._queued_lock_expired(name)
 
     def _queued_lock_expired(self, name: str) -> None:
@@ -764,10 +771,10 @@ class _Acquire(NamedTuple):
 
     def run(self) -> Lease:
         with self._as_owner():
-            return self._lock(Lock, self.task._run_lock).acquire(timeout=self.timeout)
+            return self._lock(Lock, self.task.run_lock).acquire(timeout=self.timeout)
 
     async def arun(self) -> AsyncLease:
-        lock = self._lock(AsyncLock, self.task._async_run_lock)
+        lock = self._lock(AsyncLock, self.task.async_run_lock)
         with self._as_owner():
             return await lock.acquire(timeout=self.timeout)
 
@@ -778,10 +785,8 @@ class _Acquire(NamedTuple):
 
     def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
         if self.guard:
-            return guard_lock(self.name, **self.task._lock_options())
-        lock = run_lock(self.name)
-        lock._token = self.token
-        return lock
+            return guard_lock(self.name, **self.task.lock_arguments())
+        return acquire_under(run_lock(self.name), self.token)
 
 
 class _OwnCopy(Exception):

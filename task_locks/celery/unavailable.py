@@ -25,12 +25,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from celery.utils.time import get_exponential_backoff_interval
 
 from ..backends.base import Backend
 from ..errors import BackendUnavailable, InvalidArgument, LockError
+
+if TYPE_CHECKING:
+    from ._common import LockingTask
 
 log = logging.getLogger("task_locks.celery")
 
@@ -77,12 +80,12 @@ def probe(backend: Backend) -> str | None:
     return None
 
 
-def lock_backends(tasks: Iterable[Any]) -> dict[str, Backend]:
+def lock_backends(tasks: Iterable[LockingTask]) -> dict[str, Backend]:
     """The distinct lock backends of ``tasks`` (singleton tasks), by redacted URL."""
     found: dict[str, Backend] = {}
     for task in tasks:
         try:
-            backend = task._lock_backend()
+            backend = task.resolved_lock_backend()
         except LockError as exc:  # not configured: the run would fail the same way
             log.warning("task %s: no usable lock backend: %s", task.name, exc)
             continue

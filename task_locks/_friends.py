@@ -1,0 +1,87 @@
+"""What the front ends may do to a lease and a lock beyond their public API.
+
+:mod:`task_locks.celery` hands a lease to another process (the message it queued, the
+run's retry, a beat tick's message), sends a finished run's release from a thread of its
+own (:mod:`task_locks.celery.releaser`), parks a lease for a retry, hooks a lease's loss
+to interrupt the task body, and takes a run lock under the token of its publish-time
+lock. Those are steps of a lease's or a lock's life that application code never takes
+on its own. They are declared here, as :class:`task_locks.leasing.Renewable` declares
+what the watchdog needs, and the front ends use only these (a test reads the Celery
+package's source and fails on any other private name of another module).
+
+:class:`~task_locks.Lease` and :class:`~task_locks.AsyncLease` implement
+:class:`FriendLease` (mypy checks it below); the lock's take-over token is set through
+:func:`acquire_under`, so the acquire loop keeps it private.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .context import AnyLease
+from .context import _current as _current_lease
+from .errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .lock import LockBase
+
+
+class FriendLease(Protocol):
+    """What a front end may do to a lease: the public API and these steps."""
+
+    name: str
+    token: str
+    fence: int
+    backend: Backend
+    #: The lease's loss hook; a front end chains its own in front of the user's.
+    on_lost: Callable[[Any], object] | None
+
+    @property
+    def held(self) -> bool: ...
+    @property
+    def lost_reason(self) -> str | None: ...
+    def stop_renewal(self) -> None:
+        """Stop renewing; the lock stays until its TTL (parked for a retry)."""
+
+    def hand_over(self, to: str) -> None:
+        """The lock goes on to another process; this one stops holding it, no request."""
+
+    def begin_release(self) -> bool:
+        """A release sent by the caller, not :meth:`Lease.release`: ``False`` if none is due."""
+
+    def finish_release(self, ok: bool, handed_to: str | None = None) -> None:
+        """The server's answer to that release (refused: lost, :class:`NotOwned`)."""
+
+    def release_unknown(self, error: BackendUnavailable) -> None:
+        """That release got no answer: the lease counts as lost."""
+
+
+_Lock = TypeVar("_Lock", bound="LockBase")
+
+#: The context variable behind :func:`~task_locks.context.current_lease`: a front end
+#: that runs code under a lease it took sets it for the run (``set``/``reset``).
+current_lease_var: ContextVar[AnyLease | None] = _current_lease
+
+
+def acquire_under(lock: _Lock, token: str | None) -> _Lock:
+    """Make ``lock``'s next acquire use ``token`` (``None``: a fresh one) and return it.
+
+    A token that already holds the lock gets it back with the same fence: a Celery run
+    takes over its publish-time lock in one server-side step. Set on the lock object, not
+    passed to ``acquire``, so subclasses' ``acquire`` (a peer-checked lock) keep working.
+    """
+    lock._token = token
+    return lock
+
+
+if TYPE_CHECKING:
+    from .lock import AsyncLease, Lease
+
+    def _leases_are_friends(lease: Lease, alease: AsyncLease) -> tuple[FriendLease, ...]:
+        return lease, alease
+
+
+__all__ = ["FriendLease", "acquire_under", "current_lease_var"]
