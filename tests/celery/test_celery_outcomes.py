@@ -100,6 +100,7 @@ def test_a_force_release_interrupts_the_body_at_once_not_at_the_next_renewal(
     ("pool", "stored"),
     [
         *((pool, stored) for pool in ("prefork", "threads") for stored in (True, False)),
+        ("solo", False),
         ("gevent", True),
         ("eventlet", False),
     ],
@@ -130,7 +131,7 @@ def test_fail_lets_the_body_finish_then_fails_with_one_line(
     assert all("raised expected" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("pool", ["prefork", "gevent", "eventlet"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo", "gevent", "eventlet"])
 def test_ignore_keeps_the_result(
     cluster: Any, request: pytest.FixtureRequest, key: str, pool: str
 ) -> None:
