@@ -2,7 +2,7 @@
 
 The publish guard (enqueue time) and the task (run time) speak about the same message
 headers, states and hand-overs; both import them from here, below them both, so neither
-imports the other's module for them (issue 17: no import cycle). ``task`` imports
+imports the other's module for them (so that no import cycle forms). ``task`` imports
 ``publish`` (it installs the guard), never the other way round: the guard recognises a
 singleton task by :class:`LockedTask`.
 """

@@ -1,4 +1,4 @@
-"""Run-lock releases sent after the run, off the worker's critical path (issue 15).
+"""Run-lock releases sent after the run, off the worker's critical path.
 
 A run whose outcome nobody waits for (its result is not stored, no callback or chain
 follows it) does not need its lock's release round trip before the worker moves on.
@@ -16,7 +16,8 @@ unsent. The next task's ``task_prerun`` sends, in its own thread, every pending 
 its acquire will not carry (all of them before a task that takes no run lock on that
 backend, :func:`task_locks.celery.signals._before_task`). A finished run's key is thus
 taken for at most :data:`RELEASE_DELAY` and a round trip past its run, or until the
-next task starts, whichever is first (issue 23, bug 5).
+next task starts, whichever is first (a next task inside one long C call would
+otherwise keep the finished run's key taken for as long).
 
 What keeps it safe:
 

@@ -519,8 +519,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     def _free_refused(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
         """A ``lock_on="both"`` run refused by another holder frees its publish-time lock
         (token-checked), else that lock would drop every publish of the key as a
-        duplicate of this message until ``enqueue_ttl`` (issue 23 bug 6: an old
-        library's key met by :class:`~task_locks.celery.peers.PeerCheckedTask`). A
+        duplicate of this message until ``enqueue_ttl`` (as when an old
+        library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`). A
         second delivery of a running message never comes here: it is ignored."""
         if handed and self.lock_on == "both":
             try:
@@ -560,7 +560,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         except (LockLost, BackendUnavailable):
             # The lease is marked lost, and that was logged (task_locks.events). The run's
             # outcome was decided when its body ended (RunWatch.end): the same whether
-            # this release is sent now or after the run (issue 23 bug 4).
+            # this release is sent now or after the run, stored result or not.
             pass
         finally:
             live_leases.discard(task_id, lease)
@@ -603,7 +603,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             )
 
     def _releases_later(self, request: Any) -> bool:
-        """Whether this run's releases may be sent after it ends (issue 15).
+        """Whether this run's releases may be sent after it ends (off the critical path).
 
         Only when nothing could act on the run's end before they are sent: its result
         is not stored (no one can see it finish), no callback or chain is published after

@@ -1,4 +1,4 @@
-"""What a singleton task does when its lock service does not answer (issue 25, item 4).
+"""What a singleton task does when its lock service does not answer.
 
 ``lock_unavailable`` says what a run does when taking its lock raises
 :class:`~task_locks.BackendUnavailable` (the server is down, unreachable or too slow),
