@@ -122,7 +122,7 @@ def _one_line_each(page: Any, selector: str) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop_url: str) -> None:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     # All ORM work happens before Playwright starts: its sync API runs an event loop in
     # this thread, where Django refuses synchronous database calls.
@@ -152,9 +152,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             page.wait_for_selector("#result_list")
             assert page.locator("h1").first.inner_text() == "Lock holders"
             # Auto-refresh is on by default, every few seconds.
-            assert page.locator("#lock-autorefresh-status").inner_text() == (
-                "auto-refresh every 5 s"
-            )
+            expect(page.locator("#lock-autorefresh-status")).to_have_text("auto-refresh every 5 s")
 
             row = page.locator('#result_list tr[data-lock="nightly-report"]')
             assert row.count() == 1, "the held lock is listed"
@@ -185,9 +183,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
 
             # Auto-refresh: on by default; a lock taken now shows up without a reload.
             page.goto(f"{base}/admin/task_locks/lockholder/?refresh=1")
-            assert page.locator("#lock-autorefresh-status").inner_text() == (
-                "auto-refresh every 1 s"
-            )
+            expect(page.locator("#lock-autorefresh-status")).to_have_text("auto-refresh every 1 s")
             with owner_context(command="manage.py late"):
                 held["stack"].enter_context(Lock("late-arrival", ttl=30, backend=shop_url))
             page.wait_for_selector('#result_list tr[data-lock="late-arrival"]', timeout=15_000)
@@ -195,7 +191,7 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
 
             # Paused: nothing changes under the operator's eyes until resumed.
             page.click("#lock-autorefresh")
-            assert page.locator("#lock-autorefresh-status").inner_text() == "auto-refresh paused"
+            expect(page.locator("#lock-autorefresh-status")).to_have_text("auto-refresh paused")
             refreshes = page.locator("#lock-live").get_attribute("data-refreshes")
             with owner_context(command="manage.py later"):
                 held["stack"].enter_context(Lock("while-paused", ttl=30, backend=shop_url))
@@ -206,9 +202,9 @@ def test_admin_pages_in_chromium(live_server: object, held: dict[str, Any], shop
             page.screenshot(path=str(shots["holders-paused"]), full_page=True)
             page.reload()  # the pause is remembered in this browser
             page.wait_for_selector('#result_list tr[data-lock="while-paused"]')
-            assert page.locator("#lock-autorefresh-status").inner_text() == "auto-refresh paused"
+            expect(page.locator("#lock-autorefresh-status")).to_have_text("auto-refresh paused")
             page.click("#lock-autorefresh")
-            assert page.locator("#lock-autorefresh-status").inner_text() == "auto-refresh every 1 s"
+            expect(page.locator("#lock-autorefresh-status")).to_have_text("auto-refresh every 1 s")
 
             # Filters beside the name search: kind, host, job.
             page.goto(f"{base}/admin/task_locks/lockholder/?refresh=0")
