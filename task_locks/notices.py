@@ -261,7 +261,10 @@ def _renew_soon(lease: Any) -> None:
 
 
 _listeners: dict[int, tuple[weakref.ref[Any], Listener]] = {}
-_guard = threading.Lock()
+#: Reentrant: a backend's weakref callback (:func:`_drop`) takes it, and may run in the
+#: thread that holds it already (a garbage collection while a listener is being made).
+#: With a plain lock that thread waited for itself for ever (seen: a 300 s hang).
+_guard = threading.RLock()
 
 
 def listener(backend: Backend, create: bool = True) -> Listener | None:
@@ -308,7 +311,7 @@ def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's leases, and has none of its threads."""
     global _guard
     _listeners.clear()
-    _guard = threading.Lock()
+    _guard = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -264,3 +264,32 @@ def test_a_force_release_that_hands_the_lock_on_tells_only_the_old_holder(
     waiter.join(10)
     assert granted and granted[0].held and granted[0].fence > first.fence
     granted[0].release()
+
+
+def test_a_backend_collected_while_a_listener_is_made_does_not_deadlock() -> None:
+    """A dead backend's weakref callback drops its listener under the registry's guard,
+    and a garbage collection can run it in the very thread that holds the guard (while a
+    listener is being made): the guard must be reentrant, or that thread waits for
+    itself for ever (a support-matrix run hung 300 s there)."""
+    import gc
+    import threading
+    import weakref
+
+    class Stand:  # stands in for a backend: only its lifetime matters here
+        pass
+
+    stand: Stand | None = Stand()
+    key = id(stand)
+    notices._listeners[key] = (weakref.ref(stand, lambda ref: notices._drop(key, ref)), None)  # type: ignore[assignment]
+    done = threading.Event()
+
+    def collect_under_the_guard() -> None:
+        nonlocal stand
+        with notices._guard:
+            stand = None  # its callback runs now, in this thread
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_under_the_guard, daemon=True).start()
+    assert done.wait(5), "the registry's guard deadlocked on its own weakref callback"
+    assert key not in notices._listeners
