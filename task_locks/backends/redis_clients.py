@@ -56,7 +56,10 @@ class _ShortHandshake(redis.connection.Connection):
 
     _full_handshake = False
     _tcp: socket.socket | None = None
-    _connect_timeout: Any = None
+    #: ``socket_connect_timeout`` while the handshake runs short (``_UNSET`` otherwise:
+    #: ``None`` is a timeout too, "wait for ever").
+    _UNSET: Any = object()
+    _connect_timeout: Any = _UNSET
 
     def _connect(self) -> Any:
         sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
@@ -108,8 +111,9 @@ class _TLSConnection(redis.connection.SSLConnection, _ShortHandshake):
         return tls
 
     def _restore_connect_timeout(self) -> None:
-        if self._connect_timeout is not None:
-            self.socket_connect_timeout, self._connect_timeout = self._connect_timeout, None
+        if self._connect_timeout is not self._UNSET:
+            self.socket_connect_timeout = self._connect_timeout
+            self._connect_timeout = self._UNSET
 
 
 @functools.cache
