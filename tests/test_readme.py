@@ -434,26 +434,32 @@ def run_plain_celery_app(
     }
     env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(map(str, [tmp_path, *pythonpath]))
-    log = tmp_path / "worker.log"
+    sent, worker_log = send_beside_a_worker(
+        worker_command.code.strip(), [str(bin_dir / "python"), "send.py"], tmp_path, env, tmp_path
+    )
+    assert sent.returncode == 0, f"{sent.stdout}\n{sent.stderr}\n{worker_log}"
+    assert sent.stdout.strip().splitlines()[-1] == "['skipped', 'synced 42']", worker_log
+    assert "skipped: lock 'sync:42' is held by" in worker_log, worker_log
+
+
+def send_beside_a_worker(
+    worker_command: str, sender: list[str], cwd: Path, env: dict[str, str], logs: Path
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Start ``worker_command`` (a shell line) in ``cwd``, run ``sender`` there while it
+    runs (the sender waits for its results, long enough for the worker to start), stop
+    the worker; the sender's outcome and the worker's log."""
+    log = logs / "worker.log"
     with open(log, "wb") as out:
         worker = subprocess.Popen(
-            ["bash", "-c", "exec " + worker_command.code.strip()],
-            cwd=tmp_path,
+            ["bash", "-c", "exec " + worker_command],
+            cwd=cwd,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        # send.py waits up to 30 s for both results: enough for the worker to start.
-        sent = subprocess.run(
-            [str(bin_dir / "python"), "send.py"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        sent = subprocess.run(sender, cwd=cwd, env=env, capture_output=True, text=True, timeout=90)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         try:
@@ -461,10 +467,7 @@ def run_plain_celery_app(
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(timeout=5)
-    worker_log = log.read_text(errors="replace")
-    assert sent.returncode == 0, f"{sent.stdout}\n{sent.stderr}\n{worker_log}"
-    assert sent.stdout.strip().splitlines()[-1] == "['skipped', 'synced 42']", worker_log
-    assert "skipped: lock 'sync:42' is held by" in worker_log, worker_log
+    return sent, log.read_text(errors="replace")
 
 
 # -- the subprocess: runs the Python blocks like a user's project would ------------------

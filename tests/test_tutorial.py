@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_readme import README_REDIS, ROOT, WITH_A_WORKER, Block, readme_blocks
+from tests.test_readme import (
+    README_REDIS,
+    ROOT,
+    WITH_A_WORKER,
+    Block,
+    readme_blocks,
+    send_beside_a_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -117,39 +123,16 @@ def test_the_tutorial_reaches_a_working_worker(broker: str, redis_url: str, tmp_
             + f"\nCELERY_TASK_DEFAULT_QUEUE = {queue!r}  # the test's own queue\n"
         )
     (folder / "send.py").write_text(sender)
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            ["bash", "-c", "exec " + worker_command],
-            cwd=folder,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     try:
-        # send.py waits up to 30 s for each result: enough for the worker to start.
-        sent = subprocess.run(
-            [sys.executable, "send.py"],
-            cwd=folder,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=90,
+        sent, worker_log = send_beside_a_worker(
+            worker_command, [sys.executable, "send.py"], folder, env, tmp_path
         )
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=5)
         if broker == "rabbitmq":
             from kombu import Connection
 
             with Connection("amqp://guest:guest@{}:{}//".format(*RABBITMQ)) as connection:
                 connection.default_channel.queue_delete(queue)
-    worker_log = log.read_text(errors="replace")
     assert sent.returncode == 0, f"{sent.stdout}\n{sent.stderr}\n{worker_log}"
     expected = sender.strip().splitlines()[-1].removeprefix("# ")
     assert sent.stdout.strip().splitlines()[-1] == expected, worker_log
