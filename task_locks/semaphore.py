@@ -45,6 +45,7 @@ from .lock import (
     Lease,
     LockBase,
     _AsyncAcquire,
+    _held_message,
     _SyncAcquire,
     format_wait,
     validate_name,
@@ -165,6 +166,11 @@ class _SemaphoreBase(LockBase):
         self.slot_names = tuple(slot_name(self.name, i) for i in range(self.limit))
         validate_name(self.slot_names[-1])  # the longest one must fit too
 
+    def _run_names(self) -> tuple[str, ...]:
+        """A run check looks at every slot: a copy must not take a free one while the
+        original holds another."""
+        return self.slot_names
+
     def _permit_plan(
         self, backend: Backend, timeout: float | None
     ) -> Plan[tuple[int, str, int, float]]:
@@ -178,13 +184,18 @@ class _SemaphoreBase(LockBase):
         token = secrets.token_hex(16)
         owner = replace(current_owner(), limit=self.limit)
         clock = self._lease_runtime().clock
+        run = self._run
         start = clock.monotonic()
         deadline = None if timeout is None else start + timeout
         while True:
             soonest: float | None = None
             for index in random.sample(range(self.limit), self.limit):
                 sent_at = clock.monotonic()
-                result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner)
+                result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner, run)
+                if run is not None and run.give_up_on_copy and run.is_copy(result):
+                    held = _held_message(names[index], result, clock.monotonic() - start)
+                    report_conflict(self.name, backend, held, 0.0, timeout, owner)
+                    raise held
                 if result.fence is not None:
                     report_acquired(
                         names[index], backend, result.fence, owner, clock.monotonic() - start
