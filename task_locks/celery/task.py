@@ -778,9 +778,15 @@ _L = TypeVar("_L", Lock | Semaphore, AsyncLock | AsyncSemaphore)
 
 
 class _Acquire(NamedTuple):
-    """Take the run lock (or, ``guard``, the run guard) once, waiting up to ``timeout``;
-    ``run_of``: with the run check of that task id (a retry's waits for its previous
-    attempt to let go, so it does not give up on meeting it)."""
+    """Take the run lock (or, ``guard``, the run guard) once, waiting up to ``timeout``.
+
+    ``run_of``: with the run check of that task id (:class:`~task_locks.types.RunCheck`:
+    the run lock's own acquire refuses a copy of this message that holds it). A run
+    that is to *wait* also marks its task id while it waits (:func:`task_id_lock_name`,
+    taken at once and let go as soon as the run lock is its, or the wait ends): a
+    copy waiting beside it would otherwise take the key after it and run again. A
+    retry's wait for its previous attempt to let go does not give up on meeting it.
+    """
 
     task: SingletonTask
     name: str
@@ -790,18 +796,43 @@ class _Acquire(NamedTuple):
     timeout: float | None
 
     def run(self) -> Lease:
-        with self._as_owner():
-            return self._lock(Lock, self.task.run_lock).acquire(timeout=self.timeout)
+        lock = self._lock(Lock, self.task.run_lock)
+        marker = self._marker(Lock)
+        if marker is None:
+            with self._as_owner():
+                return lock.acquire(timeout=self.timeout)
+        with owner_context(internal=True):
+            mark = marker.acquire(timeout=0)  # held by a copy: LockHeld naming this task id
+        try:
+            return lock.acquire(timeout=self.timeout)
+        finally:
+            with contextlib.suppress(LockError):
+                mark.release()
 
     async def arun(self) -> AsyncLease:
         lock = self._lock(AsyncLock, self.task.async_run_lock)
-        with self._as_owner():
+        marker = self._marker(AsyncLock)
+        if marker is None:
+            with self._as_owner():
+                return await lock.acquire(timeout=self.timeout)
+        with owner_context(internal=True):
+            mark = await marker.acquire(timeout=0)
+        try:
             return await lock.acquire(timeout=self.timeout)
+        finally:
+            with contextlib.suppress(LockError):
+                await mark.release()
 
     def _as_owner(self) -> AbstractContextManager[None]:
         """The guard is the library's own record (``Owner.internal``): operators and the
         metrics see one lock per run, the run lock."""
         return owner_context(internal=True) if self.guard else contextlib.nullcontext()
+
+    def _marker(self, cls: Callable[..., _L]) -> _L | None:
+        """The lock marking this task id while the run waits, if it is to wait."""
+        if self.run_of is None or self.timeout == 0:
+            return None
+        return cls(task_id_lock_name(self.name, self.run_of), **self.task.lock_arguments())
 
     def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
         if self.guard:
