@@ -308,9 +308,9 @@ def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     capabilities = deployment.capabilities
     assert capabilities <= {
         "fencing", "consensus", "multiprocess", "wakeup", "holders", "release_notice",
-        "server_handoff",
+        "server_handoff", "run_check",
     }  # fmt: skip
-    assert {"fencing", "holders"} <= capabilities
+    assert {"fencing", "holders", "run_check"} <= capabilities
     assert ("consensus" in capabilities) == deployment.kind.startswith("etcd")
     # A force release is announced to the holder's process (Redis pub/sub, etcd's watch,
     # PostgreSQL's NOTIFY); Redis Cluster, Redlock, MySQL, SQLite and memory do not.
