@@ -733,7 +733,7 @@ class DjangoBackend(Backend, RunChecked):
     ) -> AcquireResult:
         d = self.dialect
         keys = sorted(self.prefix + other for other in {name, *run.names})
-        mine = {token, run.take_over}
+        mine = {token, run.take_over, run.mark}
         with self._cursor(name, transaction=True) as cursor:
             if len(keys) > 1:
                 cursor.execute(d.bump_fence_sql(), [keys[0]])  # serialises; fences may skip

@@ -79,16 +79,27 @@ def acquire_under(lock: _Lock, token: str | None) -> _Lock:
 
 
 def acquire_as_run(
-    lock: _Lock, token: str | None, task_id: str, *, give_up_on_copy: bool = True
+    lock: _Lock,
+    token: str | None,
+    task_id: str,
+    *,
+    also: tuple[str, ...] = (),
+    mark: str | None = None,
+    give_up_on_copy: bool = True,
 ) -> _Lock:
     """Make ``lock``'s next acquire a Celery run's: one server step that also refuses a
-    run of ``task_id`` already holding any of its names (a second delivery of the same
-    message), and takes over the publish-time lock held by ``token`` (if any) under a
-    token of its own (:class:`~task_locks.types.RunCheck`). The backend must be a
+    run of ``task_id`` already holding any of its names or ``also`` (a second delivery
+    of the same message) other than under ``mark`` (this run's own), and takes over the
+    publish-time lock held by ``token`` (if any) under a token of its own
+    (:class:`~task_locks.types.RunCheck`). The backend must be a
     :class:`~task_locks.backends.base.RunChecked`."""
     lock._token = None
     lock._run = RunCheck(
-        task_id, lock._run_names(), take_over=token, give_up_on_copy=give_up_on_copy
+        task_id,
+        (*lock._run_names(), *also),
+        take_over=token,
+        mark=mark,
+        give_up_on_copy=give_up_on_copy,
     )
     return lock
 

@@ -170,8 +170,8 @@ class RunCheck:
     one holds it: one lock per run, and no second record to leave behind.
 
     The server refuses the acquire, answering that holder (and its name), when any of
-    ``names`` is held under a token other than the acquire's own and ``take_over``
-    whose owner's ``task_id`` is ``task_id``; even when the name asked for is free (a
+    ``names`` is held under a token other than the acquire's own, ``take_over`` and
+    ``mark`` whose owner's ``task_id`` is ``task_id``; even when the name asked for is free (a
     semaphore's other slot) or held by ``take_over``. Otherwise the acquire is an
     ordinary one, except that a lock held by ``take_over`` (the lock taken when the
     message was published, ``lock_on="both"``) becomes this acquire's: its token is
@@ -184,6 +184,9 @@ class RunCheck:
     names: tuple[str, ...]
     #: The token of the publish-time lock this run takes over, if any.
     take_over: str | None = None
+    #: The token under which this run itself holds one of ``names`` (its mark while it
+    #: waits), never taken for a copy.
+    mark: str | None = None
     #: ``True``: an acquire that meets a copy gives up at once instead of waiting (a
     #: retry waiting for its own previous attempt to let go passes ``False``).
     give_up_on_copy: bool = True

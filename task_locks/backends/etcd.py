@@ -803,6 +803,7 @@ class EtcdBackend(Backend, RunChecked):
         free = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
         unchanged = [_absent(k) for k in other_keys]
         mine = {token} if run is None or run.take_over is None else {token, run.take_over}
+        ours = mine if run is None or run.mark is None else {*mine, run.mark}
         compare, previous = free + unchanged, None  # previous: the _Held our token had before
         for _ in range(_TAKE_ROUNDS):
             try:
@@ -827,7 +828,7 @@ class EtcdBackend(Backend, RunChecked):
             ]
             unchanged = []
             for other, other_key, other_kv in zip(others, other_keys, found[1:], strict=True):
-                if other_kv is not None and _a_copy(self._decode(other_kv)[0], mine, run):
+                if other_kv is not None and _a_copy(self._decode(other_kv)[0], ours, run):
                     self._revoke_quietly(name, lease)
                     return self._refusal(name, other_kv, other)
                 unchanged.append(_absent(other_key) if other_kv is None else _same(other_kv))
@@ -837,7 +838,7 @@ class EtcdBackend(Backend, RunChecked):
                 continue
             data, raw = self._decode(kv)
             revision = int(kv.get("create_revision", 0))
-            if data.get("token") not in mine or _a_copy(data, mine, run):
+            if data.get("token") not in mine or _a_copy(data, ours, run):
                 self._revoke_quietly(name, lease)  # never attached: the key is not ours
                 self._note_held(name, answer)
                 return self._refusal(name, kv)

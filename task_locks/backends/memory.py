@@ -61,7 +61,7 @@ class MemoryBackend(Backend, RunChecked):
                 entry = self._live(other, now)
                 if (
                     entry is not None
-                    and entry.token not in (token, run.take_over)
+                    and entry.token not in (token, run.take_over, run.mark)
                     and entry.owner.task_id == run.task_id
                 ):
                     return AcquireResult(

@@ -377,7 +377,8 @@ class RedisBackend(Backend, RunChecked):
             return [2, key, self._counter(name), token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
         others = [self._key(other) for other in run.names if other != name]
         return [2 + len(others), key, self._counter(name), *others, token, ttl_ms,
-                owner.to_json(), self.fence_ttl_ms, run.task_id, run.take_over or ""]  # fmt: skip
+                owner.to_json(), self.fence_ttl_ms, run.task_id, run.take_over or "",
+                run.mark or ""]  # fmt: skip
 
     def checks_together(self, names: Sequence[str]) -> bool:
         """One script sees every name on one server; on a cluster only names of one slot."""

@@ -264,8 +264,9 @@ return tonumber(fence)
 # ARGV[4] - the fence counter's ttl (ms)
 # ARGV[5] - the run's task id
 # ARGV[6] - the token of the publish-time lock the run takes over, or ''
+# ARGV[7] - the token of the run's own mark among KEYS[3..], or ''
 # As ACQUIRE, for a run of a task (types.RunCheck): refused, answering that holder, when
-# the lock or one of KEYS[3..] is held, under another token than ARGV[1] and ARGV[6], by
+# the lock or one of KEYS[3..] is held, under another token than ARGV[1], [6] and [7], by
 # an owner whose task_id is ARGV[5] (a second delivery of the message); the reply then
 # has a fifth element, the index in KEYS of the key that holder holds. A lock held by
 # ARGV[6] becomes ARGV[1]'s, keeping its fence.
@@ -282,9 +283,11 @@ local owner = ARGV[3]
 local counter_ttl = tonumber(ARGV[4])
 local task_id = ARGV[5]
 local take_over = ARGV[6]
+local mark = ARGV[7]
 if not ttls_ok(ttl, counter_ttl) then return redis.error_reply(TTL_ERROR) end
 local function copy(held)
-  if not held or not held.token or held.token == token or held.token == take_over then
+  if not held or not held.token or held.token == token or held.token == take_over
+      or held.token == mark then
     return false
   end
   local ok, data = pcall(cjson.decode, held.owner)

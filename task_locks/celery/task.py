@@ -331,14 +331,16 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         # Always the guard too: a call's lock_options may have needed one (owner-checked).
         return names if task_id is None else [*names, task_id_lock_name(name, task_id)]
 
-    def _run_checked(self, name: str) -> bool:
+    def _run_checked(self, name: str, task_id: str) -> bool:
         """Whether the run lock's own acquire can refuse a copy of this message: the
-        backend is a :class:`~task_locks.backends.base.RunChecked` that sees every name
-        the run lock may hold in one step (every slot if ``limit`` > 1)."""
+        backend is a :class:`~task_locks.backends.base.RunChecked` that sees, in one
+        step, every name the run lock may hold (every slot if ``limit`` > 1) and the
+        task id's own name (:func:`task_id_lock_name`: a waiting run's mark, or a
+        previous release's guard held for a whole run)."""
         backend = self.resolved_lock_backend()
         if not isinstance(backend, RunChecked):
             return False
-        return self.lock_limit == 1 or backend.checks_together(self.held_lock_names(name))
+        return backend.checks_together(self.held_lock_names(name, task_id))
 
     def _guard_name(self, name: str, task_id: str | None) -> str | None:
         """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
@@ -445,7 +447,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         task_id = request.id
         guard: AnyLease | None = None
         # One lock per run where the backend checks the task id itself; else a guard.
-        checked = task_id is not None and self._run_checked(name)
+        checked = task_id is not None and self._run_checked(name, task_id)
         guard_name = None if checked else self._guard_name(name, task_id)
         if guard_name is not None:
             taken = yield from self._take(guard_name, None, guard=True)
@@ -796,28 +798,28 @@ class _Acquire(NamedTuple):
     timeout: float | None
 
     def run(self) -> Lease:
-        lock = self._lock(Lock, self.task.run_lock)
         marker = self._marker(Lock)
         if marker is None:
             with self._as_owner():
-                return lock.acquire(timeout=self.timeout)
+                return self._lock(Lock, self.task.run_lock).acquire(timeout=self.timeout)
         with owner_context(internal=True):
             mark = marker.acquire(timeout=0)  # held by a copy: LockHeld naming this task id
         try:
-            return lock.acquire(timeout=self.timeout)
+            return self._lock(Lock, self.task.run_lock, mark.token).acquire(timeout=self.timeout)
         finally:
             with contextlib.suppress(LockError):
                 mark.release()
 
     async def arun(self) -> AsyncLease:
-        lock = self._lock(AsyncLock, self.task.async_run_lock)
         marker = self._marker(AsyncLock)
         if marker is None:
+            lock = self._lock(AsyncLock, self.task.async_run_lock)
             with self._as_owner():
                 return await lock.acquire(timeout=self.timeout)
         with owner_context(internal=True):
             mark = await marker.acquire(timeout=0)
         try:
+            lock = self._lock(AsyncLock, self.task.async_run_lock, mark.token)
             return await lock.acquire(timeout=self.timeout)
         finally:
             with contextlib.suppress(LockError):
@@ -834,13 +836,19 @@ class _Acquire(NamedTuple):
             return None
         return cls(task_id_lock_name(self.name, self.run_of), **self.task.lock_arguments())
 
-    def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
+    def _lock(
+        self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L], mark: str | None = None
+    ) -> _L:
         if self.guard:
             return guard_lock(self.name, **self.task.lock_arguments())
         if self.run_of is not None:
-            retry = bool(self.task.request.retries)
             return acquire_as_run(
-                run_lock(self.name), self.token, self.run_of, give_up_on_copy=not retry
+                run_lock(self.name),
+                self.token,
+                self.run_of,
+                also=(task_id_lock_name(self.name, self.run_of),),
+                mark=mark,
+                give_up_on_copy=not self.task.request.retries,
             )
         return acquire_under(run_lock(self.name), self.token)
 
