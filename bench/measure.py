@@ -602,6 +602,7 @@ def hooks(
     out: dict[str, Any] = {
         "celery": {"status": "not measured: skipped"},
         "celery_profile": {"status": "not measured: skipped (--no-celery)"},
+        "celery_footprint": {"status": "not measured: skipped (--no-celery)"},
     }
     if plan.celery and celery:
         log("celery: bench/celery_bench.py")
@@ -616,6 +617,11 @@ def hooks(
     if celery:
         log("celery profile: bench/celery_profile.py (quick)")
         out["celery_profile"] = run_hook("celery_profile", redis_url=url, quick=True)
+    if celery and plan.mode != "smoke":  # a process per mode: seconds even for a few runs
+        log(f"celery footprint: {plan.footprint_cycles:,} runs per mode (celery_footprint.py)")
+        out["celery_footprint"] = run_hook(
+            "celery_footprint", url=url, n=plan.footprint_cycles, peers_python=peers_python
+        )
     if plan.mode == "full":
         log("backends: bench/backends_bench.py")
         out["backends"] = run_hook("backends_bench", quick=False)
@@ -754,6 +760,9 @@ def measure_all(
         "footprint": footprint,
         "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
         "celery_profile": {k: v for k, v in hooked["celery_profile"].items() if k != "traceback"},
+        "celery_footprint": {
+            k: v for k, v in hooked["celery_footprint"].items() if k != "traceback"
+        },
         "backends": hooked["backends"],
         "coordination": hooked["coordination"],
     }

@@ -152,3 +152,25 @@ def test_contention_targets_pass_or_miss_with_the_measured_reason(
     assert rows[handoff + ping].verdict == "PASS"
     util = "4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time"
     assert rows[default + util].verdict == "MISS" and rows[handoff + util].verdict == "PASS"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ['lock_on="both"', "limit=3"])
+def test_a_celery_mode_leaves_one_key_per_run_and_one_shared_counter(
+    redis_url: str, mode: str
+) -> None:
+    """The Celery footprint cell's one mode (``bench/celery_footprint.py``), a few runs:
+    each run's key keeps its release tombstone (a minute), nothing else is per run, and
+    only the database's fence counter lives longer."""
+    done = subprocess.run(
+        [sys.executable, str(RUNNER.with_name("celery_footprint.py")), "--one", "ours", mode,
+         "--url", redis_url, "--n", "40"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["left_keys"] == 40 + 1, found
+    assert found["left_keys_beyond_60s"] == 1, found
