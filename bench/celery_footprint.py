@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Final
 
+from workers import lasting_keys
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
@@ -55,10 +57,7 @@ def measure(url: str, run: Any, n: int) -> dict[str, Any]:
     settle()
     keys = admin.dbsize()
     left_bytes = int(admin.info("memory")["used_memory"]) - base
-    lasting = 0
-    for key in admin.scan_iter(count=1000):
-        pttl = admin.pttl(key)
-        lasting += pttl == -1 or pttl > 60_000
+    lasting = lasting_keys(admin)
     admin.flushdb()
     return {
         "cycles": n,
