@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -115,6 +116,11 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _owned_by(task_id: str) -> str:
+    """The text an owner JSON of ``task_id`` holds (:meth:`Owner.to_json`'s separators)."""
+    return f'"task_id": {json.dumps(task_id)}'
+
+
 def _handoff_option(url: str) -> str | None:
     """The URL's ``handoff`` option, if given (checked by the backend it makes)."""
     try:
@@ -179,9 +185,7 @@ class _RedisNotices:
                         notices.append(Notice(backend._name(key), int(fence), FORCED_NOTICE))
                 message = self._pubsub.get_message(timeout=0)
         except CLIENT_ERRORS as exc:
-            raise translate(
-                exc, what="release notices", name=None, server=backend.server
-            ) from exc
+            raise translate(exc, what="release notices", name=None, server=backend.server) from exc
         return notices
 
     def close(self) -> None:
@@ -377,7 +381,7 @@ class RedisBackend(Backend, RunChecked):
             return [2, key, self._counter(name), token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
         others = [self._key(other) for other in run.names if other != name]
         return [2 + len(others), key, self._counter(name), *others, token, ttl_ms,
-                owner.to_json(), self.fence_ttl_ms, run.task_id, run.take_over or "",
+                owner.to_json(), self.fence_ttl_ms, _owned_by(run.task_id), run.take_over or "",
                 run.mark or ""]  # fmt: skip
 
     def checks_together(self, names: Sequence[str]) -> bool:

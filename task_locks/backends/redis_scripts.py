@@ -262,7 +262,8 @@ return tonumber(fence)
 # ARGV[2] - ttl (ms)
 # ARGV[3] - owner JSON
 # ARGV[4] - the fence counter's ttl (ms)
-# ARGV[5] - the run's task id
+# ARGV[5] - the run's task id as its owner JSON has it: '"task_id": ' and the id as a
+#   JSON string (Owner.to_json's form, old clients' too; found as plain text, no decode)
 # ARGV[6] - the token of the publish-time lock the run takes over, or ''
 # ARGV[7] - the token of the run's own mark among KEYS[3..], or ''
 # As ACQUIRE, for a run of a task (types.RunCheck): refused, answering that holder, when
@@ -290,8 +291,7 @@ local function copy(held)
       or held.token == mark then
     return false
   end
-  local ok, data = pcall(cjson.decode, held.owner)
-  return ok and type(data) == 'table' and data.task_id == task_id
+  return string.find(held.owner, task_id, 1, true) ~= nil
 end
 for i = 3, #KEYS do
   local other = read_record(KEYS[i])

@@ -133,3 +133,14 @@ def test_a_semaphore_run_refuses_its_copy_at_once(deployment: Deployment) -> Non
             copy.acquire(timeout=None)  # no wait: it met its own task id
     assert held.value.holder is not None and held.value.holder.name == permit.name
     permit.release()
+
+
+def test_only_the_same_task_id_is_a_copy(deployment: Deployment) -> None:
+    """An id that another one starts with, or one named in another field, is not it:
+    the run takes a free slot beside that holder."""
+    backend = checked(deployment)
+    names = tuple(f"semaphore:run-check-{fresh()}#{index}" for index in range(2))
+    lookalike = Owner(host="h", task_id="task-10", task_name='"task_id": "task-1"', worker="w")
+    assert backend.acquire(names[1], fresh(), TTL_MS, lookalike).acquired
+    run = RunCheck("task-1", names if backend.checks_together(names) else names[:1])
+    assert backend.acquire_run(names[0], fresh(), TTL_MS, run_owner("task-1"), run).acquired
