@@ -390,16 +390,13 @@ class RedisBackend(Backend, RunChecked):
             return True
         return len({key_slot(hash_tag(name)) for name in names}) <= 1
 
-    def _acquire_commands(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None = None
-    ) -> Commands:
-        """The acquire script and, with ``wait_replicas``, WAIT right after it.
+    def _acquire_commands(self, args: list[Any], run: RunCheck | None) -> Commands:
+        """The acquire script (its ``args``) and, with ``wait_replicas``, WAIT after it.
 
         Sent as one pipeline, so on one connection: WAIT answers only for the writes of
         the connection it runs on; on any other pooled connection it would count
         replicas for someone else's writes (or none), not for this lock.
         """
-        args = self._acquire_args(name, token, ttl_ms, owner, run)
         script = "acquire" if run is None else "acquire_run"
         wait = [("WAIT", self.wait_replicas, self.wait_timeout_ms)] if self.wait_replicas else []
         return lambda by_sha: [script_command(script, by_sha, args), *wait]
@@ -739,20 +736,19 @@ class RedisBackend(Backend, RunChecked):
         self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None
     ) -> AcquireResult:
         riders = self._take_riders() if self._riders else None
+        args = self._acquire_args(name, token, ttl_ms, owner, run)
         if not riders and self._plain_acquire:
-            args = self._acquire_args(name, token, ttl_ms, owner, run)
             script = "acquire" if run is None else "acquire_run"
             try:
                 return self._acquire_result(self._eval(self.client, script, args), args)
             except CLIENT_ERRORS as exc:
                 self._fail(name, exc)
-        commands = self._acquire_commands(name, token, ttl_ms, owner, run)
+        commands = self._acquire_commands(args, run)
         if riders:  # finished runs' releases ride this acquire (defer_release)
             replies = self._after_releases(name, riders, commands)
         else:
             replies = self._acquire_replies(name, commands)
-        named = None if run is None else self._acquire_args(name, token, ttl_ms, owner, run)
-        result, acked = self._acquired(name, replies, named)
+        result, acked = self._acquired(name, replies, args)
         if acked is not None:
             # Granted on the master only: give it back rather than block every other
             # client until its TTL. A failover may already have lost it.
@@ -978,7 +974,7 @@ class RedisBackend(Backend, RunChecked):
             script = "acquire" if run is None else "acquire_run"
             reply = await self._acall(name, lambda: self._aeval(client, script, args))
             return self._acquire_result(reply, args)
-        commands = self._acquire_commands(name, token, ttl_ms, owner, run)
+        commands = self._acquire_commands(args, run)
 
         async def send() -> list[Any]:
             if not self._on_primary(name):
