@@ -85,7 +85,7 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
         Target(
             "Celery: @singleton_task / plain task throughput",
             ratio(mine, plain),
-            0.9,
+            0.85,
             True,
             note=missing or rates,
         ),
@@ -104,9 +104,47 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
             True,
             note=missing or f"celery-once {fmt(_celery_rate(celery, 'celery-once'), 0)}/s",
         ),
+        *_celery_footprint_targets(results.get("celery_footprint", {})),
         _django_pg_target(results.get("backends", {})),
     ]
     return targets
+
+
+def _celery_footprint_targets(found: dict[str, Any]) -> list[Target]:
+    """One lock per run, whatever the options: the keys each mode's runs leave right
+    after (a run's record keeps its release tombstone a minute), and beyond 60 s."""
+    modes = {k: v for k, v in (found.get("modes") or {}).items() if "left_keys" in v}
+    ours = {k: v for k, v in modes.items() if k not in ("celery-singleton", "celery-once")}
+    missing = "" if ours else found.get("status", "not measured")
+
+    def worst(value: Any) -> tuple[float | None, str]:
+        if not ours:
+            return None, missing
+        label, r = max(ours.items(), key=lambda item: value(item[1]))
+        return value(r), f"worst: {label}"
+
+    per_run, per_run_note = worst(
+        lambda r: (r["left_keys"] - r["left_keys_beyond_60s"]) / r["cycles"]
+    )
+    lasting, lasting_note = worst(lambda r: float(r["left_keys_beyond_60s"]))
+    return [
+        Target(
+            "Celery: keys a run leaves for a minute, worst mode (one lock per run)",
+            per_run,
+            1.0,
+            False,
+            unit="",
+            note=per_run_note,
+        ),
+        Target(
+            "Celery: keys left beyond 60 s after N runs, worst mode (shared state only)",
+            lasting,
+            1.0,
+            False,
+            unit="",
+            note=lasting_note,
+        ),
+    ]
 
 
 def contention_targets(

@@ -174,3 +174,20 @@ def test_a_celery_mode_leaves_one_key_per_run_and_one_shared_counter(
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["left_keys"] == 40 + 1, found
     assert found["left_keys_beyond_60s"] == 1, found
+
+
+def test_celery_footprint_targets_name_the_worst_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two keys a run (a second lock beside the run's) is a MISS, and says which mode."""
+    targets = load_bench("targets", monkeypatch)
+
+    def mode(keys: int, lasting: int) -> dict[str, int]:
+        return {"cycles": 100, "left_keys": keys, "left_keys_beyond_60s": lasting}
+
+    found = {"status": "ok", "modes": {"run": mode(101, 1), "both": mode(201, 1)}}
+    per_run, lasting = targets._celery_footprint_targets(found)
+    assert per_run.verdict == "MISS" and per_run.value == 2.0 and "both" in per_run.note
+    assert lasting.verdict == "PASS"
+    found["modes"]["both"] = mode(101, 1)
+    found["modes"]["celery-singleton"] = mode(0, 0)  # a peer: not one of ours
+    assert [t.verdict for t in targets._celery_footprint_targets(found)] == ["PASS", "PASS"]
+    assert targets._celery_footprint_targets({"status": "skipped"})[0].verdict == "n/a"
