@@ -69,7 +69,7 @@ from task_locks.backends.base import Backend, Capability, RunChecked, unknown_op
 from task_locks.backends.notices import Notice, NoticeStream, close_streams, retired, track
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
-from task_locks.types import AcquireResult, Holder, Owner, RenewItem, RunCheck
+from task_locks.types import AcquireResult, Holder, Owner, RenewItem, RunCheck, parse_slot
 
 LOCKS = "task_locks_lock"
 FENCES = "task_locks_fence"
@@ -681,8 +681,9 @@ class DjangoBackend(Backend, RunChecked):
     ) -> AcquireResult:
         """:meth:`acquire` with a run check, in one transaction: the rows of the run's
         names are read under a row lock (a semaphore's checks are first serialised on
-        the fence counter row of its first slot, since a free slot has no row to lock),
-        then the lock is taken over from ``run.take_over`` or taken as usual."""
+        the fence counter row of its first slot, since a free slot has no row to lock;
+        one name needs none: the insert of its row is what two copies race on), then
+        the lock is taken over from ``run.take_over`` or taken as usual."""
         return self._once_more_if_unknown(
             name, ttl_ms, lambda: self._take_run(name, token, ttl_ms, owner, run)
         )
@@ -734,9 +735,10 @@ class DjangoBackend(Backend, RunChecked):
         d = self.dialect
         keys = sorted(self.prefix + other for other in {name, *run.names})
         mine = {token, run.take_over, run.mark}
+        slots = sorted(other for other in run.names if parse_slot(other) is not None)
         with self._cursor(name, transaction=True) as cursor:
-            if len(keys) > 1:
-                cursor.execute(d.bump_fence_sql(), [keys[0]])  # serialises; fences may skip
+            if len(slots) > 1:  # a free slot has no row to lock: serialise on the first's
+                cursor.execute(d.bump_fence_sql(), [self.prefix + slots[0]])  # (fences skip)
             marks = ", ".join(["%s"] * len(keys))
             live = f"name IN ({marks}) AND expires_at > {d.now}"
             cursor.execute(self._select_sql(live) + d.for_update, keys)

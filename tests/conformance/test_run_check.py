@@ -10,6 +10,7 @@ a singleton task take one lock per run, with no second ``#task:`` lock beside it
 from __future__ import annotations
 
 import secrets
+import threading
 
 import pytest
 from deployments import REDIS_TOPOLOGIES, Deployment, build_deployment, deployment_params
@@ -144,3 +145,37 @@ def test_only_the_same_task_id_is_a_copy(deployment: Deployment) -> None:
     assert backend.acquire(names[1], fresh(), TTL_MS, lookalike).acquired
     run = RunCheck("task-1", names if backend.checks_together(names) else names[:1])
     assert backend.acquire_run(names[0], fresh(), TTL_MS, run_owner("task-1"), run).acquired
+
+
+def test_two_copies_racing_for_two_free_slots_never_both_win(deployment: Deployment) -> None:
+    """The check and the take are one step: copies started together on two free slots
+    of one semaphore, again and again; at most one of each pair takes its slot."""
+    backend = checked(deployment)
+    for round_ in range(15):
+        names = tuple(f"semaphore:run-race-{fresh()}#{index}" for index in range(2))
+        if not backend.checks_together(names):
+            assert deployment.kind == "cluster"
+            return
+        run = RunCheck(f"task-{round_}", names)
+        start = threading.Barrier(2)
+        won: list[tuple[str, str]] = []
+
+        def copy(
+            slot: str,
+            run: RunCheck = run,
+            start: threading.Barrier = start,
+            won: list[tuple[str, str]] = won,
+        ) -> None:
+            token = fresh()
+            start.wait(timeout=10)
+            if backend.acquire_run(slot, token, TTL_MS, run_owner(run.task_id), run).acquired:
+                won.append((slot, token))
+
+        threads = [threading.Thread(target=copy, args=(slot,)) for slot in names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        assert len(won) == 1, won  # one runs: never both, never neither
+        for slot, token in won:
+            backend.release(slot, token)
