@@ -830,11 +830,18 @@ class _Acquire(NamedTuple):
         metrics see one lock per run, the run lock."""
         return owner_context(internal=True) if self.guard else contextlib.nullcontext()
 
+    def _marks(self) -> bool:
+        """Whether this task's runs mark their task id while they wait, and look for it:
+        those the previous release guarded (``_guard_name``). ``limit=1``, ``"skip"`` or
+        ``"raise"`` and ``lock_on="run"`` never waits, and its copies meet the run lock."""
+        return self.run_of is not None and self.task._guard_name(self.name, self.run_of) is not None
+
     def _marker(self, cls: Callable[..., _L]) -> _L | None:
         """The lock marking this task id while the run waits, if it is to wait."""
-        if self.run_of is None or self.timeout == 0:
+        run_of = self.run_of
+        if run_of is None or self.timeout == 0 or not self._marks():
             return None
-        return cls(task_id_lock_name(self.name, self.run_of), **self.task.lock_arguments())
+        return cls(task_id_lock_name(self.name, run_of), **self.task.lock_arguments())
 
     def _lock(
         self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L], mark: str | None = None
@@ -846,7 +853,7 @@ class _Acquire(NamedTuple):
                 run_lock(self.name),
                 self.token,
                 self.run_of,
-                also=(task_id_lock_name(self.name, self.run_of),),
+                also=(task_id_lock_name(self.name, self.run_of),) if self._marks() else (),
                 mark=mark,
                 give_up_on_copy=not self.task.request.retries,
             )
