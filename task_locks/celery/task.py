@@ -334,13 +334,15 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     def _run_checked(self, name: str, task_id: str) -> bool:
         """Whether the run lock's own acquire can refuse a copy of this message: the
         backend is a :class:`~task_locks.backends.base.RunChecked` that sees, in one
-        step, every name the run lock may hold (every slot if ``limit`` > 1) and the
-        task id's own name (:func:`task_id_lock_name`: a waiting run's mark, or a
-        previous release's guard held for a whole run)."""
+        step, every name the run lock may hold (every slot if ``limit`` > 1) and, for
+        the options that may wait, the task id's own name (:func:`task_id_lock_name`: a
+        waiting run's mark, or a previous release's guard held for a whole run)."""
         backend = self.resolved_lock_backend()
         if not isinstance(backend, RunChecked):
             return False
-        return backend.checks_together(self.held_lock_names(name, task_id))
+        names = self.held_lock_names(name)
+        mark = self._guard_name(name, task_id)
+        return backend.checks_together(names if mark is None else [*names, mark])
 
     def _guard_name(self, name: str, task_id: str | None) -> str | None:
         """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
