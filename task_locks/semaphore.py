@@ -189,13 +189,16 @@ class _SemaphoreBase(LockBase):
         deadline = None if timeout is None else start + timeout
         while True:
             soonest: float | None = None
+            copy: tuple[str, AcquireResult] | None = None  # this round's run check refusal
             for index in random.sample(range(self.limit), self.limit):
                 sent_at = clock.monotonic()
                 result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner, run)
-                if run is not None and run.give_up_on_copy and run.is_copy(result):
-                    held = _held_message(names[index], result, clock.monotonic() - start)
-                    report_conflict(self.name, backend, held, 0.0, timeout, owner)
-                    raise held
+                if run is not None and run.is_copy(result):
+                    copy = (names[index], result)
+                    if run.give_up_on_copy:
+                        held = _held_message(names[index], result, clock.monotonic() - start)
+                        report_conflict(self.name, backend, held, 0.0, timeout, owner)
+                        raise held
                 if result.fence is not None:
                     report_acquired(
                         names[index], backend, result.fence, owner, clock.monotonic() - start
@@ -207,7 +210,10 @@ class _SemaphoreBase(LockBase):
                     soonest = result.retry_after
             now = clock.monotonic()
             if deadline is not None and now >= deadline:
-                full = self._full(now - start)
+                # Refused for a run of the same task id: say so (its holder), as a lock does.
+                full = (
+                    self._full(now - start) if copy is None else _held_message(*copy, now - start)
+                )
                 report_conflict(self.name, backend, full, now - start, timeout, owner)
                 raise full
             yield WaitAny(names, pause(soonest, now, deadline))

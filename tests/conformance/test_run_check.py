@@ -18,6 +18,7 @@ from deployments import REDIS_TOPOLOGIES, Deployment, build_deployment, deployme
 from task_locks import LockHeld, Semaphore, get_backend
 from task_locks._friends import acquire_as_run
 from task_locks.backends.base import Backend, RunChecked
+from task_locks.owner import owner_context
 from task_locks.types import Owner, RunCheck
 
 
@@ -125,8 +126,6 @@ def test_a_semaphore_run_refuses_its_copy_at_once(deployment: Deployment) -> Non
     if not backend.checks_together(sem.slot_names):
         assert deployment.kind == "cluster"  # Celery takes a guard lock there instead
         return
-    from task_locks.owner import owner_context
-
     with owner_context(task_id="task-1", worker="w@h"):
         permit = acquire_as_run(sem, None, "task-1").acquire(timeout=None)
         copy = acquire_as_run(Semaphore(name, 3, ttl=10, backend=deployment.url), None, "task-1")
@@ -179,3 +178,22 @@ def test_two_copies_racing_for_two_free_slots_never_both_win(deployment: Deploym
         assert len(won) == 1, won  # one runs: never both, never neither
         for slot, token in won:
             backend.release(slot, token)
+
+
+def test_a_retry_waits_for_its_previous_attempts_permit(deployment: Deployment) -> None:
+    """A retry (``give_up_on_copy=False``) meeting its own task id waits for it, and when
+    its wait runs out says who holds it, as a lock does (Celery then refuses a copy)."""
+    name = f"run-check-{fresh()}"
+    sem = Semaphore(name, 2, ttl=10, backend=deployment.url)
+    if not checked(deployment).checks_together(sem.slot_names):
+        assert deployment.kind == "cluster"
+        return
+    with owner_context(task_id="task-1", worker="w@h"):
+        previous = acquire_as_run(sem, None, "task-1").acquire(timeout=None)
+        retry = Semaphore(name, 2, ttl=10, backend=deployment.url)
+        with pytest.raises(LockHeld) as held:
+            acquire_as_run(retry, None, "task-1", give_up_on_copy=False).acquire(timeout=0.2)
+        assert held.value.holder is not None and held.value.holder.owner.task_id == "task-1"
+        previous.release()
+        again = Semaphore(name, 2, ttl=10, backend=deployment.url)
+        acquire_as_run(again, None, "task-1", give_up_on_copy=False).acquire(timeout=5).release()
