@@ -455,6 +455,11 @@ class EtcdBackend(Backend):
                     self._pid = os.getpid()
         return self._clients
 
+    def transport(self) -> etcd3gw.Etcd3Client:
+        """The HTTP client (etcd3gw over one ``requests`` session) of the endpoint in use:
+        where a benchmark sends bare requests over the very transport the locks use."""
+        return self._client_list()[self._current]
+
     def _make_client(self, host: str, port: int) -> etcd3gw.Etcd3Client:
         session = requests.Session()
         pool: dict[str, Any] = {"pool_connections": 1, "pool_maxsize": _POOL_SIZE, "max_retries": 0}
