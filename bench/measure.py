@@ -624,14 +624,23 @@ def hooks(
         )
     if plan.mode == "full":
         log("backends: bench/backends_bench.py")
-        out["backends"] = run_hook("backends_bench", quick=False)
+        out["backends"] = run_hook(
+            "backends_bench", quick=False, peers_python=peers_python, peers=peers
+        )
         out["coordination"] = run_hook("coordination_bench", quick=False)
     else:
         skipped = {"status": f"skipped in --{plan.mode} (full run only)"}
         out["coordination"] = dict(skipped)
-        # The django:// (PostgreSQL) target alone: one short child process.
-        log("backends: django (PostgreSQL) cycle vs SELECT 1 (bench/backends_bench.py)")
-        out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
+        if plan.mode == "quick":
+            # The three backend targets only: Redlock vs pottery, etcd and PostgreSQL floors.
+            log("backends: the Redlock, etcd and PostgreSQL targets (bench/backends_bench.py)")
+            out["backends"] = run_hook(
+                "backends_bench", "run_targets", quick=True, peers_python=peers_python, peers=peers
+            )
+        else:
+            # The django:// (PostgreSQL) target alone: one short child process.
+            log("backends: django (PostgreSQL) cycle vs its floor (bench/backends_bench.py)")
+            out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
     if plan.mode != "smoke":
         log("notices: force release to lease.lost (bench/notice_bench.py)")
         out["notice"] = run_hook("notice_bench", quick=plan.mode != "full")

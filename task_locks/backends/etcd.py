@@ -479,6 +479,11 @@ class EtcdBackend(Backend, RunChecked):
                     self._pid = os.getpid()
         return self._clients
 
+    def transport(self) -> etcd3gw.Etcd3Client:
+        """The HTTP client (etcd3gw over one ``requests`` session) of the endpoint in use:
+        where a benchmark sends bare requests over the very transport the locks use."""
+        return self._client_list()[self._current]
+
     def _make_client(self, host: str, port: int) -> etcd3gw.Etcd3Client:
         session = requests.Session()
         pool: dict[str, Any] = {"pool_connections": 1, "pool_maxsize": _POOL_SIZE, "max_retries": 0}
@@ -495,6 +500,17 @@ class EtcdBackend(Backend, RunChecked):
                 session.cert = (cert, key) if key else cert
         else:
             session.mount("http://", HTTPAdapter(**pool))
+        if session.trust_env:
+            # requests reads the environment again (proxies, NO_PROXY, ~/.netrc, the CA
+            # bundle) on every request: a tenth of each call's client CPU here. Read it
+            # once, now. (A ~/.netrc login is left out: it would replace the RBAC token.)
+            protocol = "https" if self.tls else "http"
+            url = f"{protocol}://{host}:{port}"
+            session.proxies.update(requests.utils.get_environ_proxies(url))
+            if session.verify is True:
+                bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+                session.verify = bundle or True
+            session.trust_env = False
         if self._token:
             session.headers["Authorization"] = self._token
         return etcd3gw.Etcd3Client(

@@ -278,7 +278,9 @@ def test_force_release_takes_the_lock_away(deployment: Deployment) -> None:
     lease = Lock("forced", ttl=30, backend=deployment.url, on_lost=lost.append).acquire(timeout=0)
     assert backend.force_release("forced") is True
     assert backend.holder("forced") is None
-    with pytest.raises(NotOwned):
+    # NotOwned from the server; or LockLost at once where the release notice got here
+    # first (etcd's watch can beat the holder() read above: seen on main, 1 run in 3).
+    with pytest.raises(LockLost):
         lease.renew()
     assert lost == [lease]
     successor = Lock("forced", ttl=30, backend=deployment.url).acquire(timeout=0)
