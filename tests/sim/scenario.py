@@ -7,7 +7,8 @@ message delays, and the faults (a request or reply lost, delayed, or its connect
 before or after the server applied it, which makes redis-py resend it; partitions; client
 pauses; clients killed; monotonic clock rates and forward jumps; wall clock jumps; the
 server's clock stepped back; a restart without persistence; a Sentinel failover to a
-replica that lags; operator force releases).
+replica that lags; operator force releases; a lane renewal lost, or delayed past its
+timeout, and then the holder's ``renew(ttl=LONGER)`` sent as soon as it failed).
 
 ``run(scenario)`` plays it in the simulated world (:mod:`tests.sim.world`) and checks
 after every step:
@@ -100,6 +101,11 @@ class Fault:
                 f"{who}'s first lane renewal from {self.at * 1000:.0f} ms on: {self.detail} "
                 f"{self.amount or ''}"
             ).strip()
+        if self.kind == "late_lane":
+            return (
+                f"{who}'s lane renewal just before its renew(ttl=...): {self.detail} "
+                f"{self.amount:g}; the renew() right after that renewal failed"
+            )
         if self.kind == "msg":
             return f"{who}'s request #{int(self.at)}: {self.detail} {self.amount or ''}".strip()
         if self.kind in ("restart", "failover", "clock_step"):
@@ -224,6 +230,17 @@ def generate(
             detail = lanes.choice(("drop_request", "drop_reply", "delay_request"))
             amount = lanes.choice((1.0, 3.0)) if detail == "delay_request" else 0.0
             faults.append(Fault("lose_lane", who, lanes.random() * horizon, amount, detail))
+    # A lane renewal delayed past its timeout, and the holder's renew(ttl=LONGER) sent
+    # as soon as that renewal failed: the late request lands after the extension and
+    # cuts the server's expiry back (the long run's seed 44632 met this by chance, once in
+    # tens of thousands of schedules). Its own stream again: the rest stays as it was.
+    late = random.Random(seed * 130_363 + 29)
+    for who, program in enumerate(programs):
+        longer = any(s.renew_ttl is not None and s.renew_ttl > s.ttl for s in program)
+        if faults and longer and late.random() < 0.5:
+            faults.append(
+                Fault("late_lane", who, 0.0, late.choice((0.5, 1.0, 3.0)), "delay_request")
+            )
     kinds = {f.kind for f in faults}
     if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -306,6 +323,28 @@ class Outcome:
     story: list[str] = field(default_factory=list)
 
 
+class LateLane:
+    """A "late_lane" fault at work. Armed by its holder at its ``renew(ttl=...)``, it
+    delays the request of the lane's next renewal of that lease; the holder waits (at
+    most two TTLs) until that call has its answer (a timeout), then renews."""
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+        self.lease: Any = None  # armed: the holder's lease
+        self.client: Any = None
+        self.next_call = False  # the lane is sending a renewal of it
+        self.applied = False  # that call's request carries the fault
+        self.done = False  # and the call has its answer
+        self.waiter: greenlet.greenlet | None = None
+
+    def ready(self) -> bool:
+        return self.done
+
+
+def _among(lease: Any, leases: list[Any]) -> bool:
+    return any(x is lease for x in leases)
+
+
 class Checker:
     def __init__(self, sim: Sim, server: Server, backend: RedisBackend, scenario: Scenario) -> None:
         self.sim = sim
@@ -343,6 +382,8 @@ class Checker:
         self.lose_renew: dict[int, str] = {}
         #: client index -> the fault "lose_lane" planned for its next lane renewal
         self.lose_lane: dict[int, Fault] = {}
+        #: client index -> its "late_lane" fault
+        self.late_lane: dict[int, LateLane] = {}
         self.net: Net | None = None
         self.granted_at: dict[tuple[str, str], float] = {}
         #: Clients paused, killed or whose clock jumped: their renewals may lapse.
@@ -628,6 +669,9 @@ class Checker:
         follow a failure; a retry waits a tenth; a lease due soon rides along with a
         call) renews back to back, a storm of calls against the server."""
         self.renew_sent(leases)
+        for late in self.late_lane.values():
+            if late.lease is not None and not late.next_call and _among(late.lease, leases):
+                late.next_call = True
         now = self.sim.now
         early = bool(leases)
         for lease in leases:
@@ -643,7 +687,14 @@ class Checker:
             self.fail(f"the lane renewed {names} {streak + 1} times back to back")
 
     def lane_call(self, client: Client) -> None:
-        """A lane's call is about to go out: the fault "lose_lane" makes it its request."""
+        """A lane's call is about to go out: the fault "lose_lane" (or "late_lane") makes
+        it its request."""
+        late = self.late_lane.get(client.index)
+        if late is not None and late.next_call and not late.applied and self.net is not None:
+            late.applied = True
+            fault = late.fault
+            self.net.faults[(client.index, client.requests + 1)] = (fault.detail, fault.amount)
+            return
         planned = self.lose_lane.get(client.index)
         if planned is not None and self.sim.now >= planned.at and self.net is not None:
             del self.lose_lane[client.index]
@@ -652,6 +703,23 @@ class Checker:
     def lane_answered(self, leases: list[Any]) -> None:
         for lease in leases:
             self.lane_calls[(lease.name, lease.token)] -= 1
+        for late in self.late_lane.values():
+            if late.applied and not late.done and _among(late.lease, leases):
+                late.done = True
+                wake = late.client.wake
+                self.sim.at(self.sim.now, lambda w=wake, x=late: w(x))  # (from the event loop)
+
+    def extend_after_a_late_renewal(self, client: Client, lease: Any, step: Iteration) -> None:
+        """The fault "late_lane": before its ``renew(ttl=LONGER)``, the holder waits for
+        the lane's next renewal of ``lease`` (its request delayed) to time out."""
+        late = self.late_lane.get(client.index)
+        if late is None or late.lease is not None or not (step.renew_ttl or 0) > step.ttl:
+            return
+        if not any(h.lease is lease for h in self.leases):
+            return
+        late.lease, late.client = lease, client
+        self.sim.say(client.name, "waits for the lane's next renewal (its request delayed)")
+        client.wait(late, late.ready, 2 * step.ttl)
 
     def deadline(self, client: Client, lease: Any) -> None:
         """A lease reached its local deadline: a renewal must have been tried in the last
@@ -879,6 +947,8 @@ def _plan_fault(
         checker.lose_renew[target.index] = fault.detail
     elif kind == "lose_lane" and target is not None:
         checker.lose_lane[target.index] = fault
+    elif kind == "late_lane" and target is not None:
+        checker.late_lane[target.index] = LateLane(fault)
     elif kind == "restart":
         sim.at(fault.at, lambda: server.restart(fault.amount))
     elif kind == "failover":
@@ -1008,6 +1078,7 @@ def _hold(client: Client, lease: Any, step: Iteration, checker: Checker) -> None
     for piece in range(pieces):
         client.sleep(step.hold / pieces)
         if renew_piece == piece:
+            checker.extend_after_a_late_renewal(client, lease, step)
             sim.say(client.name, f"renew(ttl={step.renew_ttl})")
             checker.renew_sent([lease])
             lose = checker.lose_renew.pop(client.index, None)
