@@ -27,6 +27,7 @@ watch is the production ``DeadlineHeap`` woken by events at the local deadlines.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -92,7 +93,8 @@ class Sim:
 
     def at(self, when: float, action: Callable[[], None]) -> Event:
         event = Event(action)
-        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), event))
+        now = self.now
+        heapq.heappush(self._heap, (when if when > now else now, next(self._seq), event))
         return event
 
     def run(self, until: float) -> None:
@@ -174,7 +176,7 @@ class Client:
         self.resume_at(self.sim.now if when is None else when, task, None)
 
     def resume_at(self, when: float, task: greenlet.greenlet, value: Any) -> Event:
-        return self.sim.at(when, lambda: self._resume(task, value))
+        return self.sim.at(when, functools.partial(self._resume, task, value))
 
     def _resume(self, task: greenlet.greenlet, value: Any) -> None:
         if self.dead or task.dead:
