@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import random
@@ -235,8 +236,8 @@ def generate(
     # cuts the server's expiry back (the long run's seed 44632 met this by chance, once in
     # tens of thousands of schedules). Its own stream again: the rest stays as it was.
     late = random.Random(seed * 130_363 + 29)
-    for who, program in enumerate(programs):
-        longer = any(s.renew_ttl is not None and s.renew_ttl > s.ttl for s in program)
+    for who, plan in enumerate(programs):
+        longer = any(s.renew_ttl is not None and s.renew_ttl > s.ttl for s in plan)
         if faults and longer and late.random() < 0.5:
             faults.append(
                 Fault("late_lane", who, 0.0, late.choice((0.5, 1.0, 3.0)), "delay_request")
@@ -706,8 +707,8 @@ class Checker:
         for late in self.late_lane.values():
             if late.applied and not late.done and _among(late.lease, leases):
                 late.done = True
-                wake = late.client.wake
-                self.sim.at(self.sim.now, lambda w=wake, x=late: w(x))  # (from the event loop)
+                # (woken from the event loop, not from inside the lane's call)
+                self.sim.at(self.sim.now, functools.partial(late.client.wake, late))
 
     def extend_after_a_late_renewal(self, client: Client, lease: Any, step: Iteration) -> None:
         """The fault "late_lane": before its ``renew(ttl=LONGER)``, the holder waits for
