@@ -135,6 +135,9 @@ class _Pending:
         self.answer: Any = None
         self.error: BaseException | None = None
 
+    def ready(self) -> bool:
+        return self.answer is not None or self.error is not None
+
 
 class SimEtcdSession:
     """The ``requests.Session`` of one client's etcd3gw client, over the simulated net."""
@@ -204,28 +207,14 @@ class SimEtcdSession:
         else:
             pending.answer = answer
         delay = self.net.delay() + (amount if fault == "delay_reply" else 0.0)
-        sim.at(sim.now + delay, lambda: self._wake(pending))
-
-    def _wake(self, pending: _Pending) -> None:
-        waiter, pending.waiter = pending.waiter, None
-        if waiter is not None:
-            self.client._resume(waiter, None)
+        sim.at(sim.now + delay, lambda: client.wake(pending))
 
     def _wait(self, pending: _Pending, read_timeout: float) -> Any:
         """The answer, waiting at most ``read_timeout`` on the client's clock."""
         client = self.client
-        deadline = client.monotonic() + read_timeout
-        while pending.answer is None and pending.error is None:
-            left = deadline - client.monotonic()
-            if left <= 0:
-                client.sim.say(client.name, "read timeout")
-                raise requests.exceptions.ReadTimeout("Read timed out. (simulated)")
-            me = greenlet.getcurrent()
-            pending.waiter = me
-            timer = client.resume_at(client.sim.now + left / client.rate, me, None)
-            client.park()
-            timer.cancelled = True
-            pending.waiter = None
+        if not client.wait(pending, pending.ready, read_timeout):
+            client.sim.say(client.name, "read timeout")
+            raise requests.exceptions.ReadTimeout("Read timed out. (simulated)")
         if pending.error is not None:
             raise pending.error
         return pending.answer
@@ -278,16 +267,14 @@ class SimWatchStream:
         if self.broken or self.closed:
             return
         self.lines.append(line)
-        self._wake()
+        self.session.client.wake(self)
 
     def reset(self) -> None:
         self.broken = True
-        self._wake()
+        self.session.client.wake(self)
 
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None:
-            self.session.client._resume(waiter, None)
+    def _readable(self) -> bool:
+        return bool(self.lines) or self.broken
 
     def open(self, read_timeout: float) -> None:
         self.read_timeout = read_timeout
@@ -306,17 +293,8 @@ class SimWatchStream:
             if self.broken:
                 raise requests.exceptions.ChunkedEncodingError("stream reset (simulated)")
             # Each line restarts the read timeout, as a socket read does.
-            deadline = client.monotonic() + self.read_timeout
-            while not self.lines and not self.broken:
-                left = deadline - client.monotonic()
-                if left <= 0:
-                    raise requests.ConnectionError("Read timed out. (simulated)")
-                me = greenlet.getcurrent()
-                self.waiter = me
-                timer = client.resume_at(client.sim.now + left / client.rate, me, None)
-                client.park()
-                timer.cancelled = True
-                self.waiter = None
+            if not client.wait(self, self._readable, self.read_timeout):
+                raise requests.ConnectionError("Read timed out. (simulated)")
 
     def close(self) -> None:
         self.closed = True

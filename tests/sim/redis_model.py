@@ -124,7 +124,11 @@ end
 function redis.error_reply(message) return {err = message} end
 function redis.status_reply(message) return {ok = message} end
 _G.redis = redis
-return function(script, keys, argv)
+return function(script, count, ...)
+  -- KEYS and ARGV made here from the arguments (cheaper than two tables from Python)
+  local args, keys, argv = {...}, {}, {}
+  for i = 1, count do keys[i] = args[i] end
+  for i = count + 1, select('#', ...) do argv[i - count] = args[i] end
   KEYS, ARGV = keys, argv
   return pcall(script)
 end
@@ -198,6 +202,8 @@ class RedisModel:
         self._commands: dict[str, Callable[[list[str]], Any]] = {
             name[4:]: getattr(self, name) for name in _command_methods(type(self))
         }
+        #: A script's command as it spells it -> its handler (looked up once per spelling).
+        self._script_commands: dict[str, Callable[[list[str]], Any]] = {}
 
     # -- the server's life -----------------------------------------------------------
 
@@ -265,7 +271,7 @@ class RedisModel:
 
     def execute(self, args: list[Any] | tuple[Any, ...]) -> Any:
         """Run one command (the client's argument list); its reply (errors returned)."""
-        words = [_arg(a) for a in args]
+        words = [a if type(a) is str else _arg(a) for a in args]
         handler = self._commands.get(words[0].lower())
         if handler is None:
             return ReplyError(f"ERR unknown command '{words[0]}'")
@@ -282,13 +288,20 @@ class RedisModel:
             return False, str(exc)
         if not words:
             return False, "ERR Please specify at least one argument for this redis lib call"
-        handler = self._commands.get(words[0].lower())
-        if handler is None or words[0].lower() in _NOT_IN_SCRIPTS:
-            return False, "ERR unknown command or not allowed from scripts"
+        handler = self._script_commands.get(words[0])
+        if handler is None:
+            name = words[0].lower()
+            handler = self._commands.get(name)
+            if handler is None or name in _NOT_IN_SCRIPTS:
+                return False, "ERR unknown command or not allowed from scripts"
+            self._script_commands[words[0]] = handler
         try:
             reply = handler(words[1:])
         except CommandError as exc:
             return False, str(exc)
+        kind = type(reply)
+        if kind is int or kind is str:
+            return True, reply
         if isinstance(reply, ReplyError):
             return False, reply.message
         return True, self._to_lua(reply)
@@ -350,11 +363,10 @@ class RedisModel:
         count = _int(args[0])
         if count < 0 or count > len(args) - 1:
             raise CommandError("ERR Number of keys can't be greater than number of args")
-        keys, argv = args[1 : 1 + count], args[1 + count :]
         self._frozen_ms = self.now_us() // 1000  # expiry judged at the script's start
         _Lua.active = self
         try:
-            ok, reply = self._run(function, self._table(keys), self._table(argv))
+            ok, reply = self._run(function, count, *args[1:])
         finally:
             self._frozen_ms = None
         if ok:

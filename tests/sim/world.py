@@ -27,6 +27,7 @@ watch is the production ``DeadlineHeap`` woken by events at the local deadlines.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -92,7 +93,8 @@ class Sim:
 
     def at(self, when: float, action: Callable[[], None]) -> Event:
         event = Event(action)
-        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), event))
+        now = self.now
+        heapq.heappush(self._heap, (when if when > now else now, next(self._seq), event))
         return event
 
     def run(self, until: float) -> None:
@@ -174,7 +176,7 @@ class Client:
         self.resume_at(self.sim.now if when is None else when, task, None)
 
     def resume_at(self, when: float, task: greenlet.greenlet, value: Any) -> Event:
-        return self.sim.at(when, lambda: self._resume(task, value))
+        return self.sim.at(when, functools.partial(self._resume, task, value))
 
     def _resume(self, task: greenlet.greenlet, value: Any) -> None:
         if self.dead or task.dead:
@@ -198,6 +200,33 @@ class Client:
     def sleep(self, seconds: float) -> None:
         self.resume_at(self.sim.now + max(0.0, seconds) / self.rate, greenlet.getcurrent(), None)
         self.park()
+
+    def wait(self, on: Any, ready: Callable[[], object], seconds: float) -> bool:
+        """Park the calling greenlet until ``ready()``, or until ``seconds`` have passed on
+        this client's clock (a socket's read timeout); whether it is ready. While parked,
+        ``on.waiter`` is the greenlet: whoever makes it ready calls :meth:`wake` with ``on``."""
+        if ready():
+            return True
+        deadline = self.monotonic() + seconds
+        me = greenlet.getcurrent()
+        while True:
+            left = deadline - self.monotonic()
+            if left <= 0:
+                return False
+            on.waiter = me
+            timer = self.resume_at(self.sim.now + left / self.rate, me, None)
+            self.park()
+            timer.cancelled = True
+            on.waiter = None
+            if ready():
+                return True
+
+    def wake(self, on: Any) -> None:
+        """Resume the greenlet parked in :meth:`wait` on ``on``, if one is."""
+        waiter = on.waiter
+        if waiter is not None:
+            on.waiter = None
+            self._resume(waiter, None)
 
 
 class _Raise:
@@ -290,6 +319,11 @@ class Patches:
         for module, attribute, real in self._targets():
             self._saved.append((module, attribute, real))
             setattr(module, attribute, fakes[attribute])
+        # Each run its own registry of held leases (keyed by the backend's id: a lease of
+        # an earlier run, not yet collected, would be taken for one of this run's holders
+        # when a backend here reuses its backend's address).
+        self._saved.append((lock_module, "_held_by", lock_module._held_by))
+        lock_module._held_by = {}
         # No lock events: nothing here reads them, and their dispatcher is a thread of its
         # own (it took a share of the run's time, and logged after the run had ended).
         self._saved.append((events._hub, "wanted", events._hub.wanted))
@@ -519,6 +553,7 @@ class SimRuntime:
         try:
             self.queue.complete(batch, results)
         finally:
+            del results  # an error's traceback holds this frame: no cycle
             self._calls -= 1
             waiting, self._lane_waits = self._lane_waits, None
             if waiting is not None:
@@ -740,7 +775,7 @@ class Conn:
         self._last_arrival = 0.0
         self._last_reply = 0.0
         self.replies: deque[Any] = deque()
-        self._waiter: greenlet.greenlet | None = None
+        self.waiter: greenlet.greenlet | None = None
         self._pending = 0
         server.conns.append(self)
 
@@ -809,39 +844,27 @@ class Conn:
         if self.broken:
             return
         self.replies.append(reply)
-        self._wake()
+        self.client.wake(self)
 
     def _reset(self) -> None:
         self.broken = True
-        self._wake()
+        self.client.wake(self)
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            self.client._resume(waiter, None)
+    def _readable(self) -> bool:
+        return bool(self.replies) or self.broken or self.epoch != self.server.epoch
 
     def read(self) -> Any:
         """The next reply, waiting at most the socket timeout (on the client's clock)."""
         client = self.client
-        deadline = client.monotonic() + self.timeout
-        while not self.replies:
-            if self.broken or self.epoch != self.server.epoch:
-                self.broken = True
+        if not self.replies:
+            ready = client.wait(self, self._readable, self.timeout)
+            if not self.replies:
+                self.broken = True  # (after a timeout redis-py disconnects: no late reply)
                 self.server.drop_blocked(self)
-                raise rex.ConnectionError("Connection reset by peer (simulated)")
-            left = deadline - client.monotonic()
-            if left <= 0:
-                self.broken = True  # redis-py disconnects: a late reply is never read
-                self.server.drop_blocked(self)
+                if ready:
+                    raise rex.ConnectionError("Connection reset by peer (simulated)")
                 client.sim.say(client.name, "socket timeout")
                 raise rex.TimeoutError("Timeout reading from socket (simulated)")
-            me = greenlet.getcurrent()
-            self._waiter = me
-            timer = client.resume_at(client.sim.now + left / client.rate, me, None)
-            client.park()
-            timer.cancelled = True
-            self._waiter = None
         self._pending -= 1
         return self.replies.popleft()
 
@@ -894,7 +917,10 @@ class SimConnection:
     def read_response(self) -> Any:
         reply = _to_py(self.conn.read())
         if isinstance(reply, rex.ResponseError):
-            raise reply
+            try:
+                raise reply
+            finally:
+                del reply  # (see execute_command)
         return reply
 
     def disconnect(self) -> None:
@@ -979,7 +1005,12 @@ class SimRedis:
     def execute_command(self, *args: Any) -> Any:
         (reply,) = self._roundtrip([args])
         if isinstance(reply, rex.ResponseError):
-            raise reply
+            try:
+                raise reply
+            finally:
+                # A frame of its own traceback holding the error is a reference cycle:
+                # garbage for the collector (a NOSCRIPT is raised in most runs).
+                del reply
         return _callback(args, reply)
 
     def evalsha(self, sha: str, numkeys: int, *rest: Any) -> Any:

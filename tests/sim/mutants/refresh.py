@@ -456,5 +456,22 @@ from its own send: that time soon passes, and the lane renews back to back.
     ],
 )
 
+mutant(
+    "timed_out_renewal_cuts_an_extension_short",
+    """
+A renewal that timed out with its request still on its way does not bound the later
+calls' validity: its request lands after renew(ttl=LONGER) and cuts the server's expiry
+back to the old TTL, while the extension's reply set the local deadline from the new one
+(the long run's seed 44632: a deadline 1.8 s past the server's expiry).
+""",
+    [
+        (
+            "task_locks/leasing.py",
+            """            self._failed_valid = min(self._failed_valid, call.valid)\n""",
+            "",
+        )
+    ],
+)
+
 if STALE:
     raise SystemExit(1)
