@@ -28,9 +28,10 @@ and this module only fans requests out to them and counts the answers:
 - **ordering**: calls for one (name, token) reach each master in order (a cleanup
   release never overtakes that master's straggling grant), and release waits for every
   master that answers, so a released lock is free everywhere reachable.
-- **wake-ups**: a waiter blocks on the release signal list of one master (chosen by
-  the name, skipping masters that just failed), with a deadline of its own, so a
-  paused master cannot stretch a wait.
+- **wake-ups**: a waiter blocks on the release signal list of one master (one that
+  refused its last try for the holder, where the release signals; else chosen by the
+  name; skipping masters that just failed), with a deadline of its own, so a paused
+  master cannot stretch a wait.
 - **holders**: a holder is listed when a majority of masters agree on its token.
 
 Capabilities: ``fencing`` (with ``fence_sync``, see above and below), ``multiprocess``,
@@ -113,6 +114,8 @@ _OPTIONS: Final = {
 _DOWN_FOR: Final = 1.0
 #: Added to ``ttl * drift_factor``: the clocks' resolution (as in the Redlock algorithm).
 _DRIFT_FLOOR: Final = 0.002
+#: Names whose holder's masters are remembered for the waits (the oldest are forgotten).
+_HOLDING_NAMES: Final = 1024
 
 
 class _Silence:
@@ -329,6 +332,8 @@ class RedlockBackend(Backend):
         self._chains: dict[tuple[Any, ...], Future[Any]] = {}
         self._chain_lock = threading.Lock()
         self._achains: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+        #: name -> the masters that refused our last try for its holder (wait on those)
+        self._holding: dict[str, frozenset[int]] = {}
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
@@ -484,7 +489,25 @@ class RedlockBackend(Backend):
         refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
         if len(won) + len(refused) < self.quorum:
             raise self._unavailable(name, "cannot acquire", voters)
-        return self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
+        result = self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
+        self._note_holding(name, voters, result.holder_fence)
+        return result
+
+    def _note_holding(self, name: str, voters: list[Any], fence: int | None) -> None:
+        """Remember which masters refused us for the holder we saw: its release signals
+        only where it held the lock, so a waiter blocks on one of those."""
+        holding = frozenset(
+            index
+            for index, answer in enumerate(voters)
+            if isinstance(answer, AcquireResult)
+            and not answer.acquired
+            and answer.holder_fence == fence
+        )
+        with self._chain_lock:
+            self._holding.pop(name, None)
+            self._holding[name] = holding
+            while len(self._holding) > _HOLDING_NAMES:
+                del self._holding[next(iter(self._holding))]
 
     def _refusal(self, refused: list[AcquireResult], complete: bool) -> AcquireResult:
         """What a loser learns: who holds the lock, and when to try again."""
@@ -725,11 +748,20 @@ class RedlockBackend(Backend):
         return next(iter(self._drive(self._holders_plan(name, exact=True))), None)
 
     def _signal_masters(self, name: str) -> list[_Master]:
-        """Masters to wait on, in a stable order per name; recently failed ones last."""
-        start = zlib.crc32(name.encode()) % len(self.masters)
-        order = self.masters[start:] + self.masters[:start]
+        """Masters to wait on, in a stable order per name: first those that refused our
+        last try for its holder (a release signals only where it held the lock, and a
+        waiter on another master would sleep until its retry), recently failed ones last."""
+        count = len(self.masters)
+        start = zlib.crc32(name.encode()) % count
+        order = [(start + step) % count for step in range(count)]
+        holding = self._holding.get(name, frozenset())
         now = time.monotonic()
-        return sorted(order, key=lambda m: m.down_until > now or not m.votes(now))
+
+        def rank(index: int) -> tuple[bool, bool]:
+            master = self.masters[index]
+            return master.down_until > now or not master.votes(now), index not in holding
+
+        return [self.masters[index] for index in sorted(order, key=rank)]
 
     def _signal_waits(
         self, name: str, timeout: float

@@ -68,6 +68,8 @@ from .world import (
     SimConnection,
     SimPool,
     SimRedis,
+    _describe,
+    _short,
     _to_py,
 )
 
@@ -190,7 +192,14 @@ class RedlockMaster(Server):
                 self.name, f"INFO server -> run {self.epoch}, up {reply.split(':')[-1].strip()} s"
             )
             return reply
-        return super().execute(conn, command)
+        reply = self.model.execute(command)
+        if self.sim.record:  # (who sent it: a story with many masters needs it)
+            self.sim.say(self.name, f"{conn.client.name}: {_describe(command)} -> {_short(reply)}")
+        if self.observe is not None:
+            self.observe(conn, command)
+        if self.model.pushed:
+            self._serve_blocked()
+        return reply
 
     def restart(self, downtime: float, quiet: bool = False) -> None:
         self.paused_until = -1.0
@@ -212,8 +221,9 @@ class RedlockMaster(Server):
         super()._tick()
 
     def quarantine_until(self, restart_delay: float) -> float:
-        """Until when (sim time) no client counts this master's vote after its restart."""
-        return self.up_at + restart_delay
+        """Until when (sim time) no client counts this master's vote after its restart
+        (a client whose clock runs fast by the drift allowed counts it a little sooner)."""
+        return self.up_at + restart_delay * 0.998
 
 
 class MasterNet(Net):
@@ -505,6 +515,7 @@ def redlock_backend(
     backend._chains = {}
     backend._achains = {}
     backend._background = set()
+    backend._holding = {}
     backend._longest_ttl = 0.0
     masters = []
     nets = world.nets(net)
@@ -564,9 +575,17 @@ def redlock_checker(base: type) -> type:
             m = self.world.masters[master]
             return ((copy_[2] + 1) * 1000 - BASE_US - m.clock_offset_us) / (m.rate * 1e6)
 
+        def _votes(self, master: int) -> bool:
+            """Whether clients count this master's answers (not in a restart's quarantine)."""
+            m = self.world.masters[master]
+            return not m.up_at <= self.sim.now < m.quarantine_until(self.world.restart_delay)
+
         def _majority(self, name: str) -> str | None:
+            """The token a majority of the masters that vote hold, if any."""
             counts = Counter(
-                c[0] for m, c in enumerate(self.copies[name]) if c is not None and self._live(m, c)
+                c[0]
+                for m, c in enumerate(self.copies[name])
+                if c is not None and self._live(m, c) and self._votes(m)
             )
             return next((t for t, n in counts.items() if n >= self.quorum), None)
 
@@ -581,7 +600,12 @@ def redlock_checker(base: type) -> type:
                 fields = self._fields(model.get_value(key))
                 token = fields.get("token")
                 before = self.copies[name][master]
-                if before is not None and before[0] != token and self._live(master, before):
+                if (
+                    before is not None
+                    and before[0] != token
+                    and self._live(master, before)
+                    and self._votes(master)
+                ):
                     self.deleted.setdefault(before[0], {}).setdefault(who, set()).add(master)
                 if who.startswith("operator") and before is not None and before[0] != token:
                     # A force release that reached only some masters takes the lock back
@@ -740,15 +764,16 @@ def redlock_checker(base: type) -> type:
         def forced_release(
             self, operator: Client, token: str, fence: int, ok: bool, epoch: int
         ) -> None:
-            """A force release that said it freed the holder it saw broke that holder's
-            majority (or deleted a copy while expiry broke it: with replies lost it can only
-            guess); one that said the lock changed hands deleted it on no majority."""
+            """A force release that said it freed the holder it saw deleted its token on a
+            majority or broke that holder's majority (a release of the holder's own may
+            race it), or deleted a copy while expiry broke it (with replies lost it can
+            only guess); one that said the lock changed hands deleted it on no majority."""
             grant = self.by_token.get(token)
             by = None if grant is None else self.removed_by.get((token, grant.order))
             if by == "restart":
                 return
             mine = len(self.deleted.get(token, {}).get(operator.name, ()))
-            if ok and by != operator.name and not (mine and by == "expiry"):
+            if ok and by != operator.name and mine < self.quorum and not (mine and by == "expiry"):
                 self.fail(
                     f"{operator.name}'s force release said it freed the holder it saw; "
                     f"{by or 'nobody'} broke that holder's majority"
