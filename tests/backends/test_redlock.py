@@ -336,3 +336,44 @@ def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
     finally:
         masters[2].resume()
     b.release()
+
+
+def test_a_waiter_wakes_on_a_master_that_holds_the_lock(masters_factory: MastersFactory) -> None:
+    """A release signals only the masters where it held the lock, so a waiter blocks on
+    one that refused it for the holder. It used to block on the master its name hashes
+    to; when the holder missed that master, the waiter slept through the release until
+    its timeout (found by the simulator: a lock free for 770 ms while three waited)."""
+    import threading
+    import zlib
+
+    masters = masters_factory(3)
+    url = masters.url()
+    # A name whose first master by hash is master 0, and a holder that missed master 0.
+    name = next(f"wake-{i}" for i in range(100) if zlib.crc32(f"wake-{i}".encode()) % 3 == 0)
+    pair = f"redlock://127.0.0.1:{masters[1].port},127.0.0.1:{masters[2].port}"
+    holder = Lock(name, ttl=30, backend=pair).acquire(timeout=0)
+
+    got: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(name, ttl=5, backend=url).acquire(timeout=8))
+    )
+    waiter.start()
+    try:
+
+        def blocked() -> bool:  # the waiter is in its BLPOP on some master
+            return any(
+                c.get("cmd") == "blpop" for m in masters.servers
+                for c in redis.Redis(port=m.port).client_list()
+            )  # fmt: skip
+
+        wait_until(blocked, 5, "the waiter to block on a release signal")
+        released = time.monotonic()
+        holder.release()
+        waiter.join(timeout=10)
+        assert got, "the waiter gave up"
+        woke = time.monotonic() - released
+        assert woke < 2.0, f"the waiter took {woke:.1f} s after the release"
+    finally:
+        waiter.join(timeout=10)
+        for lease in got:
+            lease.release()  # type: ignore[attr-defined]
