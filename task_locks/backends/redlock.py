@@ -27,7 +27,10 @@ and this module only fans requests out to them and counts the answers:
   below ``restart_delay`` waits likewise.
 - **ordering**: calls for one (name, token) reach each master in order (a cleanup
   release never overtakes that master's straggling grant), and release waits for every
-  master that answers, so a released lock is free everywhere reachable.
+  master that answers, so a released lock is free everywhere reachable. A cleanup
+  release a master did not answer may still land there later (it was sent before its
+  connection was dropped), after our next grant of that token: that master's answers
+  for that token no longer count, in later tries and in the lease's renewals.
 - **wake-ups**: a waiter blocks on the release signal list of one master (one that
   refused its last try for the holder, where the release signals; else chosen by the
   name; skipping masters that just failed), with a deadline of its own, so a paused
@@ -131,6 +134,7 @@ class _Silence:
 PENDING: Final = _Silence("not awaited: the outcome was already decided")
 TIMED_OUT: Final = _Silence("no answer within node_timeout")
 NO_VOTE: Final = _Silence("restarted recently, no vote")
+UNSETTLED: Final = _Silence("an undo of ours may still land there: no vote for this token")
 
 
 def _parse_info(raw: Any) -> dict[str, str]:
@@ -334,6 +338,8 @@ class RedlockBackend(Backend):
         self._achains: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
         #: name -> the masters that refused our last try for its holder (wait on those)
         self._holding: dict[str, frozenset[int]] = {}
+        #: (name, token) -> masters an unanswered undo of that token may still reach
+        self._unsettled: dict[tuple[str, str], frozenset[int]] = {}
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
@@ -454,8 +460,10 @@ class RedlockBackend(Backend):
         def granted(answers: list[Any]) -> list[AcquireResult]:
             return [a for a in answers if isinstance(a, AcquireResult) and a.acquired]
 
+        unsettled = self._unsettled.get((name, token), frozenset())
+
         def enough(answers: list[Any]) -> bool:
-            voters = self._voters(answers)
+            voters = self._trusted(answers, unsettled)
             won = len(granted(voters))
             answered = sum(1 for a in voters if isinstance(a, AcquireResult))
             undecided = sum(1 for a in voters if a is PENDING)
@@ -469,7 +477,7 @@ class RedlockBackend(Backend):
         answers = yield _Call("grant", (name, token, ttl_ms, owner), enough, (name, token))
         elapsed = time.monotonic() - started
         validity = ttl - elapsed - self.clock_margin(ttl)
-        voters = self._voters(answers)
+        voters = self._trusted(answers, unsettled)
         won = granted(voters)
         if len(won) >= self.quorum and validity > 0:
             fence = max(a.fence or 0 for a in granted(answers))
@@ -485,13 +493,29 @@ class RedlockBackend(Backend):
         def undone(cleanup: list[Any]) -> bool:
             return all(a is not PENDING for a, r in zip(cleanup, responsive, strict=True) if r)
 
-        yield _Call("release", (name, token), undone, (name, token))
+        cleanup = yield _Call("release", (name, token), undone, (name, token))
+        # An undo not answered may still be on its way (sent before its connection was
+        # dropped): landing after our next grant of this token there, it would delete that
+        # grant under a lease that counts it. That master's answers for this token no
+        # longer count (the calls of a chain wait for each other's return, not landing).
+        unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
+        if unsettled:
+            with self._chain_lock:
+                self._unsettled.pop((name, token), None)
+                self._unsettled[(name, token)] = frozenset(unsettled)
+                while len(self._unsettled) > _HOLDING_NAMES:
+                    del self._unsettled[next(iter(self._unsettled))]
         refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
         if len(won) + len(refused) < self.quorum:
             raise self._unavailable(name, "cannot acquire", voters)
         result = self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
         self._note_holding(name, voters, result.holder_fence)
         return result
+
+    def _trusted(self, answers: list[Any], unsettled: frozenset[int] | set[int]) -> list[Any]:
+        """The voters' answers, without those of masters an undo of ours may still reach."""
+        voters = self._voters(answers)
+        return [UNSETTLED if i in unsettled else a for i, a in enumerate(voters)]
 
     def _note_holding(self, name: str, voters: list[Any], fence: int | None) -> None:
         """Remember which masters refused us for the holder we saw: its release signals
@@ -542,10 +566,13 @@ class RedlockBackend(Backend):
             """Each lease on its own: renewed (a majority said yes in time), lost (a
             majority of yes is out of reach: masters that said no, or cannot vote, leave
             too few), or undecided (``None``: retried until that lease's deadline)."""
-            voters = self._voters(answers)
-            yes, _ = self._tally(answers, index)
+            item = items[index]
+            voters = self._trusted(answers, self._unsettled.get((item.name, item.token), set()))
+            yes, _ = self._tally(voters, index)
             silent = sum(
-                1 for a in voters if a is not NO_VOTE and isinstance(a, _Silence | BaseException)
+                1
+                for a in voters
+                if a not in (NO_VOTE, UNSETTLED) and isinstance(a, _Silence | BaseException)
             )
             if yes >= self.quorum:
                 return True if validity > 0 else None
@@ -574,6 +601,8 @@ class RedlockBackend(Backend):
         # Every master is awaited (up to node_timeout), not just a majority: once release()
         # returns, the lock is free wherever a master answers.
         answers = yield _Call("release", (name, token), self._all_answered, (name, token))
+        with self._chain_lock:
+            self._unsettled.pop((name, token), None)
         yes, no = self._tally(answers)
         if yes >= self.quorum:
             return True

@@ -147,11 +147,16 @@ def adapt(scenario: Any) -> Any:
 
 
 def url(scenario: Any) -> str:
-    """The masters, a node timeout after the scenario's socket timeout, and a
-    ``restart_delay`` covering every TTL the schedule uses (as the docs ask)."""
+    """The masters, a node timeout after the scenario's socket timeout (and its links),
+    and a ``restart_delay`` covering every TTL the schedule uses (as the docs ask)."""
     count = len(scenario.masters) or 3
     hosts = ",".join(f"m{i}:6379" for i in range(count))
-    node_timeout = {0.5: 0.1, 1.0: 0.25}.get(scenario.socket_timeout, 0.5)
+    # A node timeout above a new connection's three round trips (INFO, NOSCRIPT, EVAL):
+    # shorter ones leave copies of every try behind on slow links, which delay the next
+    # acquire by their TTL (documented), and fair schedules are to be live.
+    node_timeout = max(
+        {0.5: 0.1, 1.0: 0.25}.get(scenario.socket_timeout, 0.5), 8 * scenario.delay[1]
+    )
     ttls = [s.ttl for p in scenario.programs for s in p]
     ttls += [s.renew_ttl for p in scenario.programs for s in p if s.renew_ttl]
     delay = max(ttls, default=1.0)
@@ -516,6 +521,7 @@ def redlock_backend(
     backend._achains = {}
     backend._background = set()
     backend._holding = {}
+    backend._unsettled = {}
     backend._longest_ttl = 0.0
     masters = []
     nets = world.nets(net)
