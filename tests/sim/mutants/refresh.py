@@ -532,5 +532,22 @@ to a second client.
     ],
 )
 
+mutant(
+    "redlock_late_undo_takes_the_next_grant",
+    """
+Redlock: a master whose undo of a failed try went unanswered still votes for that token:
+the undo, still on its way, lands after the next try's grant there and deletes it, and
+the lease stands on fewer masters than a majority (found by the simulator).
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
+""",
+            "",
+        )
+    ],
+)
+
 if STALE:
     raise SystemExit(1)
