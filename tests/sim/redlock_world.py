@@ -47,7 +47,7 @@ import hashlib
 import os
 import random
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -570,6 +570,8 @@ def redlock_checker(base: type) -> type:
             self.deleted: dict[str, dict[str, set[int]]] = {}
             #: name -> (grant order, fence, client) of each lease reported
             self.lease_fences: dict[str, list[tuple[int, int, str]]] = {n: [] for n in self.keys}
+            #: name -> until when (sim time) its majority stands if no copy changes
+            self.stable: dict[str, float] = dict.fromkeys(self.keys, -1.0)
 
         # the masters' copies ----------------------------------------------------------
         def _live(self, master: int, copy_: tuple[str, int, int] | None) -> bool:
@@ -581,25 +583,29 @@ def redlock_checker(base: type) -> type:
             m = self.world.masters[master]
             return ((copy_[2] + 1) * 1000 - BASE_US - m.clock_offset_us) / (m.rate * 1e6)
 
-        def _votes(self, master: int) -> bool:
-            """Whether clients count this master's answers (not in a restart's quarantine)."""
-            m = self.world.masters[master]
-            return not m.up_at <= self.sim.now < m.quarantine_until(self.world.restart_delay)
-
         def _majority(self, name: str) -> str | None:
-            """The token a majority of the masters that vote hold, if any."""
-            counts = Counter(
-                c[0]
-                for m, c in enumerate(self.copies[name])
-                if c is not None and self._live(m, c) and self._votes(m)
-            )
+            """The token a majority of the masters that vote hold, if any; notes until when
+            (sim time) the answer stands unless a master's copy changes (:attr:`stable`)."""
+            counts: dict[str, int] = {}
+            now, until = self.sim.now, float("inf")
+            restart_delay = self.world.restart_delay
+            for m, c in enumerate(self.copies[name]):
+                master = self.world.masters[m]
+                quarantine = master.quarantine_until(restart_delay)
+                if master.up_at <= now < quarantine:
+                    until = min(until, quarantine)
+                elif c is not None and self._live(m, c):
+                    counts[c[0]] = counts.get(c[0], 0) + 1
+                    until = min(until, self._copy_expiry(m, c))
+            self.stable[name] = until - 1e-6
             return next((t for t, n in counts.items() if n >= self.quorum), None)
 
         def observe(self, conn: Any, command: tuple[Any, ...], master: int | None = None) -> None:
             if master is None:
                 return
             for name in self.keys:  # what time did to the copies since the last look
-                self._settle(name, "expiry")
+                if self.sim.now >= self.stable[name]:
+                    self._settle(name, "expiry")
             model = self.world.masters[master].model
             who = "restart" if conn is None else conn.client.name
             for name, key in self.keys.items():
@@ -683,7 +689,8 @@ def redlock_checker(base: type) -> type:
             if not self.leases:
                 return
             for name in self.keys:
-                self._settle(name, "expiry")
+                if self.sim.now >= self.stable[name]:
+                    self._settle(name, "expiry")
             holders: dict[str, Any] = {}
             sim = self.sim
             done = False
