@@ -26,9 +26,11 @@ whichever master they go to, client partitions, pauses, kills, clock rates and j
 operator force releases) apply too.
 
 What the docs say breaks Redlock stays out of the schedules: a master's clock stepping
-forward or drifting past ``drift_factor``, and restarts whose quarantine does not cover
+forward or drifting past ``drift_factor``, restarts whose quarantine does not cover
 every process's TTL (the URL's ``restart_delay`` is the longest TTL a schedule uses,
-``renew(ttl=...)`` included: README's safety table, docs/backends/redlock.md).
+``renew(ttl=...)`` included: README's safety table, docs/backends/redlock.md), more than
+a minority of the masters restarting, and a client's monotonic clock jumping forward in a
+schedule with a restart (the quarantine is timed on it: a clock far past the drift factor).
 
 The checker (:func:`redlock_checker`) reads the holder of a name as the token a majority
 of the masters hold (alive, on each master's clock): a lease that says ``held`` must
@@ -132,15 +134,24 @@ def adapt(scenario: Any) -> Any:
         else:
             faults.append(fault)
     if faults and rng.random() < 0.5:  # one more master fault, of any kind
-        kind = rng.choice(("master_restart", "master_pause", "master_partition"))
+        kind = rng.choice(
+            ("master_restart", "master_pause", "master_partition", "master_clock_step")
+        )
         master = rng.randrange(count)
-        if kind != "master_restart" or master in restarted or len(restarted) < minority:
-            amount = (
-                rng.choice((0.0, 0.1, 1.0))
-                if kind == "master_restart"
-                else rng.choice((0.05, 0.3, 1.0, 2.5))
-            )
+        if kind == "master_restart":
+            amount = rng.choice((0.0, 0.1, 1.0))
+            allowed = master in restarted or len(restarted) < minority
+        elif kind == "master_clock_step":
+            amount = -rng.choice((0.001, 0.5, 5.0))
+            allowed = not stepped or master in stepped
+        else:
+            amount, allowed = rng.choice((0.05, 0.3, 1.0, 2.5)), True
+        if allowed:
             faults.append(MasterFault(kind, master, rng.random() * 3.0, amount))
+    if any(f.kind == "master_restart" for f in faults):
+        # A restarted master's quarantine is timed on each client's monotonic clock: one
+        # that jumps forward ends it early (a clock far outside the drift factor).
+        faults = [f for f in faults if f.kind != "jump"]
     # A client clock running slow, within the drift factor (the lease counts with it).
     rates = tuple(0.999 if rng.random() < 0.2 else rate for rate in scenario.rates)
     return replace(scenario, masters=masters, faults=tuple(faults), rates=rates)
