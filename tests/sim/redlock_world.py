@@ -579,6 +579,9 @@ def redlock_checker(base: type) -> type:
             self.by_token: dict[str, Any] = {}
             #: token -> who deleted a live copy of it on which masters (since its grant)
             self.deleted: dict[str, dict[str, set[int]]] = {}
+            #: (token, who) that deleted a copy of it while a majority of masters may have
+            #: kept it (a live copy, or a restart quarantine: a copy forgotten there)
+            self.while_held: set[tuple[str, str]] = set()
             #: name -> (grant order, fence, client) of each lease reported
             self.lease_fences: dict[str, list[tuple[int, int, str]]] = {n: [] for n in self.keys}
             #: name -> until when (sim time) its majority stands if no copy changes
@@ -593,6 +596,12 @@ def redlock_checker(base: type) -> type:
         def _copy_expiry(self, master: int, copy_: tuple[str, int, int]) -> float:
             m = self.world.masters[master]
             return ((copy_[2] + 1) * 1000 - BASE_US - m.clock_offset_us) / (m.rate * 1e6)
+
+        def _quarantined(self, master: int) -> bool:
+            """In its restart quarantine: its answers count for no one (a copy it lacks may
+            be one it forgot)."""
+            m = self.world.masters[master]
+            return m.up_at <= self.sim.now < m.quarantine_until(self.world.restart_delay)
 
         def _majority(self, name: str) -> str | None:
             """The token a majority of the masters that vote hold, if any; notes until when
@@ -627,6 +636,14 @@ def redlock_checker(base: type) -> type:
                     # (on any master: one whose restart quarantine ends during the call
                     # counts for the caller, and the copy it deletes there is real)
                     self.deleted.setdefault(before[0], {}).setdefault(who, set()).add(master)
+                    may_hold = sum(
+                        1
+                        for m, c in enumerate(self.copies[name])
+                        if (c is not None and c[0] == before[0] and self._live(m, c))
+                        or self._quarantined(m)
+                    )
+                    if may_hold >= self.quorum:  # while a majority of masters may keep it
+                        self.while_held.add((before[0], who))
                 if who.startswith("operator") and before is not None and before[0] != token:
                     # A force release that reached only some masters takes the lock back
                     # all the same (the holder hears of it when it renews).
@@ -785,16 +802,18 @@ def redlock_checker(base: type) -> type:
         def forced_release(
             self, operator: Client, token: str, fence: int, ok: bool, epoch: int
         ) -> None:
-            """A force release that said it freed the holder it saw deleted its token on a
-            majority or broke that holder's majority (a release of the holder's own may
-            race it), or deleted a copy while expiry broke it (with replies lost it can
-            only guess); one that said the lock changed hands deleted it on no majority."""
+            """A force release that said it freed the holder it saw broke that holder's
+            majority, or deleted its token on a majority, or at least one copy while a
+            majority may have kept it (the holder's own release or expiry may race it, and
+            with replies lost or masters in quarantine it can only guess); one that said
+            the lock changed hands deleted it on no majority."""
             grant = self.by_token.get(token)
             by = None if grant is None else self.removed_by.get((token, grant.order))
             if by == "restart":
                 return
             mine = len(self.deleted.get(token, {}).get(operator.name, ()))
-            if ok and by != operator.name and mine < self.quorum and not (mine and by == "expiry"):
+            took_part = (token, operator.name) in self.while_held
+            if ok and by != operator.name and mine < self.quorum and not took_part:
                 self.fail(
                     f"{operator.name}'s force release said it freed the holder it saw; "
                     f"{by or 'nobody'} broke that holder's majority"
