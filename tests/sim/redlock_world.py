@@ -577,8 +577,19 @@ def redlock_checker(base: type) -> type:
             #: (name, token) -> every fence a master handed out to that token
             self.fences_of: dict[tuple[str, str], set[int]] = {}
             self.by_token: dict[str, Any] = {}
-            #: token -> who deleted a live copy of it on which masters (since its grant)
-            self.deleted: dict[str, dict[str, set[int]]] = {}
+            #: token -> who deleted a live copy of it on which masters, when
+            self.deleted: dict[str, dict[str, dict[int, float]]] = {}
+            #: token -> when its latest majority formed; when its holder began to release it
+            self.granted_time: dict[str, float] = {}
+            self.release_began: dict[str, float] = {}
+            checker = self
+
+            class Releasing(set):  # type: ignore[type-arg]
+                def add(self, token: str) -> None:
+                    checker.release_began[token] = checker.sim.now
+                    super().add(token)
+
+            self.releasing = Releasing()
             #: (token, who) that deleted a copy of it while a majority of masters may have
             #: kept it (a live copy, or a restart quarantine: a copy forgotten there)
             self.while_held: set[tuple[str, str]] = set()
@@ -635,7 +646,9 @@ def redlock_checker(base: type) -> type:
                 if before is not None and before[0] != token and self._live(master, before):
                     # (on any master: one whose restart quarantine ends during the call
                     # counts for the caller, and the copy it deletes there is real)
-                    self.deleted.setdefault(before[0], {}).setdefault(who, set()).add(master)
+                    self.deleted.setdefault(before[0], {}).setdefault(who, {})[master] = (
+                        self.sim.now
+                    )
                     may_hold = sum(
                         1
                         for m, c in enumerate(self.copies[name])
@@ -681,7 +694,7 @@ def redlock_checker(base: type) -> type:
                 grant = Grant(name, token, fence, self.order, 0)
                 self.grants[(name, token)] = self.by_token[token] = grant
                 self.removed_by.pop((token, self.order), None)
-                self.deleted.pop(token, None)
+                self.granted_time[token] = self.sim.now
                 self.forced.discard(token)
                 self.stale.discard(token)
                 self._taken(name)
@@ -763,6 +776,12 @@ def redlock_checker(base: type) -> type:
         def granted(self, client: Client, lease: Any) -> None:
             name, token = lease.name, lease.token
             grant = self.grants.get((name, token))
+            if grant is None and self._support(name, token, self.sim.now) >= self.quorum:
+                # Granted by masters of which one restarted since (the client learns it at
+                # its next connection there): a lock no one else can take in the meantime.
+                self.order += 1
+                grant = Grant(name, token, lease.fence, self.order, 0)
+                self.grants[(name, token)] = self.by_token[token] = grant
             if grant is None:
                 self.fail(f"{client.name} got a lease of {name!r} no majority ever granted")
             if lease.fence not in self.fences_of.get((name, token), set()):
@@ -787,7 +806,10 @@ def redlock_checker(base: type) -> type:
             grant = self.grants.get((lease.name, lease.token))
             if grant is None or self.removed_by.get((lease.token, grant.order)) == "restart":
                 return
-            mine = len(self.deleted.get(lease.token, {}).get(client.name, ()))
+            began = self.release_began.get(lease.token, 0.0)
+            mine = sum(
+                t >= began for t in self.deleted.get(lease.token, {}).get(client.name, {}).values()
+            )
             if ok and mine < self.quorum and lease.token not in self.forced:
                 self.fail(
                     f"{client.name}'s release of {lease.name!r} said released; it deleted its "
@@ -811,7 +833,10 @@ def redlock_checker(base: type) -> type:
             by = None if grant is None else self.removed_by.get((token, grant.order))
             if by == "restart":
                 return
-            mine = len(self.deleted.get(token, {}).get(operator.name, ()))
+            since = self.granted_time.get(token, 0.0)
+            mine = sum(
+                t >= since for t in self.deleted.get(token, {}).get(operator.name, {}).values()
+            )
             took_part = (token, operator.name) in self.while_held
             if ok and by != operator.name and mine < self.quorum and not took_part:
                 self.fail(
