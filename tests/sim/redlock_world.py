@@ -104,6 +104,8 @@ def adapt(scenario: Any) -> Any:
     """A generated schedule made Redlock's: 3 or 5 masters with clock rates, and the
     server faults turned into faults of single masters (from a stream of its own, so the
     rest of the schedule is what :func:`~tests.sim.scenario.generate` drew)."""
+    from .scenario import Fault
+
     rng = random.Random(scenario.seed * 7_368_787 + 23)
     count = 5 if rng.random() < 0.3 else 3
     minority = (count - 1) // 2
@@ -148,6 +150,16 @@ def adapt(scenario: Any) -> Any:
             amount, allowed = rng.choice((0.05, 0.3, 1.0, 2.5)), True
         if allowed:
             faults.append(MasterFault(kind, master, rng.random() * 3.0, amount))
+    if faults and rng.random() < 0.5:
+        # A failed try's undo delayed past the node timeout (it lands after later calls),
+        # or an operator forcing a name free again and again while holders come and go.
+        if rng.random() < 0.5:
+            who = rng.randrange(len(scenario.programs))
+            number = float(rng.randrange(2, 40))
+            faults.append(Fault("msg", who, number, rng.choice((0.5, 1.0, 2.0)), "delay_request"))
+        else:
+            name = rng.choice(scenario.lock_names)
+            faults.append(Fault("force", -1, rng.random() * 3.0, 30.0, name))
     if any(f.kind == "master_restart" for f in faults):
         # A restarted master's quarantine is timed on each client's monotonic clock: one
         # that jumps forward ends it early (a clock far outside the drift factor).
@@ -695,7 +707,9 @@ def redlock_checker(base: type) -> type:
                 self.grants[(name, token)] = self.by_token[token] = grant
                 self.removed_by.pop((token, self.order), None)
                 self.granted_time[token] = self.sim.now
-                self.forced.discard(token)
+                if not any(h.lease.token == token for h in self.leases):
+                    # (a straggler grant of a lease taken back does not give it back)
+                    self.forced.discard(token)
                 self.stale.discard(token)
                 self._taken(name)
 
