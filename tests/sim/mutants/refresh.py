@@ -462,6 +462,7 @@ mutant(
 Redlock: a force release that frees only a copy left on a minority of the masters (the
 holder's own release broke its majority first, or a partial release left it) reports that
 it freed the holder, as if a majority had held it.
+protocol: redlock
 """,
     [
         (
@@ -478,6 +479,7 @@ mutant(
 Redlock: the local lease counts a whole TTL from its request (the acquire and renewal
 validity keep Redlock's drift allowance, the lease does not), so with a slow client clock
 or a fast master clock it says held after the masters let the key expire.
+protocol: redlock
 """,
     [
         (
@@ -506,6 +508,7 @@ mutant(
 Redlock: a waiter blocks on the release signal of the master its name hashes to, even
 when the holder missed that master: the release signals only where it held the lock,
 and the waiter sleeps until its retry while the lock is free (found by the simulator).
+protocol: redlock
 """,
     [
         (
@@ -522,6 +525,7 @@ mutant(
 Redlock: a master that restarted without persistence (a new run_id) votes at once: it
 forgot the locks it held, and a lock held on a bare majority that included it is granted
 to a second client.
+protocol: redlock
 """,
     [
         (
@@ -538,6 +542,7 @@ mutant(
 Redlock: a master whose undo of a failed try went unanswered still votes for that token:
 the undo, still on its way, lands after the next try's grant there and deletes it, and
 the lease stands on fewer masters than a majority (found by the simulator).
+protocol: redlock
 """,
     [
         (
