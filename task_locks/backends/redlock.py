@@ -30,7 +30,9 @@ and this module only fans requests out to them and counts the answers:
   master that answers, so a released lock is free everywhere reachable. A cleanup
   release a master did not answer may still land there later (it was sent before its
   connection was dropped), after our next grant of that token: that master's answers
-  for that token no longer count, in later tries and in the lease's renewals.
+  for that token no longer count, in later tries and in the lease's renewals. Likewise a
+  grant a master did not answer may land later and restart its copy at the acquire's
+  TTL: renewals with a longer TTL do not count that master.
 - **wake-ups**: a waiter blocks on the release signal list of one master (one that
   refused its last try for the holder, where the release signals; else chosen by the
   name; skipping masters that just failed), with a deadline of its own, so a paused
@@ -340,6 +342,8 @@ class RedlockBackend(Backend):
         self._holding: dict[str, frozenset[int]] = {}
         #: (name, token) -> masters an unanswered undo of that token may still reach
         self._unsettled: dict[tuple[str, str], frozenset[int]] = {}
+        #: (name, token) -> masters a grant of ours may still reach, and its TTL (ms)
+        self._straggling: dict[tuple[str, str], tuple[frozenset[int], int]] = {}
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
@@ -479,6 +483,14 @@ class RedlockBackend(Backend):
         validity = ttl - elapsed - self.clock_margin(ttl)
         voters = self._trusted(answers, unsettled)
         won = granted(voters)
+        # A grant not answered may still land (in this try or a failed one, whose undo may
+        # overtake it), restarting that master's copy at this TTL: a lease renewed with a
+        # longer one must not count that master then.
+        late = {i for i, a in enumerate(answers) if not isinstance(a, AcquireResult)}
+        if late:
+            before, shortest = self._straggling.get((name, token), (frozenset(), ttl_ms))
+            entry = (before | late, min(shortest, ttl_ms))
+            self._remember(self._straggling, (name, token), entry)
         if len(won) >= self.quorum and validity > 0:
             fence = max(a.fence or 0 for a in granted(answers))
             if self.fence_sync:
@@ -500,17 +512,28 @@ class RedlockBackend(Backend):
         # longer count (the calls of a chain wait for each other's return, not landing).
         unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
         if unsettled:
-            with self._chain_lock:
-                self._unsettled.pop((name, token), None)
-                self._unsettled[(name, token)] = frozenset(unsettled)
-                while len(self._unsettled) > _HOLDING_NAMES:
-                    del self._unsettled[next(iter(self._unsettled))]
+            self._remember(self._unsettled, (name, token), frozenset(unsettled))
         refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
         if len(won) + len(refused) < self.quorum:
             raise self._unavailable(name, "cannot acquire", voters)
         result = self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
         self._note_holding(name, voters, result.holder_fence)
         return result
+
+    def _remember(self, book: dict[Any, Any], key: Any, value: Any) -> None:
+        """``book[key] = value``, the oldest entries forgotten past a bound."""
+        with self._chain_lock:
+            book.pop(key, None)
+            book[key] = value
+            while len(book) > _HOLDING_NAMES:
+                del book[next(iter(book))]
+
+    def _untrusted(self, item: RenewItem) -> frozenset[int] | set[int]:
+        """Masters whose answers for this renewal do not count: an undo of ours may still
+        land there, or a grant of a shorter TTL than this renewal's."""
+        unsettled = self._unsettled.get((item.name, item.token), frozenset())
+        late, ttl_ms = self._straggling.get((item.name, item.token), (frozenset(), 0))
+        return unsettled | late if item.ttl_ms > ttl_ms else unsettled
 
     def _trusted(self, answers: list[Any], unsettled: frozenset[int] | set[int]) -> list[Any]:
         """The voters' answers, without those of masters an undo of ours may still reach."""
@@ -567,7 +590,7 @@ class RedlockBackend(Backend):
             majority of yes is out of reach: masters that said no, or cannot vote, leave
             too few), or undecided (``None``: retried until that lease's deadline)."""
             item = items[index]
-            voters = self._trusted(answers, self._unsettled.get((item.name, item.token), set()))
+            voters = self._trusted(answers, self._untrusted(item))
             yes, _ = self._tally(voters, index)
             silent = sum(
                 1
@@ -603,6 +626,7 @@ class RedlockBackend(Backend):
         answers = yield _Call("release", (name, token), self._all_answered, (name, token))
         with self._chain_lock:
             self._unsettled.pop((name, token), None)
+            self._straggling.pop((name, token), None)
         yes, no = self._tally(answers)
         if yes >= self.quorum:
             return True

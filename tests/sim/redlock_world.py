@@ -554,6 +554,7 @@ def redlock_backend(
     backend._background = set()
     backend._holding = {}
     backend._unsettled = {}
+    backend._straggling = {}
     backend._longest_ttl = 0.0
     masters = []
     nets = world.nets(net)

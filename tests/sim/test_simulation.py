@@ -349,9 +349,39 @@ REDLOCK_LATE_UNDO = Scenario(
 )
 
 
+#: Found by the long run on Redlock (``generate(52959, "redlock")``, shrunk): a grant of a
+#: failed try, delayed 3 s on its way to master 0 (its undo overtook it), lands after the
+#: lease's ``renew(ttl=0.9)`` and restarts master 0's copy at the acquire's 0.3 s; master 1
+#: is paused, and the lease counted 650 ms past its last majority.
+REDLOCK_LATE_GRANT_AFTER_A_LONGER_RENEW = Scenario(
+    seed=52959,
+    protocol="redlock",
+    programs=(
+        (Iteration("job", 0.3, 3.0, 0.36, 1, 0.33137931892849504, 0.9, False, 3.0),),
+        (
+            Iteration("job", 1.0, 0.2, 0.3, 0, None, None, True, 0.5),
+            Iteration("job", 2.0, 3.0, 1.2, 3, 0.7470614060263494, None, True, 0.0),
+        ),
+        (Iteration("job", 0.3, 6.0, 0.0, 0, None, None, True, 0.0),),
+    ),
+    rates=(1.0, 1.0, 1.001),
+    faults=(
+        Fault("msg", 0, 28.0, 3.0, "delay_request"),
+        MasterFault("master_pause", 1, 0.6498376659229267, 2.5),
+    ),
+    delay=(0.0001, 0.001),
+    socket_timeout=5.0,
+    masters=(1.0, 1.0, 1.0),
+)
+
+
 @pytest.mark.parametrize(
     "scenario",
-    [*REDLOCK_WAITERS_ON_THE_WRONG_MASTER, REDLOCK_LATE_UNDO],
+    [
+        *REDLOCK_WAITERS_ON_THE_WRONG_MASTER,
+        REDLOCK_LATE_UNDO,
+        REDLOCK_LATE_GRANT_AFTER_A_LONGER_RENEW,
+    ],
     ids=lambda s: f"redlock-seed{s.seed}",
 )
 def test_the_redlock_findings(scenario: Scenario) -> None:
