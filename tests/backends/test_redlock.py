@@ -381,6 +381,42 @@ def test_a_waiter_wakes_on_a_master_that_holds_the_lock(masters_factory: Masters
             lease.release()  # type: ignore[attr-defined]
 
 
+class _HoldFirst(Proxy):
+    """A proxy that holds the first request carrying ``marker`` for 1.5 s (it lands after
+    the client gave up on it and went on)."""
+
+    def __init__(self, hub: ProxyHub, port: int, marker: bytes) -> None:
+        super().__init__(hub, port)
+        self.marker = marker
+        self.held = False
+        self.last = b""
+
+    async def _pump(self, reader: Any, writer: Any, link: _Link, upstream: bool) -> None:
+        if upstream:  # (read, then _drops, with no await between)
+            inner, proxy = reader, self
+
+            class Peek:
+                async def read(self, n: int) -> bytes:
+                    proxy.last = await inner.read(n)
+                    return proxy.last
+
+            reader = Peek()
+        await super()._pump(reader, writer, link, upstream)
+
+    def _drops(self, link: _Link, upstream: bool) -> bool:
+        if upstream and not self.held and self.marker in self.last:
+            self.held = True
+            self._hold[True] = 1.5
+        return super()._drops(link, upstream)
+
+
+def _hold_first(hub: ProxyHub, port: int, sha: str) -> _HoldFirst:
+    proxy = _HoldFirst(hub, port, sha.encode())
+    hub.call(proxy._start())
+    hub.proxies.append(proxy)
+    return proxy
+
+
 def test_a_late_undo_cannot_take_our_next_grant(masters_factory: MastersFactory) -> None:
     """A failed try's undo (a release of our token) that a master does not answer in time
     may still land there after our next try's grant of that token, and delete it. Before,
@@ -389,35 +425,9 @@ def test_a_late_undo_cannot_take_our_next_grant(masters_factory: MastersFactory)
     from task_locks.backends.redis_scripts import SCRIPTS
     from task_locks.types import Owner
 
-    release_sha = SCRIPTS.sha["release"].encode()
-
-    class LateUndo(Proxy):  # holds the first release it carries up for 1.5 s
-        held = False
-        last = b""
-
-        async def _pump(self, reader: Any, writer: Any, link: _Link, upstream: bool) -> None:
-            if upstream:  # (read, then _drops, with no await between)
-                inner, proxy = reader, self
-
-                class Peek:
-                    async def read(self, n: int) -> bytes:
-                        proxy.last = await inner.read(n)
-                        return proxy.last
-
-                reader = Peek()
-            await super()._pump(reader, writer, link, upstream)
-
-        def _drops(self, link: _Link, upstream: bool) -> bool:
-            if upstream and not self.held and release_sha in self.last:
-                self.held = True
-                self._hold[True] = 1.5
-            return super()._drops(link, upstream)
-
     masters = masters_factory(3)
     hub = ProxyHub()
-    proxy = LateUndo(hub, masters[1].port)
-    hub.call(proxy._start())
-    hub.proxies.append(proxy)
+    proxy = _hold_first(hub, masters[1].port, SCRIPTS.sha["release"])
     try:
         name = "late-undo"
         for server in masters.servers:  # (a late EVALSHA must not meet NOSCRIPT)
