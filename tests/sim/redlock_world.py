@@ -37,8 +37,12 @@ of the masters hold (alive, on each master's clock): a lease that says ``held`` 
 have its token on a majority of masters with expiry no earlier than its local deadline,
 counting a restarted master while its quarantine lasts past that deadline (it can vote
 for nobody); fences must grow in grant order (the order majorities formed) and each
-lease's fence be one its granting masters handed out; releases and force releases must
-report what the majority saw (a release that said released broke its majority).
+lease's fence be one its granting masters handed out; a release that said released must
+have deleted its token on a majority of masters (and one that said not owned must not);
+a force release that said it freed the holder must have broken the holder's majority, or
+deleted a copy while a majority may have kept it, or have met a master that did not
+answer (the backend can only guess then); one that said the lock changed hands must not
+have deleted it on a majority.
 """
 
 from __future__ import annotations
