@@ -27,10 +27,16 @@ and this module only fans requests out to them and counts the answers:
   below ``restart_delay`` waits likewise.
 - **ordering**: calls for one (name, token) reach each master in order (a cleanup
   release never overtakes that master's straggling grant), and release waits for every
-  master that answers, so a released lock is free everywhere reachable.
-- **wake-ups**: a waiter blocks on the release signal list of one master (chosen by
-  the name, skipping masters that just failed), with a deadline of its own, so a
-  paused master cannot stretch a wait.
+  master that answers, so a released lock is free everywhere reachable. A cleanup
+  release a master did not answer may still land there later (it was sent before its
+  connection was dropped), after our next grant of that token: that master's answers
+  for that token no longer count, in later tries and in the lease's renewals. Likewise a
+  grant a master did not answer may land later and restart its copy at the acquire's
+  TTL: renewals with a longer TTL do not count that master.
+- **wake-ups**: a waiter blocks on the release signal list of one master (one that
+  refused its last try for the holder, where the release signals; else chosen by the
+  name; skipping masters that just failed), with a deadline of its own, so a paused
+  master cannot stretch a wait.
 - **holders**: a holder is listed when a majority of masters agree on its token.
 
 Capabilities: ``fencing`` (with ``fence_sync``, see above and below), ``multiprocess``,
@@ -113,6 +119,8 @@ _OPTIONS: Final = {
 _DOWN_FOR: Final = 1.0
 #: Added to ``ttl * drift_factor``: the clocks' resolution (as in the Redlock algorithm).
 _DRIFT_FLOOR: Final = 0.002
+#: Names whose holder's masters are remembered for the waits (the oldest are forgotten).
+_HOLDING_NAMES: Final = 1024
 
 
 class _Silence:
@@ -128,6 +136,7 @@ class _Silence:
 PENDING: Final = _Silence("not awaited: the outcome was already decided")
 TIMED_OUT: Final = _Silence("no answer within node_timeout")
 NO_VOTE: Final = _Silence("restarted recently, no vote")
+UNSETTLED: Final = _Silence("an undo of ours may still land there: no vote for this token")
 
 
 def _parse_info(raw: Any) -> dict[str, str]:
@@ -347,6 +356,12 @@ class RedlockBackend(Backend, RunChecked):
         self._chains: dict[tuple[Any, ...], Future[Any]] = {}
         self._chain_lock = threading.Lock()
         self._achains: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+        #: name -> the masters that refused our last try for its holder (wait on those)
+        self._holding: dict[str, frozenset[int]] = {}
+        #: (name, token) -> masters an unanswered undo of that token may still reach
+        self._unsettled: dict[tuple[str, str], frozenset[int]] = {}
+        #: (name, token) -> masters a grant of ours may still reach, and its TTL (ms)
+        self._straggling: dict[tuple[str, str], tuple[frozenset[int], int]] = {}
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
@@ -469,8 +484,10 @@ class RedlockBackend(Backend, RunChecked):
         def granted(answers: list[Any]) -> list[AcquireResult]:
             return [a for a in answers if isinstance(a, AcquireResult) and a.acquired]
 
+        unsettled = self._unsettled.get((name, token), frozenset())
+
         def enough(answers: list[Any]) -> bool:
-            voters = self._voters(answers)
+            voters = self._trusted(answers, unsettled)
             won = len(granted(voters))
             answered = sum(1 for a in voters if isinstance(a, AcquireResult))
             undecided = sum(1 for a in voters if a is PENDING)
@@ -484,8 +501,16 @@ class RedlockBackend(Backend, RunChecked):
         answers = yield _Call("grant", (name, token, ttl_ms, owner, run), enough, (name, token))
         elapsed = time.monotonic() - started
         validity = ttl - elapsed - self.clock_margin(ttl)
-        voters = self._voters(answers)
+        voters = self._trusted(answers, unsettled)
         won = granted(voters)
+        # A grant not answered may still land (in this try or a failed one, whose undo may
+        # overtake it), restarting that master's copy at this TTL: a lease renewed with a
+        # longer one must not count that master then.
+        late = {i for i, a in enumerate(answers) if not isinstance(a, AcquireResult)}
+        if late:
+            before, shortest = self._straggling.get((name, token), (frozenset(), ttl_ms))
+            entry = (before | late, min(shortest, ttl_ms))
+            self._remember(self._straggling, (name, token), entry)
         if len(won) >= self.quorum and validity > 0:
             fence = max(a.fence or 0 for a in granted(answers))
             if self.fence_sync:
@@ -500,11 +525,56 @@ class RedlockBackend(Backend, RunChecked):
         def undone(cleanup: list[Any]) -> bool:
             return all(a is not PENDING for a, r in zip(cleanup, responsive, strict=True) if r)
 
-        yield _Call("release", (name, token), undone, (name, token))
+        cleanup = yield _Call("release", (name, token), undone, (name, token))
+        # An undo not answered may still be on its way (sent before its connection was
+        # dropped): landing after our next grant of this token there, it would delete that
+        # grant under a lease that counts it. That master's answers for this token no
+        # longer count (the calls of a chain wait for each other's return, not landing).
+        unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
+        if unsettled:
+            self._remember(self._unsettled, (name, token), frozenset(unsettled))
         refused = [a for a in voters if isinstance(a, AcquireResult) and not a.acquired]
         if len(won) + len(refused) < self.quorum:
             raise self._unavailable(name, "cannot acquire", voters)
-        return self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
+        result = self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
+        self._note_holding(name, voters, result.holder_fence)
+        return result
+
+    def _remember(self, book: dict[Any, Any], key: Any, value: Any) -> None:
+        """``book[key] = value``, the oldest entries forgotten past a bound."""
+        with self._chain_lock:
+            book.pop(key, None)
+            book[key] = value
+            while len(book) > _HOLDING_NAMES:
+                del book[next(iter(book))]
+
+    def _untrusted(self, item: RenewItem) -> frozenset[int] | set[int]:
+        """Masters whose answers for this renewal do not count: an undo of ours may still
+        land there, or a grant of a shorter TTL than this renewal's."""
+        unsettled = self._unsettled.get((item.name, item.token), frozenset())
+        late, ttl_ms = self._straggling.get((item.name, item.token), (frozenset(), 0))
+        return unsettled | late if item.ttl_ms > ttl_ms else unsettled
+
+    def _trusted(self, answers: list[Any], unsettled: frozenset[int] | set[int]) -> list[Any]:
+        """The voters' answers, without those of masters an undo of ours may still reach."""
+        voters = self._voters(answers)
+        return [UNSETTLED if i in unsettled else a for i, a in enumerate(voters)]
+
+    def _note_holding(self, name: str, voters: list[Any], fence: int | None) -> None:
+        """Remember which masters refused us for the holder we saw: its release signals
+        only where it held the lock, so a waiter blocks on one of those."""
+        holding = frozenset(
+            index
+            for index, answer in enumerate(voters)
+            if isinstance(answer, AcquireResult)
+            and not answer.acquired
+            and answer.holder_fence == fence
+        )
+        with self._chain_lock:
+            self._holding.pop(name, None)
+            self._holding[name] = holding
+            while len(self._holding) > _HOLDING_NAMES:
+                del self._holding[next(iter(self._holding))]
 
     def _refusal(self, refused: list[AcquireResult], complete: bool) -> AcquireResult:
         """What a loser learns: who holds the lock, and when to try again."""
@@ -540,10 +610,13 @@ class RedlockBackend(Backend, RunChecked):
             """Each lease on its own: renewed (a majority said yes in time), lost (a
             majority of yes is out of reach: masters that said no, or cannot vote, leave
             too few), or undecided (``None``: retried until that lease's deadline)."""
-            voters = self._voters(answers)
-            yes, _ = self._tally(answers, index)
+            item = items[index]
+            voters = self._trusted(answers, self._untrusted(item))
+            yes, _ = self._tally(voters, index)
             silent = sum(
-                1 for a in voters if a is not NO_VOTE and isinstance(a, _Silence | BaseException)
+                1
+                for a in voters
+                if a not in (NO_VOTE, UNSETTLED) and isinstance(a, _Silence | BaseException)
             )
             if yes >= self.quorum:
                 return True if validity > 0 else None
@@ -572,6 +645,9 @@ class RedlockBackend(Backend, RunChecked):
         # Every master is awaited (up to node_timeout), not just a majority: once release()
         # returns, the lock is free wherever a master answers.
         answers = yield _Call("release", (name, token), self._all_answered, (name, token))
+        with self._chain_lock:
+            self._unsettled.pop((name, token), None)
+            self._straggling.pop((name, token), None)
         yes, no = self._tally(answers)
         if yes >= self.quorum:
             return True
@@ -751,11 +827,20 @@ class RedlockBackend(Backend, RunChecked):
         return next(iter(self._drive(self._holders_plan(name, exact=True))), None)
 
     def _signal_masters(self, name: str) -> list[_Master]:
-        """Masters to wait on, in a stable order per name; recently failed ones last."""
-        start = zlib.crc32(name.encode()) % len(self.masters)
-        order = self.masters[start:] + self.masters[:start]
+        """Masters to wait on, in a stable order per name: first those that refused our
+        last try for its holder (a release signals only where it held the lock, and a
+        waiter on another master would sleep until its retry), recently failed ones last."""
+        count = len(self.masters)
+        start = zlib.crc32(name.encode()) % count
+        order = [(start + step) % count for step in range(count)]
+        holding = self._holding.get(name, frozenset())
         now = time.monotonic()
-        return sorted(order, key=lambda m: m.down_until > now or not m.votes(now))
+
+        def rank(index: int) -> tuple[bool, bool]:
+            master = self.masters[index]
+            return master.down_until > now or not master.votes(now), index not in holding
+
+        return [self.masters[index] for index in sorted(order, key=rank)]
 
     def _signal_waits(
         self, name: str, timeout: float

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
+from chaoskit.proxy import Proxy, ProxyHub, _Link
 from servers import RedisMasters, wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
@@ -336,3 +338,134 @@ def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
     finally:
         masters[2].resume()
     b.release()
+
+
+def test_a_waiter_wakes_on_a_master_that_holds_the_lock(masters_factory: MastersFactory) -> None:
+    """A release signals only the masters where it held the lock, so a waiter blocks on
+    one that refused it for the holder. It used to block on the master its name hashes
+    to; when the holder missed that master, the waiter slept through the release until
+    its timeout (found by the simulator: a lock free for 770 ms while three waited)."""
+    import threading
+    import zlib
+
+    masters = masters_factory(3)
+    url = masters.url()
+    # A name whose first master by hash is master 0, and a holder that missed master 0.
+    name = next(f"wake-{i}" for i in range(100) if zlib.crc32(f"wake-{i}".encode()) % 3 == 0)
+    pair = f"redlock://127.0.0.1:{masters[1].port},127.0.0.1:{masters[2].port}"
+    holder = Lock(name, ttl=30, backend=pair).acquire(timeout=0)
+
+    got: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(name, ttl=5, backend=url).acquire(timeout=8))
+    )
+    waiter.start()
+    try:
+
+        def blocked() -> bool:  # the waiter is in its BLPOP on some master
+            return any(
+                c.get("cmd") == "blpop" for m in masters.servers
+                for c in redis.Redis(port=m.port).client_list()
+            )  # fmt: skip
+
+        wait_until(blocked, 5, "the waiter to block on a release signal")
+        released = time.monotonic()
+        holder.release()
+        waiter.join(timeout=10)
+        assert got, "the waiter gave up"
+        woke = time.monotonic() - released
+        assert woke < 2.0, f"the waiter took {woke:.1f} s after the release"
+    finally:
+        waiter.join(timeout=10)
+        for lease in got:
+            lease.release()  # type: ignore[attr-defined]
+
+
+class _HoldFirst(Proxy):
+    """A proxy that holds the first request carrying ``marker`` for 1.5 s (it lands after
+    the client gave up on it and went on)."""
+
+    def __init__(self, hub: ProxyHub, port: int, marker: bytes) -> None:
+        super().__init__(hub, port)
+        self.marker = marker
+        self.held = False
+        self.last = b""
+
+    async def _pump(self, reader: Any, writer: Any, link: _Link, upstream: bool) -> None:
+        if upstream:  # (read, then _drops, with no await between)
+            inner, proxy = reader, self
+
+            class Peek:
+                async def read(self, n: int) -> bytes:
+                    proxy.last = await inner.read(n)
+                    return proxy.last
+
+            reader = Peek()
+        await super()._pump(reader, writer, link, upstream)
+
+    def _drops(self, link: _Link, upstream: bool) -> bool:
+        if upstream and not self.held and self.marker in self.last:
+            self.held = True
+            self._hold[True] = 1.5
+        return super()._drops(link, upstream)
+
+
+def _hold_first(hub: ProxyHub, port: int, sha: str) -> _HoldFirst:
+    proxy = _HoldFirst(hub, port, sha.encode())
+    hub.call(proxy._start())
+    hub.proxies.append(proxy)
+    return proxy
+
+
+def test_a_late_undo_cannot_take_our_next_grant(masters_factory: MastersFactory) -> None:
+    """A failed try's undo (a release of our token) that a master does not answer in time
+    may still land there after our next try's grant of that token, and delete it. Before,
+    that master's grant counted, and the lease stood on one master's copy once the late
+    undo landed (found by the simulator: a lease counting 760 ms past its majority)."""
+    from task_locks.backends.redis_scripts import SCRIPTS
+    from task_locks.types import Owner
+
+    masters = masters_factory(3)
+    hub = ProxyHub()
+    proxy = _hold_first(hub, masters[1].port, SCRIPTS.sha["release"])
+    try:
+        name = "late-undo"
+        for server in masters.servers:  # (a late EVALSHA must not meet NOSCRIPT)
+            with redis.Redis(port=server.port) as direct:
+                direct.script_load(SCRIPTS.source["release"])
+        # The holder misses master 1: our first try gets only master 1's grant, and fails.
+        pair = f"redlock://127.0.0.1:{masters[0].port},127.0.0.1:{masters[2].port}"
+        holder = Lock(name, ttl=30, backend=pair).acquire(timeout=0)
+        slow = [hub.proxy(masters[0].port), hub.proxy(masters[2].port)]
+        ours = RedlockBackend(
+            f"redlock://127.0.0.1:{slow[0].port},127.0.0.1:{proxy.port},"
+            f"127.0.0.1:{slow[1].port}?node_timeout=0.3"
+        )
+        for other in slow:  # master 1's grant is answered first, so its undo is awaited
+            other.latency(0.05)
+        first = ours.acquire(name, "ours", 30_000, Owner())
+        for other in slow:
+            other.heal()
+        assert not first.acquired
+        wait_until(lambda: proxy.held, 5, "our undo on master 1 to be on its way")
+        holder.release()
+        on_master_1 = redis.Redis(port=masters[1].port)
+        masters[2].pause()  # our next try: master 0 and master 1 only
+        try:
+            try:
+                second = ours.acquire(name, "ours", 30_000, Owner()).acquired
+            except BackendUnavailable:
+                second = False
+
+            def undone() -> bool:  # the late undo landed on master 1
+                return record_fields(on_master_1.get(f"task_locks:{{{name}}}")) is None
+
+            wait_until(undone, 5, "the late undo to land")
+            if second:  # a lease from this try must still stand on a majority
+                assert ours.holder(name) is not None, "our lock stands on one master's copy"
+        finally:
+            masters[2].resume()
+            on_master_1.close()
+            ours.close()
+    finally:
+        hub.close()

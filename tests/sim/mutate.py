@@ -7,7 +7,8 @@ runs seeds until one fails (the default budget, ``--seeds``). A mutant that surv
 budget is a hole in the simulator: it is reported, and the exit status is 1. So is a
 patch that no longer applies (the production code moved on: ``refresh.py``). A seed that
 also fails without the mutant (a finding of its own) does not count as a kill: the
-search goes on after it.
+search goes on after it. A mutant of code that only one protocol runs names it in its
+header (``# protocol: redlock``): its budget goes to that protocol's schedules.
 
     python -m tests.sim.mutate [--seeds 3000] [NAME ...]
 """
@@ -29,7 +30,15 @@ MUTANTS = Path(__file__).resolve().parent / "mutants"
 BUDGET = 5000
 
 
+def _protocol(diff: Path) -> list[str]:
+    """``--protocol P`` for a mutant whose header names the one protocol that runs the
+    code it changes (``# protocol: redlock``): its budget goes to those schedules."""
+    found = re.search(r"^# protocol: (\S+)$", diff.read_text(), re.MULTILINE)
+    return ["--protocol", found.group(1)] if found else []
+
+
 def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
+    protocol = _protocol(diff)
     with tempfile.TemporaryDirectory(prefix="sim-mutant-") as tmp:
         # The run starts in the copy: its own directory comes first on sys.path, before
         # the editable install of the real package.
@@ -52,7 +61,7 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
         while True:
             done = subprocess.run(
                 [sys.executable, "-m", "tests.sim.run", "--first", "--start", str(start),
-                 "--seeds", str(seeds - start)],
+                 "--seeds", str(seeds - start), *protocol],
                 cwd=tmp,
                 env=env,
                 capture_output=True,
@@ -65,17 +74,17 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
             if done.returncode != 1 or found is None:
                 return "ERROR", output
             seed = int(found.group(1))
-            if _passes_unmutated(seed):
+            if _passes_unmutated(seed, protocol[1] if protocol else None):
                 return "killed", output
             start = seed + 1  # that seed fails without the mutant too: not this bug
 
 
-def _passes_unmutated(seed: int) -> bool:
+def _passes_unmutated(seed: int, protocol: str | None = None) -> bool:
     """Whether ``seed`` holds every invariant on the real code (so a mutant that fails
     there is what failed it)."""
     check = (
         "import sys; from tests.sim import scenario as s; "
-        f"sys.exit(1 if s.run(s.generate({seed})).violation else 0)"
+        f"sys.exit(1 if s.run(s.generate({seed}, {protocol!r})).violation else 0)"
     )
     return subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
 

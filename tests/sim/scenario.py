@@ -67,14 +67,16 @@ from task_locks.lock import Lock
 from task_locks.semaphore import Semaphore
 from task_locks.types import slot_name
 
+from . import redlock_world
 from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasing_module
 
 #: redis / redis-handoff: ``Lock`` with the client / server hand-off; redis-mixed: both
 #: on one name (odd clients on the plain URL: their releases leave tombstones with the
 #: server hand-off's waiters still queued); semaphore:
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
-#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`).
-PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd")
+#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`);
+#: redlock: ``Lock`` on Redlock over 3 or 5 modelled masters (:mod:`tests.sim.redlock_world`).
+PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "redlock")
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
@@ -138,6 +140,8 @@ class Scenario:
     delay: tuple[float, float]
     socket_timeout: float
     limit: int = 1
+    #: Redlock: each master's clock rate (one per master).
+    masters: tuple[float, ...] = ()
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -246,7 +250,7 @@ def generate(
     if kinds & {"restart", "failover"} and "clock_step" in kinds:  # see the module docstring
         faults = [f for f in faults if f.kind != "clock_step"]
     delay = rng.choice(((0.0001, 0.001), (0.0005, 0.005), (0.001, 0.05)))
-    return Scenario(
+    scenario = Scenario(
         seed=seed,
         protocol=protocol,
         programs=tuple(programs),
@@ -256,6 +260,7 @@ def generate(
         socket_timeout=rng.choice((0.5, 1.0, 5.0)),
         limit=limit,
     )
+    return redlock_world.adapt(scenario) if protocol == "redlock" else scenario
 
 
 def _renew_ttl(rng: random.Random, ttl: float) -> float | None:
@@ -764,6 +769,8 @@ class Checker:
 
 
 def _url(scenario: Scenario, client: int = 0) -> str:
+    if scenario.protocol == "redlock":
+        return redlock_world.url(scenario)
     if scenario.protocol == "etcd":
         members = "sim-a:2379,sim-b:2379,sim-c:2379"  # three members, one store
         return f"etcd://{members}?timeout={scenario.socket_timeout}&prefix=sim/"
@@ -787,6 +794,8 @@ def _backend(url: str, client: Client, server: Server, net: Net, timeout: float)
         from .etcd_world import etcd_backend
 
         return etcd_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
+    if url.startswith("redlock"):
+        return redlock_world.redlock_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
     prototype = _prototypes.get(url)
     if prototype is None:
         prototype = _prototypes[url] = RedisBackend(url)
@@ -839,6 +848,9 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
 
         server: Any = EtcdSimServer(sim)
         checker_class = etcd_checker(Checker)
+    elif scenario.protocol == "redlock":
+        server = redlock_world.RedlockWorld(sim, scenario)
+        checker_class = redlock_world.redlock_checker(Checker)
     else:
         server = Server(sim)
     net = Net(sim, scenario.delay)
@@ -907,6 +919,8 @@ def _plan_fault(
     checker: Checker,
 ) -> None:
     kind = fault.kind
+    if isinstance(server, redlock_world.RedlockWorld) and server.plan(fault):
+        return  # a fault of one Redlock master
     target = clients[fault.client] if 0 <= fault.client < len(clients) else None
     if kind == "msg":
         net.faults[(fault.client, int(fault.at))] = (fault.detail, fault.amount)

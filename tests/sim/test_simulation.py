@@ -1,8 +1,8 @@
 """The deterministic simulation's short form (``make sim`` runs the long one).
 
-A few thousand seeded schedules of the real lock code (both Redis hand-off modes, every
-fault kind), each checked after every step; a failure prints the seed and the story of
-its shrunk schedule, replayable with ``make sim SEED=<n>``.
+A few thousand seeded schedules of the real lock code (both Redis hand-off modes, etcd,
+Redlock over 3 or 5 masters, every fault kind), each checked after every step; a failure
+prints the seed and the story of its shrunk schedule, replayable with ``make sim SEED=<n>``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import pytest
 
 from . import scenario as sim
+from .redlock_world import MasterFault
 from .scenario import Fault, Iteration, Scenario
 
 SHORT_SEEDS = int(os.environ.get("SIM_SHORT_SEEDS", "1200"))
@@ -41,7 +42,11 @@ def test_the_short_form_covers_every_protocol_and_fault() -> None:
     assert kinds == {
         "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "failover",
         "clock_step", "force", "lose_renew", "lose_lane", "late_lane",
+        "master_restart", "master_pause", "master_partition", "master_clock_step",
     }  # fmt: skip
+    redlock = [s for s in scenarios if s.protocol == "redlock"]
+    assert {len(s.masters) for s in redlock} == {3, 5}
+    assert any(s.fair for s in redlock)
     assert details == {
         "drop_request", "drop_reply", "reset_before", "reset_after", "delay_request", "delay_reply"
     }  # fmt: skip
@@ -276,4 +281,109 @@ TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION = Scenario(
 
 def test_a_timed_out_renewal_landing_late_cuts_no_lease_short() -> None:
     violation, story = sim.story(TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION)
+    assert violation is None, "\n".join(story)
+
+
+#: Found by the simulation on Redlock (``generate(30 / 458, "redlock")``, shrunk), fair
+#: schedules: the holder missed the master a waiter's name hashes to, the waiter blocked
+#: on that master's release signal, and its release signalled only where it held the lock:
+#: the lock stayed free for 770 ms while the waiters slept until their retry.
+REDLOCK_WAITERS_ON_THE_WRONG_MASTER = [
+    Scenario(
+        seed=30,
+        protocol="redlock",
+        programs=(
+            (Iteration("job", 0.5, 3.0, 2.0, 0, None, None, False, 0.5),),
+            (Iteration("job", 0.5, 6.0, 2.0, 1, 0.535204782203361, None, True, 0.0),),
+            (Iteration("job", 1.0, 6.0, 0.0, 0, None, None, True, 0.0),),
+            (Iteration("job", 2.0, 0.2, 0.2, 3, None, None, True, 0.5),),
+        ),
+        rates=(1.0001, 1.0001, 1.0, 1.0),
+        faults=(),
+        delay=(0.0005, 0.005),
+        socket_timeout=1.0,
+        masters=(0.999, 1.001, 1.0, 1.001, 0.999),
+    ),
+    Scenario(
+        seed=458,
+        protocol="redlock",
+        programs=(
+            (Iteration("report", 0.3, 6.0, 0.6, 3, 0.5189045206693849, 0.9, True, 0.5),),
+            (Iteration("report", 2.0, 6.0, 2.4, 0, None, None, True, 0.0),),
+        ),
+        rates=(1.0001, 1.0001),
+        faults=(),
+        delay=(0.0001, 0.001),
+        socket_timeout=1.0,
+        masters=(0.999, 1.0, 1.0),
+    ),
+]
+
+#: Found by the simulation on Redlock (``generate(1207, "redlock")``, shrunk): a failed
+#: try's undo on one master is delayed past its node timeout, the next try's grant of the
+#: same token there lands first and counts, then the undo lands and deletes it; with a
+#: second master partitioned, the lease counted 760 ms past its last majority.
+REDLOCK_LATE_UNDO = Scenario(
+    seed=1207,
+    protocol="redlock",
+    programs=(
+        (
+            Iteration("job", 0.5, 0.2, 0.025, 3, 0.8900972913247436, None, True, 0.0),
+            Iteration("job", 0.3, 1.0, 0.06, 0, None, None, True, 0.5),
+        ),
+        (
+            Iteration("job", 1.0, 0.2, 0.0, 0, None, None, True, 0.5),
+            Iteration("job", 2.0, 3.0, 0.6, 0, None, None, True, 0.5),
+            Iteration("job", 1.0, 6.0, 2.0, 0, None, None, True, 0.0),
+        ),
+    ),
+    rates=(1.0, 1.0001),
+    faults=(
+        Fault("msg", 1, 29.0, 1.0, "delay_request"),
+        Fault("msg", 1, 21.0, 0.0, "drop_request"),
+        MasterFault("master_partition", 2, 1.091536292780002, 1.0),
+    ),
+    delay=(0.0005, 0.005),
+    socket_timeout=0.5,
+    masters=(1.001, 1.0, 1.0001),
+)
+
+
+#: Found by the long run on Redlock (``generate(52959, "redlock")``, shrunk): a grant of a
+#: failed try, delayed 3 s on its way to master 0 (its undo overtook it), lands after the
+#: lease's ``renew(ttl=0.9)`` and restarts master 0's copy at the acquire's 0.3 s; master 1
+#: is paused, and the lease counted 650 ms past its last majority.
+REDLOCK_LATE_GRANT_AFTER_A_LONGER_RENEW = Scenario(
+    seed=52959,
+    protocol="redlock",
+    programs=(
+        (Iteration("job", 0.3, 3.0, 0.36, 1, 0.33137931892849504, 0.9, False, 3.0),),
+        (
+            Iteration("job", 1.0, 0.2, 0.3, 0, None, None, True, 0.5),
+            Iteration("job", 2.0, 3.0, 1.2, 3, 0.7470614060263494, None, True, 0.0),
+        ),
+        (Iteration("job", 0.3, 6.0, 0.0, 0, None, None, True, 0.0),),
+    ),
+    rates=(1.0, 1.0, 1.001),
+    faults=(
+        Fault("msg", 0, 28.0, 3.0, "delay_request"),
+        MasterFault("master_pause", 1, 0.6498376659229267, 2.5),
+    ),
+    delay=(0.0001, 0.001),
+    socket_timeout=5.0,
+    masters=(1.0, 1.0, 1.0),
+)
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        *REDLOCK_WAITERS_ON_THE_WRONG_MASTER,
+        REDLOCK_LATE_UNDO,
+        REDLOCK_LATE_GRANT_AFTER_A_LONGER_RENEW,
+    ],
+    ids=lambda s: f"redlock-seed{s.seed}",
+)
+def test_the_redlock_findings(scenario: Scenario) -> None:
+    violation, story = sim.story(scenario)
     assert violation is None, "\n".join(story)

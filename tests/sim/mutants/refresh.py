@@ -473,5 +473,103 @@ back to the old TTL, while the extension's reply set the local deadline from the
     ],
 )
 
+mutant(
+    "redlock_force_release_of_a_minority_remnant",
+    """
+Redlock: a force release that frees only a copy left on a minority of the masters (the
+holder's own release broke its majority first, or a partial release left it) reports that
+it freed the holder, as if a majority had held it.
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        return yes > 0 and yes + unanswered >= self.quorum""",
+            """        return yes > 0""",
+        )
+    ],
+)
+
+mutant(
+    "redlock_lease_counts_without_the_drift",
+    """
+Redlock: the local lease counts a whole TTL from its request (the acquire and renewal
+validity keep Redlock's drift allowance, the lease does not), so with a slow client clock
+or a fast master clock it says held after the masters let the key expire.
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        return ttl * self.drift_factor + _DRIFT_FLOOR""",
+            """        return 0.0""",
+        ),
+        (
+            "task_locks/backends/redlock.py",
+            """        validity = ttl - elapsed - self.clock_margin(ttl)""",
+            """        validity = ttl - elapsed - (ttl * self.drift_factor + _DRIFT_FLOOR)""",
+        ),
+        (
+            "task_locks/backends/redlock.py",
+            """            outcomes.append(outcome(answers, index, ttl - elapsed - self.clock_margin(ttl)))""",
+            """            outcomes.append(
+                outcome(answers, index, ttl - elapsed - (ttl * self.drift_factor + _DRIFT_FLOOR))
+            )""",
+        ),
+    ],
+)
+
+mutant(
+    "redlock_waiter_blocks_where_the_name_hashes",
+    """
+Redlock: a waiter blocks on the release signal of the master its name hashes to, even
+when the holder missed that master: the release signals only where it held the lock,
+and the waiter sleeps until its retry while the lock is free (found by the simulator).
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        holding = self._holding.get(name, frozenset())""",
+            """        holding: frozenset[int] = frozenset()""",
+        )
+    ],
+)
+
+mutant(
+    "redlock_restarted_master_votes_at_once",
+    """
+Redlock: a master that restarted without persistence (a new run_id) votes at once: it
+forgot the locks it held, and a lock held on a bare majority that included it is granted
+to a second client.
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """            delay = self.redlock.restart_quarantine()""",
+            """            delay = 0.0""",
+        )
+    ],
+)
+
+mutant(
+    "redlock_late_undo_takes_the_next_grant",
+    """
+Redlock: a master whose undo of a failed try went unanswered still votes for that token:
+the undo, still on its way, lands after the next try's grant there and deletes it, and
+the lease stands on fewer masters than a majority (found by the simulator).
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
+""",
+            "",
+        )
+    ],
+)
+
 if STALE:
     raise SystemExit(1)
