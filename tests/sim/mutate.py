@@ -1,8 +1,8 @@
 """``make sim-mutants``: bring back each bug fixed so far, and watch the simulator fail.
 
 Each ``tests/sim/mutants/*.diff`` is the smallest patch against the production code that
-brings one bug back (its header says which). For each, a copy of ``task_locks`` is
-patched in a temporary directory that comes first on ``PYTHONPATH``, and the simulator
+brings one bug back (its header says which). For each, a copy of ``task_locks`` (and of
+``django_app``, whose ``django://`` backend the simulator runs too) is patched in a temporary directory that comes first on ``PYTHONPATH``, and the simulator
 runs seeds until one fails (the default budget, ``--seeds``). A mutant that survives the
 budget is a hole in the simulator: it is reported, and the exit status is 1. So is a
 patch that no longer applies (the production code moved on: ``refresh.py``). A seed that
@@ -34,6 +34,7 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
         # The run starts in the copy: its own directory comes first on sys.path, before
         # the editable install of the real package.
         shutil.copytree(ROOT / "task_locks", Path(tmp) / "task_locks")
+        shutil.copytree(ROOT / "django_app", Path(tmp) / "django_app")
         shutil.copytree(
             ROOT / "tests" / "sim",
             Path(tmp) / "tests" / "sim",

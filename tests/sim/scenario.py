@@ -70,8 +70,9 @@ from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasi
 #: on one name (odd clients on the plain URL: their releases leave tombstones with the
 #: server hand-off's waiters still queued); semaphore:
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
-#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`).
-PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd")
+#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`);
+#: sql: ``Lock`` on ``django://`` over the PostgreSQL model (:mod:`tests.sim.sql_world`).
+PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "sql")
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
@@ -691,6 +692,8 @@ class Checker:
 
 
 def _url(scenario: Scenario, client: int = 0) -> str:
+    if scenario.protocol == "sql":
+        return f"django://sim?timeout={scenario.socket_timeout}&prefix=sim_"
     if scenario.protocol == "etcd":
         members = "sim-a:2379,sim-b:2379,sim-c:2379"  # three members, one store
         return f"etcd://{members}?timeout={scenario.socket_timeout}&prefix=sim/"
@@ -714,6 +717,10 @@ def _backend(url: str, client: Client, server: Server, net: Net, timeout: float)
         from .etcd_world import etcd_backend
 
         return etcd_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
+    if url.startswith("django"):
+        from .sql_world import sql_backend
+
+        return sql_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
     prototype = _prototypes.get(url)
     if prototype is None:
         prototype = _prototypes[url] = RedisBackend(url)
@@ -747,6 +754,11 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
 
         server: Any = EtcdSimServer(sim)
         checker_class = etcd_checker(Checker)
+    elif scenario.protocol == "sql":
+        from .sql_world import install, sql_checker
+
+        server = install(sim, _patches)
+        checker_class = sql_checker(Checker)
     else:
         server = Server(sim)
     net = Net(sim, scenario.delay)
