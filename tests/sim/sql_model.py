@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -388,9 +388,9 @@ class PgModel:
                 self._advance(session, step, done)
 
     # -- rows --------------------------------------------------------------------------
-    def _visible(self, session: Session, key: Key) -> Any:
+    def _visible(self, session: Session | None, key: Key) -> Any:
         """The version ``session`` sees: the newest, unless another open transaction
-        wrote it (then the committed one it replaced)."""
+        wrote it (then the committed one it replaced; ``None``: the committed one)."""
         holder = self.owners.get(key)
         store: dict[str, Any] = self.locks if key[0] == "lock" else self.fences
         if holder is not None and holder is not session and holder.xact is not None:
@@ -456,14 +456,6 @@ class PgModel:
                 raise UnknownStatement(f"the SQL model does not know the condition {atom!r}")
         return lambda n, r, now: r is not None and all(t(n, r, now) for t in tests)
 
-    def _candidates(self, session: Session, params: list[Any]) -> Iterable[str]:
-        """The names a statement's ``WHERE name = %s`` (first) may touch, else all."""
-        names = set(self.locks)
-        for s in self.sessions:  # rows another transaction deleted are still visible
-            if s.xact is not None and s is not session:
-                names |= {k[1] for k, v in s.xact.undo.items() if k[0] == "lock" and v}
-        return sorted(names)
-
     def _update(self, session: Session, sets: str, where: str, params: list[Any]) -> Step:
         assignments: list[Callable[[Row, int], Row]] = []
         for item in _items(sets):
@@ -476,7 +468,7 @@ class PgModel:
         match = self._where(where, params)
         now = self._now(session)
         count = 0
-        for name in self._candidates(session, params):
+        for name in sorted(self._names()):
             key = ("lock", name)
             if not match(name, self._visible(session, key), now):
                 continue
@@ -508,7 +500,7 @@ class PgModel:
                 raise UnknownStatement(f"the SQL model does not know {item!r} after DELETE")
         now = self._now(session)
         rows = []
-        for name in self._candidates(session, params):
+        for name in sorted(self._names()):
             key = ("lock", name)
             if not match(name, self._visible(session, key), now):
                 continue
@@ -528,7 +520,7 @@ class PgModel:
         match = self._where(where, params)
         now = self._now(session)
         rows = []
-        for name in self._candidates(session, params):
+        for name in sorted(self._names()):
             row = self._visible(session, ("lock", name))
             if not match(name, row, now):
                 continue
@@ -595,29 +587,18 @@ class PgModel:
     def table(self) -> list[tuple[str, str, int, str, int, int]]:
         """The committed lock rows (name, token, fence, owner, expires_us, renewals)."""
         rows = []
-        for name in sorted(self._committed_names()):
+        for name in sorted(self._names()):
             row = self.committed(name)
             if row is not None:
                 rows.append((name, row.token, row.fence, row.owner, row.expires_us, row.renewals))
         return rows
 
     def committed(self, name: str) -> Row | None:
-        key: Key = ("lock", name)
-        holder = self.owners.get(key)
-        if holder is not None and holder.xact is not None and key in holder.xact.undo:
-            old: Row | None = holder.xact.undo[key]
-            return old
-        return self.locks.get(name)
+        row: Row | None = self._visible(None, ("lock", name))
+        return row
 
-    def committed_fence(self, name: str) -> int | None:
-        key: Key = ("fence", name)
-        holder = self.owners.get(key)
-        if holder is not None and holder.xact is not None and key in holder.xact.undo:
-            old: int | None = holder.xact.undo[key]
-            return old
-        return self.fences.get(name)
-
-    def _committed_names(self) -> set[str]:
+    def _names(self) -> set[str]:
+        """Every lock row's name, those an open transaction deleted included."""
         names = set(self.locks)
         for s in self.sessions:
             if s.xact is not None:
@@ -627,7 +608,3 @@ class PgModel:
 
 #: The channel releases NOTIFY (``django_app.backend.CHANNEL``).
 CHANNEL = "task_locks"
-
-
-def rows_of(result: Result) -> Sequence[tuple[Any, ...]]:
-    return result.rows

@@ -270,19 +270,25 @@ class Wire:
             if pending.failed or self.broken or self.restarts != self.server.restarts:
                 self._drop()
                 raise _failure("server closed the connection unexpectedly (simulated)")
-            left = deadline - client.monotonic()
-            if left <= 0:
+            if deadline <= client.monotonic():
                 if timeout_message:
                     raise _failure(timeout_message + " (simulated)")
                 self._cut()
                 raise _failure("consuming input failed: the socket was shut down (simulated)")
-            me = greenlet.getcurrent()
-            self._waiter = me
-            timer = client.resume_at(client.sim.now + left / client.rate, me, None)
-            client.park()
-            timer.cancelled = True
-            self._waiter = None
+            self._park(deadline)
         return pending.answer
+
+    def _park(self, deadline: float) -> None:
+        """Wait for a wake-up (a reply, a reset, a notification) or ``deadline`` on the
+        client's monotonic clock."""
+        client = self.client
+        me = greenlet.getcurrent()
+        self._waiter = me
+        left = deadline - client.monotonic()
+        timer = client.resume_at(client.sim.now + left / client.rate, me, None)
+        client.park()
+        timer.cancelled = True
+        self._waiter = None
 
     def _check_cut(self) -> None:
         if self.client.monotonic() >= self.deadline:
@@ -333,13 +339,7 @@ class Wire:
                 raise driver_error("consuming input failed: the socket was shut down")
             if now >= deadline:
                 return
-            left = min(deadline, self.deadline) - now
-            me = greenlet.getcurrent()
-            self._waiter = me
-            timer = client.resume_at(client.sim.now + left / client.rate, me, None)
-            client.park()
-            timer.cancelled = True
-            self._waiter = None
+            self._park(min(deadline, self.deadline))
 
     # server side -------------------------------------------------------------------
     def _reply(self, pending: _Pending, result: Result, fault: str, amount: float, n: int) -> None:
@@ -446,9 +446,9 @@ class SimRawConnection:
 
 
 class SimCursor:
-    """Django's cursor wrapper over one statement round trip at a time."""
+    """Django's cursor wrapper: each ``execute`` is the wrapper's ``query``."""
 
-    def __init__(self, wrapper: SimWrapper) -> None:
+    def __init__(self, wrapper: Any) -> None:
         self.db = wrapper
         self.rowcount = -1
         self._rows: list[tuple[Any, ...]] = []
@@ -460,10 +460,7 @@ class SimCursor:
         self._rows = []
 
     def execute(self, sql: str, params: Any = None) -> None:
-        raw = self.db.connection
-        if raw is None:
-            raise _failure("the connection is closed (simulated)")
-        result = raw.wire.query(sql, params)
+        result = self.db.query(sql, params)
         self._rows, self.rowcount = list(result.rows), result.rowcount
 
     def fetchone(self) -> Any:
@@ -501,6 +498,12 @@ class SimWrapper:
     def cursor(self) -> SimCursor:
         self.ensure_connection()
         return SimCursor(self)
+
+    def query(self, sql: str, params: Any) -> Result:
+        """One statement's round trip (Django connects on a cursor's first use)."""
+        self.ensure_connection()
+        assert self.connection is not None
+        return self.connection.wire.query(sql, params)
 
     def is_usable(self) -> bool:
         if self.connection is None:
