@@ -102,7 +102,8 @@ def normalise(sql: str) -> str:
     return " ".join(sql.split())
 
 
-#: The acquire: ``_Dialect.take_pg_sql()`` as PostgreSQL reads it.
+#: The acquire: ``_Dialect.take_pg_sql()`` as PostgreSQL reads it; its same-token refresh
+#: (``mine``) assigns what :data:`MINE_SETS` lists, interpreted item by item.
 ACQUIRE = normalise(
     "WITH live AS (SELECT token, fence, owner, acquired_at, expires_at "
     f"FROM {LOCKS} WHERE name = %(name)s AND expires_at > now()), "
@@ -126,6 +127,15 @@ ACQUIRE = normalise(
     "EXTRACT(EPOCH FROM (live.expires_at - now())) FROM (SELECT 1) AS one "
     "LEFT JOIN live ON true"
 )
+_MINE = "owner = %(owner)s, expires_at = now() + %(ttl)s * interval '1 millisecond'"
+_ACQUIRE = re.compile(
+    re.escape(ACQUIRE).replace(re.escape(_MINE), "(?P<mine>.+?)", 1) + r"\Z"
+)
+#: What the acquire's ``mine`` may set: the owner, the expiry from this request.
+MINE_SETS = {
+    "owner = %(owner)s": "owner",
+    "expires_at = now() + %(ttl)s * interval '1 millisecond'": "expires",
+}
 _UPDATE = re.compile(rf"^UPDATE {LOCKS} SET (?P<sets>.+?) WHERE (?P<where>.+)$")
 _DELETE = re.compile(
     rf"^WITH d AS \(DELETE FROM {LOCKS} WHERE (?P<where>.+?) RETURNING name, fence\) "
@@ -415,8 +425,14 @@ class PgModel:
 
     # -- the statements ----------------------------------------------------------------
     def _dispatch(self, session: Session, text: str, params: Any) -> Step:
-        if text == ACQUIRE:
-            return self._acquire(session, params)
+        found = _ACQUIRE.match(text)
+        if found:
+            sets = []
+            for item in _items(found["mine"]):
+                if item not in MINE_SETS:
+                    raise UnknownStatement(f"the SQL model does not know the assignment {item!r}")
+                sets.append(MINE_SETS[item])
+            return self._acquire(session, params, sets)
         if text == "SELECT 1":
             return self._constant([(1,)])
         if text in (f"LISTEN {CHANNEL}", f"UNLISTEN {CHANNEL}"):
@@ -540,7 +556,7 @@ class PgModel:
         return Result(rows, len(rows))
         yield  # reads take no lock
 
-    def _acquire(self, session: Session, params: dict[str, Any]) -> Step:
+    def _acquire(self, session: Session, params: dict[str, Any], sets: list[str]) -> Step:
         name, token, owner = str(params["name"]), str(params["token"]), str(params["owner"])
         ttl_us = int(params["ttl"]) * 1000
         now = self._now(session)
@@ -552,7 +568,11 @@ class PgModel:
             yield lock_key
             row = self.locks.get(name)
             if row is not None and row.token == token and row.expires_us > now:
-                self._write(session, lock_key, replace(row, owner=owner, expires_us=now + ttl_us))
+                if "owner" in sets:
+                    row = replace(row, owner=owner)
+                if "expires" in sets:
+                    row = replace(row, expires_us=now + ttl_us)
+                self._write(session, lock_key, row)
                 mine = row.fence
         took = None
         if live is None:  # bump: the counter's next value, on its newest version
