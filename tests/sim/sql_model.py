@@ -128,9 +128,7 @@ ACQUIRE = normalise(
     "LEFT JOIN live ON true"
 )
 _MINE = "owner = %(owner)s, expires_at = now() + %(ttl)s * interval '1 millisecond'"
-_ACQUIRE = re.compile(
-    re.escape(ACQUIRE).replace(re.escape(_MINE), "(?P<mine>.+?)", 1) + r"\Z"
-)
+_ACQUIRE = re.compile(re.escape(ACQUIRE).replace(re.escape(_MINE), "(?P<mine>.+?)", 1) + r"\Z")
 #: What the acquire's ``mine`` may set: the owner, the expiry from this request.
 MINE_SETS = {
     "owner = %(owner)s": "owner",

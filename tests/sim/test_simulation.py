@@ -277,3 +277,19 @@ TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION = Scenario(
 def test_a_timed_out_renewal_landing_late_cuts_no_lease_short() -> None:
     violation, story = sim.story(TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION)
     assert violation is None, "\n".join(story)
+
+
+def test_the_sql_protocol_runs_the_django_backend_over_the_model() -> None:
+    """The ``sql`` schedules run the production ``DjangoBackend`` (its acquire statement,
+    renewals, token-checked release and LISTEN) against the PostgreSQL model, and a
+    restart of the database keeps the lock rows (it is durable)."""
+    scenario = next(
+        s
+        for s in map(sim.generate, range(SHORT_SEEDS))
+        if s.protocol == "sql" and any(f.kind == "restart" for f in s.faults)
+    )
+    violation, story = sim.story(scenario)
+    assert violation is None, "\n".join(story)
+    text = "\n".join(story)
+    for said in ("postgres  client", "acquire sim_", "RESTART, every commit kept"):
+        assert said in text, said
