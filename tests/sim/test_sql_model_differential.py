@@ -24,6 +24,7 @@ Row locks between two sessions: :func:`test_a_delete_waits_for_a_renewal_in_a_tr
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -330,17 +331,28 @@ RELEASE = (
     "now() RETURNING name, fence) SELECT pg_notify(%s, name), "
     "set_config('synchronous_commit', 'off', true) FROM d"
 )
-#: (what the first session does in its open transaction, the second session's statement
-#: that waits for it, how the first ends); the lock "a" is held by t0 before each, or
-#: (expired) had been.
-ROW_LOCK_CASES = {
-    "force release after a renewal commits": (False, [("renew", "t0")], "force", "COMMIT"),
-    "force release after a release commits": (False, [("release", "t0")], "force", "COMMIT"),
-    "force release after a release rolls back": (False, [("release", "t0")], "force", "ROLLBACK"),
-    "same-token acquire after a renewal": (False, [("renew", "t0")], ("acquire", "t0"), "COMMIT"),
-    "takeover behind a takeover": (True, [("acquire", "t1")], ("acquire", "t2"), "COMMIT"),
-    "takeover behind one rolled back": (True, [("acquire", "t1")], ("acquire", "t2"), "ROLLBACK"),
-}
+#: (whether the lock "a", held by t0, had expired; what the first session does in its
+#: open transaction; the second session's statement that waits for it; how the first
+#: ends; whether the second's client goes away while its statement waits).
+ROW_LOCK_CASES: dict[str, tuple[bool, list[Any], Any, str, bool]] = {
+    "force release after a renewal commits": (False, [("renew", "t0")], "force", "COMMIT", False),
+    "force release after a release commits": (False, [("release", "t0")], "force", "COMMIT", False),
+    "force release after a release rolls back": (
+        False, [("release", "t0")], "force", "ROLLBACK", False
+    ),
+    "same-token acquire after a renewal": (
+        False, [("renew", "t0")], ("acquire", "t0"), "COMMIT", False
+    ),
+    "takeover behind a takeover": (True, [("acquire", "t1")], ("acquire", "t2"), "COMMIT", False),
+    "takeover behind one rolled back": (
+        True, [("acquire", "t1")], ("acquire", "t2"), "ROLLBACK", False
+    ),
+    # PostgreSQL notices a gone client only when it answers: the statement still commits
+    # (a call the connection cutter gave up on may land later).
+    "force release of a client gone while it waited": (
+        False, [("renew", "t0")], "force", "COMMIT", True
+    ),
+}  # fmt: skip
 
 
 def _statement(what: Any, key: str) -> tuple[str, Any]:
@@ -364,10 +376,15 @@ def _answer(rows: list[tuple[Any, ...]], what: Any) -> Any:
     return len(rows)
 
 
-def _blocked(backend_pid: int) -> bool:
+def _activity(backend_pid: int) -> Any:
+    """The session's row in ``pg_stat_activity`` (None once its process has ended)."""
     with connections["pg"].cursor() as cursor:
         cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [backend_pid])
-        row = cursor.fetchone()
+        return cursor.fetchone()
+
+
+def _blocked(backend_pid: int) -> bool:
+    row = _activity(backend_pid)
     return row is not None and row[0] == "Lock"
 
 
@@ -379,7 +396,7 @@ def test_a_statement_waits_for_a_transaction_as_on_postgresql(case: str) -> None
     answer and tables agree with PostgreSQL's."""
     from tests.servers import wait_until
 
-    expired, first_steps, waiting, end = ROW_LOCK_CASES[case]
+    expired, first_steps, waiting, end, gone = ROW_LOCK_CASES[case]
     key = f"r{uuid.uuid4().hex[:8]}_a"
     url = "django://pg"
     real = DjangoBackend(url)
@@ -412,20 +429,34 @@ def test_a_statement_waits_for_a_transaction_as_on_postgresql(case: str) -> None
             model.run(m_first, sql, params)
         sql, params = _statement(waiting, key)
         real_rows: list[Any] = []
-        thread = threading.Thread(
-            target=lambda: real_rows.append(second.execute(sql, params).fetchall())
-        )
+
+        def wait() -> None:
+            try:
+                real_rows.append(second.execute(sql, params).fetchall())
+            except Exception as exc:  # the socket shut down under it (gone)
+                real_rows.append(exc)
+
+        thread = threading.Thread(target=wait)
         thread.start()
-        wait_until(lambda: _blocked(second.info.backend_pid), 10, "the statement to wait")
+        pid = second.info.backend_pid
+        wait_until(lambda: _blocked(pid), 10, "the statement to wait")
         model_got: list[Result] = []
         model.submit(m_second, sql, params, model_got.append)
         assert not model_got, "the model's statement must wait too"
+        if gone:  # as the connection cutter does
+            with socket.socket(fileno=os.dup(second.fileno())) as cut:
+                cut.shutdown(socket.SHUT_RDWR)
+            thread.join(10)
+            model.disconnect(m_second)
         first.execute(end)
         model.run(m_first, end)
         thread.join(10)
         assert not thread.is_alive()
         assert model_got, "the model's statement must go on when the first session ends"
-        assert _answer(real_rows[0], waiting) == _answer(model_got[0].rows, waiting)
+        if gone:  # no answer; the statement ran on, then its process saw the client gone
+            wait_until(lambda: _activity(pid) is None, 10, "the statement's session to end")
+        else:
+            assert _answer(real_rows[0], waiting) == _answer(model_got[0].rows, waiting)
         with connections["pg"].cursor() as cursor:
             cursor.execute(
                 "SELECT l.token, l.fence, l.renewals, f.fence FROM task_locks_fence f "
