@@ -81,6 +81,9 @@ class SqlSimServer:
         self.down_until = -1.0
         self.observe: Callable[[Any, tuple[Any, ...]], None] | None = None
         self.wires: dict[int, Wire] = {}  # session number -> its connection
+        #: session number -> its client, also after its connection closed (a statement
+        #: that waited for a row lock commits after its client went away)
+        self.clients: dict[int, Client] = {}
         self._next_fileno = 1000
 
     def now_us(self) -> int:
@@ -95,8 +98,7 @@ class SqlSimServer:
 
     def _committed(self, session: Session) -> None:
         if self.observe is not None:
-            wire = self.wires.get(session.number)
-            self.observe(wire.client if wire is not None else None, ("SQL",))
+            self.observe(self.clients.get(session.number), ("SQL",))
 
     # faults ----------------------------------------------------------------------------
     def restart(self, downtime: float, quiet: bool = False) -> None:
@@ -129,6 +131,7 @@ class SqlSimServer:
         session = self.model.connect(idle_timeout_us)
         session.notify = wire.notified
         self.wires[session.number] = wire
+        self.clients[session.number] = wire.client
         return session
 
     def close(self, session: Session) -> None:
@@ -179,11 +182,12 @@ def _describe(sql: str, params: Any, result: Result) -> str:
 
 
 class _Pending:
-    __slots__ = ("answer", "failed")
+    """One statement (or the startup handshake) in flight: its answer once it arrives."""
+
+    __slots__ = ("answer",)
 
     def __init__(self) -> None:
         self.answer: Result | None = None
-        self.failed = False
 
 
 class Wire:
@@ -267,7 +271,7 @@ class Wire:
     def _wait(self, pending: _Pending, deadline: float, timeout_message: str) -> Result:
         client = self.client
         while pending.answer is None:
-            if pending.failed or self.broken or self.restarts != self.server.restarts:
+            if self.broken or self.restarts != self.server.restarts:
                 self._drop()
                 raise _failure("server closed the connection unexpectedly (simulated)")
             if deadline <= client.monotonic():
