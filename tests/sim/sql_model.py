@@ -185,6 +185,17 @@ def _like(pattern: re.Pattern[str]) -> Callable[[str, Row, int], bool]:
     return lambda name, row, now: pattern.match(name) is not None
 
 
+def _holder(row: Row, now: int) -> tuple[Any, ...]:
+    """A holder's columns as the backend selects them: the durations from ``now()``."""
+    return (
+        row.token,
+        row.fence,
+        row.owner,
+        seconds(row.acquired_us - now),
+        seconds(row.expires_us - now),
+    )
+
+
 def _items(text: str) -> list[str]:
     """A comma-separated list split at its top level (not inside parentheses)."""
     items, depth, start = [], 0, 0
@@ -538,19 +549,7 @@ class PgModel:
             row = self._visible(session, ("lock", name))
             if not match(name, row, now):
                 continue
-            rows.append(
-                (1,)
-                if one
-                else (
-                    name,
-                    row.token,
-                    row.fence,
-                    row.owner,
-                    seconds(row.acquired_us - now),
-                    seconds(row.expires_us - now),
-                    row.renewals,
-                )
-            )
+            rows.append((1,) if one else (name, *_holder(row, now), row.renewals))
         return Result(rows, len(rows))
         yield  # reads take no lock
 
@@ -587,19 +586,7 @@ class PgModel:
         fence = took if took is not None else mine
         if live is None:
             return Result([(fence, None, None, None, None, None)], 1)
-        return Result(
-            [
-                (
-                    fence,
-                    live.token,
-                    live.fence,
-                    live.owner,
-                    seconds(live.acquired_us - now),
-                    seconds(live.expires_us - now),
-                )
-            ],
-            1,
-        )
+        return Result([(fence, *_holder(live, now))], 1)
 
     # -- what a checker or a test reads -------------------------------------------------
     def table(self) -> list[tuple[str, str, int, str, int, int]]:

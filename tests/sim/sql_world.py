@@ -475,10 +475,34 @@ class SimCursor:
         return rows
 
 
-class SimWrapper:
-    """A Django ``DatabaseWrapper`` look-alike: connects on first use, hands out cursors."""
+class Wrapper:
+    """What the backend uses of a Django ``DatabaseWrapper``: a connection made on first
+    use (:meth:`ensure_connection`), cursors whose statements go to :meth:`send`."""
 
     vendor = "postgresql"
+    connection: Any = None
+
+    def inc_thread_sharing(self) -> None:
+        pass
+
+    def ensure_connection(self) -> None:
+        raise NotImplementedError
+
+    def send(self, sql: str, params: Any) -> Result:
+        raise NotImplementedError
+
+    def cursor(self) -> SimCursor:
+        self.ensure_connection()
+        return SimCursor(self)
+
+    def query(self, sql: str, params: Any) -> Result:
+        """One statement (Django connects on a cursor's first use)."""
+        self.ensure_connection()
+        return self.send(sql, params)
+
+
+class SimWrapper(Wrapper):
+    """A Django ``DatabaseWrapper`` look-alike over the simulated network."""
 
     def __init__(
         self, client: Client, server: SqlSimServer, net: Net, cutter: SimCutter, timeout: float
@@ -490,22 +514,13 @@ class SimWrapper:
         self.idle_timeout_us = seconds * 1_000_000
         self.connection: SimRawConnection | None = None
 
-    def inc_thread_sharing(self) -> None:
-        pass
-
     def ensure_connection(self) -> None:
         if self.connection is None:
             wire = Wire(self.client, self.server, self.net, self.cutter)
             wire.connect(self.idle_timeout_us, self.connect_timeout)
             self.connection = SimRawConnection(wire)
 
-    def cursor(self) -> SimCursor:
-        self.ensure_connection()
-        return SimCursor(self)
-
-    def query(self, sql: str, params: Any) -> Result:
-        """One statement's round trip (Django connects on a cursor's first use)."""
-        self.ensure_connection()
+    def send(self, sql: str, params: Any) -> Result:
         assert self.connection is not None
         return self.connection.wire.query(sql, params)
 

@@ -45,7 +45,7 @@ from task_locks.errors import LockError
 from task_locks.types import Owner, RenewItem
 
 from .sql_model import PgModel, Result, Row, Session
-from .sql_world import SimCursor, prototype
+from .sql_world import Wrapper, prototype
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=["default", "pg"]),
@@ -97,26 +97,16 @@ class _ModelRaw:
             end.close()
 
 
-class _ModelWrapper:
-    vendor = "postgresql"
-
+class _ModelWrapper(Wrapper):
     def __init__(self, model: PgModel) -> None:
         self.model = model
         self.connection: _ModelRaw | None = None
-
-    def inc_thread_sharing(self) -> None:
-        pass
 
     def ensure_connection(self) -> None:
         if self.connection is None:
             self.connection = _ModelRaw(self.model.connect())
 
-    def cursor(self) -> SimCursor:
-        self.ensure_connection()
-        return SimCursor(self)
-
-    def query(self, sql: str, params: Any) -> Result:
-        self.ensure_connection()
+    def send(self, sql: str, params: Any) -> Result:
         assert self.connection is not None
         return self.model.run(self.connection.session, sql, params)
 
