@@ -18,8 +18,8 @@ slightly different moments; every TTL is long enough that nothing expires by its
 inside an example. Each example has a prefix of its own (it holds a ``_``, which the
 holders' ``LIKE`` must escape), so fence counters start afresh.
 
-Row locks between two sessions: :func:`test_a_delete_waits_for_a_renewal_in_a_transaction`
-(two connections on each side).
+Row locks between sessions (a statement waiting for another's open transaction) and
+``NOTIFY`` are the tests after it, with two or three connections on each side.
 """
 
 from __future__ import annotations
@@ -470,4 +470,52 @@ def test_a_statement_waits_for_a_transaction_as_on_postgresql(case: str) -> None
                 wrapper.connection.close()
         with connections["pg"].cursor() as cursor:
             cursor.execute("DELETE FROM task_locks_lock WHERE name = %s", [key])
+        real.close()
+
+
+def test_notifications_as_on_postgresql() -> None:
+    """A release's ``NOTIFY`` reaches a session that ``LISTEN``s when the release commits,
+    once per transaction for the same payload, and never from a transaction rolled back
+    (the next notification is the one after it), on both."""
+    from django_app.backend import CHANNEL
+
+    keys = [f"n{uuid.uuid4().hex[:8]}_{name}" for name in ("a", "b")]
+    real = DjangoBackend("django://pg")
+    wrappers = [real.new_connection() for _ in range(2)]
+    model = PgModel(_now_us)
+    heard: list[tuple[str, str]] = []
+    try:
+        for wrapper in wrappers:
+            wrapper.ensure_connection()
+        listener, writer = (w.connection for w in wrappers)
+        m_listener, m_writer = model.connect(), model.connect()
+        m_listener.notify = lambda channel, payload: heard.append((channel, payload))
+        listener.execute(f"LISTEN {CHANNEL}")
+        model.run(m_listener, f"LISTEN {CHANNEL}")
+
+        def both(sql: str, params: Any = None) -> None:
+            writer.execute(sql, params)
+            model.run(m_writer, sql, params)
+
+        for key in keys:
+            both(*_statement(("acquire", "t0"), key))
+        both("BEGIN")
+        both(*_statement(("release", "t0"), keys[0]))
+        both("ROLLBACK")
+        both("BEGIN")
+        both(*_statement(("release", "t0"), keys[0]))
+        both(*_statement(("acquire", "t1"), keys[0]))
+        both(*_statement(("release", "t1"), keys[0]))
+        both("COMMIT")
+        both(*_statement(("release", "t0"), keys[1]))
+        got = []
+        for note in listener.notifies(timeout=10, stop_after=2):
+            got.append((note.channel, note.payload))
+        assert got == heard == [(CHANNEL, keys[0]), (CHANNEL, keys[1])]
+    finally:
+        for wrapper in wrappers:
+            if wrapper.connection is not None:
+                wrapper.connection.close()
+        with connections["pg"].cursor() as cursor:
+            cursor.execute("DELETE FROM task_locks_lock WHERE name = ANY(%s)", [keys])
         real.close()
