@@ -236,6 +236,8 @@ class PgModel:
         self._numbers = 0
         #: told when a session's transaction (or statement) ended; the world's hooks
         self.on_commit: Callable[[Session], None] = lambda session: None
+        #: told when a session's statement waits for a row lock another one holds
+        self.on_wait: Callable[[Session, Key, Session], None] = lambda s, key, holder: None
 
     # -- sessions ----------------------------------------------------------------------
     def connect(self, idle_timeout_us: int = 0) -> Session:
@@ -340,6 +342,7 @@ class PgModel:
                     continue
                 self._check_no_deadlock(session, holder)
                 self.waiters.setdefault(key, deque()).append((session, step, done))
+                self.on_wait(session, key, holder)
                 return
         except StopIteration as stop:
             result: Result = stop.value
@@ -366,10 +369,12 @@ class PgModel:
 
     # -- transactions ------------------------------------------------------------------
     def _commit(self, session: Session) -> None:
+        """Make the transaction's writes the committed ones and send its notifications;
+        only then free its row locks, so a statement that waited for them runs after
+        the commit it waited for (and the world hears of the two in that order)."""
         xact = session.xact
         assert xact is not None
         session.xact = None
-        self._release(xact)
         seen = set()
         for note in xact.notifies:
             if note in seen:
@@ -379,6 +384,7 @@ class PgModel:
                 if note[0] in other.listening and not other.closed:
                     other.notify(*note)
         self.on_commit(session)
+        self._release(xact)
 
     def _rollback(self, session: Session) -> None:
         xact = session.xact
@@ -390,8 +396,8 @@ class PgModel:
                 store.pop(name, None)
             else:
                 store[name] = old
-        self._release(xact)
         self.on_commit(session)
+        self._release(xact)
 
     def _release(self, xact: Xact) -> None:
         for key in xact.locks:

@@ -75,6 +75,7 @@ class SqlSimServer:
         self.clock_offset_us = 0
         self.model = PgModel(self.now_us)
         self.model.on_commit = self._committed
+        self.model.on_wait = self._waits
         #: The database is durable: a restart loses no grant (the checker's epoch).
         self.epoch = 0
         self.restarts = 0
@@ -99,6 +100,15 @@ class SqlSimServer:
     def _committed(self, session: Session) -> None:
         if self.observe is not None:
             self.observe(self.clients.get(session.number), ("SQL",))
+
+    def _waits(self, session: Session, key: tuple[str, str], holder: Session) -> None:
+        if self.sim.record:
+            who, whose = self.clients.get(session.number), self.clients.get(holder.number)
+            self.sim.say(
+                self.name,
+                f"{who.name if who else '?'}'s statement waits for the row lock on {key[1]} "
+                f"held by {whose.name if whose else '?'}'s transaction",
+            )
 
     # faults ----------------------------------------------------------------------------
     def restart(self, downtime: float, quiet: bool = False) -> None:
