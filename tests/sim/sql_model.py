@@ -259,6 +259,7 @@ class PgModel:
     def restart(self) -> None:
         """A clean restart: every session ends, open transactions roll back, statements
         waiting for a lock are gone; committed rows stay."""
+        self.waiters.clear()  # first: a rollback below must not run them
         for session in list(self.sessions):
             session.closed = True
             session.running = False
@@ -266,7 +267,6 @@ class PgModel:
                 self._rollback(session)
         self.sessions = []
         self.owners.clear()
-        self.waiters.clear()
 
     def idle_expired(self, session: Session, activity: int) -> bool:
         """``idle_in_transaction_session_timeout``: end the session if it is still idle in

@@ -519,3 +519,22 @@ def test_notifications_as_on_postgresql() -> None:
         with connections["pg"].cursor() as cursor:
             cursor.execute("DELETE FROM task_locks_lock WHERE name = ANY(%s)", [keys])
         real.close()
+
+
+def test_a_restart_keeps_commits_and_ends_what_was_running() -> None:
+    """The model's clean restart (no real server restarts here): committed rows stay, an
+    open transaction's writes are rolled back, and a statement waiting for its row lock
+    never runs (its session died with the server)."""
+    model = PgModel(_now_us)
+    holder, renewer, forcer = model.connect(), model.connect(), model.connect()
+    model.run(holder, *_statement(("acquire", "t0"), "k"))
+    committed = model.locks["k"]
+    model.run(renewer, "BEGIN")
+    assert model.run(renewer, *_statement(("renew", "t0"), "k")).rowcount == 1
+    answered: list[Result] = []
+    model.submit(forcer, *_statement("force", "k"), answered.append)
+    model.restart()
+    assert not answered
+    assert model.locks["k"] == committed
+    assert model.fences["k"] == 1
+    assert not model.owners and not model.waiters and not model.sessions
