@@ -557,9 +557,21 @@ def sql_checker(base: type) -> type:
     rows: live while its ``expires_at`` is after the server's clock."""
 
     class SqlChecker(base):  # type: ignore[misc]
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            #: name -> the grant whose row is in the table (live or not)
+            self.present: dict[str, tuple[str, int] | None] = {}
+
         def observe(self, conn: Any, command: tuple[Any, ...]) -> None:
             who = "restart" if conn is None else conn.name
+            present = self.present
             for name, key in self.keys.items():
+                there = self.server.model.committed(key)
+                grant = (there.token, there.fence) if there is not None else None
+                gone = present.get(name)
+                if gone is not None and grant is None and conn is not None:
+                    self._deleted(gone, who)
+                present[name] = grant
                 row = self._row(key)
                 if row is None:
                     self.track(name, None, None, who)
@@ -573,6 +585,17 @@ def sql_checker(base: type) -> type:
                     self._live_again(name, token, row.fence)
                     continue
                 self.track(name, token, fence, who)
+
+        def _deleted(self, grant: tuple[str, int], who: str) -> None:
+            """``who``'s statement deleted the row of ``grant``. Every delete the backend
+            sends checks ``expires_at > now()`` with ``now()`` its start, also when it
+            waited for the row lock of another transaction meanwhile (a renewal's): a row
+            whose expiry passed during that wait is still deleted, and it was ``who``
+            that removed it (nobody else could take the locked row), not its expiry."""
+            if self.removed_by.get(grant) == "expiry":
+                self.removed_by[grant] = who
+                if who.startswith("operator"):
+                    self.forced.add(grant[0])
 
         def _live_again(self, name: str, token: str, fence: int) -> None:
             """A grant whose row had expired is live again: a renewal whose transaction

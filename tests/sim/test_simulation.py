@@ -327,3 +327,40 @@ def test_a_statement_waits_for_a_renewal_transaction_in_the_sql_world() -> None:
     violation, story = sim.story(SQL_RELEASE_BEHIND_A_RENEWAL_TRANSACTION)
     assert violation is None, "\n".join(story)
     assert any("waits for the row lock" in line for line in story), "\n".join(story)
+
+
+#: Found by a long sql run (``generate(6564)``, shrunk): client1's release of 'job' waits
+#: for the row lock of its own renewal transaction, whose call the connection cutter gives
+#: up on; the committed expiry passes, the transaction rolls back, and the release, whose
+#: ``now()`` is its start, deletes the row and answers "released". PostgreSQL does the
+#: same (``test_a_delete_that_waited_past_the_expiry_still_deletes``), and nobody could
+#: take the locked row meanwhile: the checker had counted the row as removed by its
+#: expiry; it now counts a deleted row as removed by the statement that deleted it.
+SQL_RELEASE_DELETES_A_ROW_EXPIRED_WHILE_IT_WAITED = Scenario(
+    seed=6564,
+    protocol="sql",
+    programs=(
+        (
+            Iteration("job", 0.5, 0.2, 0.15, 1, None, None, True, 3.0),
+            Iteration("job", 2.0, 0.2, 0.0, 0, None, None, True, 0.0),
+        ),
+        (
+            Iteration("job", 2.0, 0.0, 4.0, 1, None, None, True, 0.0),
+            Iteration("report", 0.5, 0.2, 0.05, 0, 0.09198683327158996, None, False, 0.5),
+            Iteration("job", 0.5, 6.0, 0.5, 1, None, None, True, 0.5),
+        ),
+    ),
+    rates=(1.0, 1.0001),
+    faults=(
+        Fault("msg", 0, 12.0, 3.0, "delay_reply"),
+        Fault("force", -1, 2.082271765631027, 3.0, "report"),
+    ),
+    delay=(0.001, 0.05),
+    socket_timeout=0.5,
+)
+
+
+def test_a_release_that_waited_past_the_expiry_is_the_holders() -> None:
+    violation, story = sim.story(SQL_RELEASE_DELETES_A_ROW_EXPIRED_WHILE_IT_WAITED)
+    assert violation is None, "\n".join(story)
+    assert any("waits for the row lock" in line for line in story), "\n".join(story)

@@ -538,3 +538,68 @@ def test_a_restart_keeps_commits_and_ends_what_was_running() -> None:
     assert model.locks["k"] == committed
     assert model.fences["k"] == 1
     assert not model.owners and not model.waiters and not model.sessions
+
+
+def test_a_delete_that_waited_past_the_expiry_still_deletes() -> None:
+    """``now()`` is the statement's start, also for the re-check after a row-lock wait:
+    a release that waited for a renewal transaction (rolled back in the end) deletes the
+    row although its expiry passed while it waited, on PostgreSQL and in the model (the
+    simulator's checker counts that release as the holder's, not as the expiry's)."""
+    from tests.servers import wait_until
+
+    key = f"x{uuid.uuid4().hex[:8]}_a"
+    real = DjangoBackend("django://pg")
+    wrappers = [real.new_connection() for _ in range(3)]
+    model = PgModel(_now_us)
+    try:
+        for wrapper in wrappers:
+            wrapper.ensure_connection()
+        setup, first, second = (w.connection for w in wrappers)
+        sessions = [model.connect() for _ in range(3)]
+        sql, params = _statement(("acquire", "t0"), key)
+        params["ttl"] = 1000
+        setup.execute(sql, params)
+        model.run(sessions[0], sql, params)
+        for raw, session in ((first, sessions[1]), (None, sessions[1])):
+            if raw is not None:
+                raw.execute("BEGIN")
+                raw.execute(*_statement(("renew", "t0"), key))
+            else:
+                model.run(session, "BEGIN")
+                model.run(session, *_statement(("renew", "t0"), key))
+        sql, params = _statement(("release", "t0"), key)
+        real_rows: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: real_rows.append(second.execute(sql, params).fetchall())
+        )
+        thread.start()
+        pid = second.info.backend_pid
+        wait_until(lambda: _blocked(pid), 10, "the release to wait")
+        model_got: list[Result] = []
+        model.submit(sessions[2], sql, params, model_got.append)
+        assert not model_got
+
+        def expired() -> bool:
+            with connections["pg"].cursor() as cursor:
+                cursor.execute(
+                    "SELECT expires_at <= now() FROM task_locks_lock WHERE name = %s", [key]
+                )
+                return bool(cursor.fetchone()[0])
+
+        row = model.committed(key)
+        assert row is not None
+        wait_until(
+            lambda: expired() and row.expires_us <= _now_us(), 10, "the committed expiry to pass"
+        )
+        first.execute("ROLLBACK")
+        model.run(sessions[1], "ROLLBACK")
+        thread.join(10)
+        assert len(real_rows[0]) == len(model_got[0].rows) == 1  # deleted: "released"
+        assert key not in model.locks
+    finally:
+        for wrapper in wrappers:
+            if wrapper.connection is not None:
+                wrapper.connection.close()
+        with connections["pg"].cursor() as cursor:
+            cursor.execute("DELETE FROM task_locks_lock WHERE name = %s", [key])
+        real.close()
