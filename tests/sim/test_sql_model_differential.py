@@ -24,6 +24,7 @@ Row locks between sessions (a statement waiting for another's open transaction) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -305,6 +306,25 @@ def test_the_simulated_backend_is_made_as_the_real_one() -> None:
         real.close()
 
 
+@contextlib.contextmanager
+def _connections(count: int, keys: list[str]) -> Iterator[list[Any]]:
+    """``count`` psycopg connections to the test PostgreSQL, opened as the backend opens
+    its own (autocommit); closed afterwards, and the lock rows of ``keys`` deleted."""
+    real = DjangoBackend("django://pg")
+    wrappers = [real.new_connection() for _ in range(count)]
+    try:
+        for wrapper in wrappers:
+            wrapper.ensure_connection()
+        yield [wrapper.connection for wrapper in wrappers]
+    finally:
+        for wrapper in wrappers:
+            if wrapper.connection is not None:
+                wrapper.connection.close()
+        with connections["pg"].cursor() as cursor:
+            cursor.execute("DELETE FROM task_locks_lock WHERE name = ANY(%s)", [keys])
+        real.close()
+
+
 # -- row locks: a statement that waits for another session's open transaction -------------
 
 RENEW = (
@@ -388,13 +408,7 @@ def test_a_statement_waits_for_a_transaction_as_on_postgresql(case: str) -> None
 
     expired, first_steps, waiting, end, gone = ROW_LOCK_CASES[case]
     key = f"r{uuid.uuid4().hex[:8]}_a"
-    url = "django://pg"
-    real = DjangoBackend(url)
-    wrappers = [real.new_connection() for _ in range(3)]
-    try:
-        for wrapper in wrappers:
-            wrapper.ensure_connection()
-        setup, first, second = (w.connection for w in wrappers)
+    with _connections(3, [key]) as (setup, first, second):
         model = PgModel(_now_us)
         m_setup, m_first, m_second = model.connect(), model.connect(), model.connect()
         # the lock, held by t0 (or expired a second ago)
@@ -464,13 +478,6 @@ def test_a_statement_waits_for_a_transaction_as_on_postgresql(case: str) -> None
             )
         ]
         assert real_table == model_table
-    finally:
-        for wrapper in wrappers:
-            if wrapper.connection is not None:
-                wrapper.connection.close()
-        with connections["pg"].cursor() as cursor:
-            cursor.execute("DELETE FROM task_locks_lock WHERE name = %s", [key])
-        real.close()
 
 
 def test_notifications_as_on_postgresql() -> None:
@@ -480,14 +487,9 @@ def test_notifications_as_on_postgresql() -> None:
     from django_app.backend import CHANNEL
 
     keys = [f"n{uuid.uuid4().hex[:8]}_{name}" for name in ("a", "b")]
-    real = DjangoBackend("django://pg")
-    wrappers = [real.new_connection() for _ in range(2)]
     model = PgModel(_now_us)
     heard: list[tuple[str, str]] = []
-    try:
-        for wrapper in wrappers:
-            wrapper.ensure_connection()
-        listener, writer = (w.connection for w in wrappers)
+    with _connections(2, keys) as (listener, writer):
         m_listener, m_writer = model.connect(), model.connect()
         m_listener.notify = lambda channel, payload: heard.append((channel, payload))
         listener.execute(f"LISTEN {CHANNEL}")
@@ -512,13 +514,6 @@ def test_notifications_as_on_postgresql() -> None:
         for note in listener.notifies(timeout=10, stop_after=2):
             got.append((note.channel, note.payload))
         assert got == heard == [(CHANNEL, keys[0]), (CHANNEL, keys[1])]
-    finally:
-        for wrapper in wrappers:
-            if wrapper.connection is not None:
-                wrapper.connection.close()
-        with connections["pg"].cursor() as cursor:
-            cursor.execute("DELETE FROM task_locks_lock WHERE name = ANY(%s)", [keys])
-        real.close()
 
 
 def test_a_restart_keeps_commits_and_ends_what_was_running() -> None:
@@ -548,13 +543,8 @@ def test_a_delete_that_waited_past_the_expiry_still_deletes() -> None:
     from tests.servers import wait_until
 
     key = f"x{uuid.uuid4().hex[:8]}_a"
-    real = DjangoBackend("django://pg")
-    wrappers = [real.new_connection() for _ in range(3)]
     model = PgModel(_now_us)
-    try:
-        for wrapper in wrappers:
-            wrapper.ensure_connection()
-        setup, first, second = (w.connection for w in wrappers)
+    with _connections(3, [key]) as (setup, first, second):
         sessions = [model.connect() for _ in range(3)]
         sql, params = _statement(("acquire", "t0"), key)
         params["ttl"] = 1000
@@ -596,10 +586,3 @@ def test_a_delete_that_waited_past_the_expiry_still_deletes() -> None:
         thread.join(10)
         assert len(real_rows[0]) == len(model_got[0].rows) == 1  # deleted: "released"
         assert key not in model.locks
-    finally:
-        for wrapper in wrappers:
-            if wrapper.connection is not None:
-                wrapper.connection.close()
-        with connections["pg"].cursor() as cursor:
-            cursor.execute("DELETE FROM task_locks_lock WHERE name = %s", [key])
-        real.close()
