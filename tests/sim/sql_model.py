@@ -18,8 +18,9 @@ something else. The semantics the lock protocol relies on:
 - READ COMMITTED visibility and row locks: each statement reads the rows as committed
   when it started (and its own transaction's writes); an ``UPDATE``/``DELETE`` whose
   snapshot row matches takes the row lock, waiting behind another open transaction that
-  holds it, then re-checks its ``WHERE`` on the newest version (EvalPlanQual; skipped if
-  it no longer matches or was deleted); ``INSERT ... ON CONFLICT DO UPDATE`` locks the
+  holds it, then re-checks its ``WHERE`` on the newest version with its own ``now()``
+  (EvalPlanQual; skipped if it no longer matches or was deleted: a row whose expiry
+  passed during the wait still matches ``expires_at > now()``); ``INSERT ... ON CONFLICT DO UPDATE`` locks the
   newest version of the conflicting row and evaluates its ``WHERE`` there. A statement
   blocked on a lock is finished when the lock is free even if its client went away
   meanwhile (PostgreSQL notices a vanished client only when it writes the answer): an
@@ -28,8 +29,9 @@ something else. The semantics the lock protocol relies on:
   channel, identical notifications of one transaction once.
 
 Not modelled: a crash that loses the last asynchronously committed transactions (a
-release commits with ``synchronous_commit`` off: README, "PostgreSQL"); a restart here is
-a clean one, every commit kept.
+release commits with ``synchronous_commit`` off; ``DjangoBackend._delete`` says why that
+is safe); a restart here is a clean one, every commit kept. Nor statement time: a
+statement runs the moment it arrives, unless it waits for a row lock.
 """
 
 from __future__ import annotations
