@@ -1,14 +1,16 @@
 """``make sim-mutants``: bring back each bug fixed so far, and watch the simulator fail.
 
 Each ``tests/sim/mutants/*.diff`` is the smallest patch against the production code that
-brings one bug back (its header says which). For each, a copy of ``task_locks`` is
-patched in a temporary directory that comes first on ``PYTHONPATH``, and the simulator
-runs seeds until one fails (the default budget, ``--seeds``). A mutant that survives the
+brings one bug back (its header says which). For each, a copy of ``task_locks`` (and of
+``django_app``, whose ``django://`` backend the simulator runs too) is patched in a
+temporary directory that comes first on ``PYTHONPATH``, and the simulator runs seeds until
+one fails (the default budget, ``--seeds``; a mutant whose header has a line ``# protocol:
+NAME`` runs that protocol's schedules only, the ones that reach the code it patches, so
+its budget does not shrink as protocols are added). A mutant that survives the
 budget is a hole in the simulator: it is reported, and the exit status is 1. So is a
 patch that no longer applies (the production code moved on: ``refresh.py``). A seed that
 also fails without the mutant (a finding of its own) does not count as a kill: the
-search goes on after it. A mutant of code that only one protocol runs names it in its
-header (``# protocol: redlock``): its budget goes to that protocol's schedules.
+search goes on after it.
 
     python -m tests.sim.mutate [--seeds 3000] [NAME ...]
 """
@@ -31,8 +33,7 @@ BUDGET = 5000
 
 
 def _protocol(diff: Path) -> list[str]:
-    """``--protocol P`` for a mutant whose header names the one protocol that runs the
-    code it changes (``# protocol: redlock``): its budget goes to those schedules."""
+    """``--protocol NAME`` for a mutant whose header names the protocol that can see it."""
     found = re.search(r"^# protocol: (\S+)$", diff.read_text(), re.MULTILINE)
     return ["--protocol", found.group(1)] if found else []
 
@@ -43,6 +44,7 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
         # The run starts in the copy: its own directory comes first on sys.path, before
         # the editable install of the real package.
         shutil.copytree(ROOT / "task_locks", Path(tmp) / "task_locks")
+        shutil.copytree(ROOT / "django_app", Path(tmp) / "django_app")
         shutil.copytree(
             ROOT / "tests" / "sim",
             Path(tmp) / "tests" / "sim",
@@ -74,17 +76,17 @@ def run_mutant(diff: Path, seeds: int) -> tuple[str, str]:
             if done.returncode != 1 or found is None:
                 return "ERROR", output
             seed = int(found.group(1))
-            if _passes_unmutated(seed, protocol[1] if protocol else None):
+            if _passes_unmutated(seed, protocol[1:]):
                 return "killed", output
             start = seed + 1  # that seed fails without the mutant too: not this bug
 
 
-def _passes_unmutated(seed: int, protocol: str | None = None) -> bool:
+def _passes_unmutated(seed: int, protocol: list[str]) -> bool:
     """Whether ``seed`` holds every invariant on the real code (so a mutant that fails
     there is what failed it)."""
     check = (
         "import sys; from tests.sim import scenario as s; "
-        f"sys.exit(1 if s.run(s.generate({seed}, {protocol!r})).violation else 0)"
+        f"sys.exit(1 if s.run(s.generate({seed}, *{protocol!r})).violation else 0)"
     )
     return subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
 

@@ -76,7 +76,14 @@ from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasi
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
 #: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`);
 #: redlock: ``Lock`` on Redlock over 3 or 5 modelled masters (:mod:`tests.sim.redlock_world`).
-PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "redlock")
+#: sql: ``Lock`` on ``django://`` over the PostgreSQL model (:mod:`tests.sim.sql_world`),
+#: sql-semaphore and sql-election: ``Semaphore`` and ``Election`` there.
+PROTOCOLS = (
+    "redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "redlock",
+    "sql", "sql-semaphore", "sql-election",
+)  # fmt: skip
+#: The front end of a protocol on another backend (else the protocol's name is its own).
+FRONT_ENDS = {"sql-semaphore": "semaphore", "sql-election": "election"}
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
@@ -165,10 +172,14 @@ RENEW_WITH_TTL = True
 SLOW_ON_LOST = True
 
 
+def front(protocol: str) -> str:
+    return FRONT_ENDS.get(protocol, protocol)
+
+
 def lock_names(protocol: str, limit: int) -> tuple[str, ...]:
-    if protocol == "semaphore":
+    if front(protocol) == "semaphore":
         return tuple(slot_name(SEMAPHORE, i) for i in range(limit))
-    if protocol == "election":
+    if front(protocol) == "election":
         return (election_lock_name(ELECTION),)
     return NAMES
 
@@ -184,10 +195,10 @@ def generate(
     slow = SLOW_ON_LOST if slow_on_lost is None else slow_on_lost
     protocol = protocol or PROTOCOLS[seed % len(PROTOCOLS)]
     clients = rng.choice((2, 2, 3, 3, 4))
-    limit = rng.choice((1, 2, 3)) if protocol == "semaphore" else 1
-    if protocol == "semaphore":
+    limit = rng.choice((1, 2, 3)) if front(protocol) == "semaphore" else 1
+    if front(protocol) == "semaphore":
         names: tuple[str, ...] = (SEMAPHORE,)
-    elif protocol == "election":
+    elif front(protocol) == "election":
         names = (ELECTION,)
     else:
         names = NAMES[: rng.choice((1, 1, 2))]
@@ -358,7 +369,7 @@ class Checker:
         self.backend = backend
         self.fair = scenario.fair
         names = scenario.lock_names
-        self.limit = scenario.limit if scenario.protocol == "semaphore" else len(names)
+        self.limit = scenario.limit if front(scenario.protocol) == "semaphore" else len(names)
         names = scenario.lock_names
         self.keys = {name: backend._key(name) for name in names}
         self.current: dict[str, str | None] = dict.fromkeys(names)
@@ -771,6 +782,8 @@ class Checker:
 def _url(scenario: Scenario, client: int = 0) -> str:
     if scenario.protocol == "redlock":
         return redlock_world.url(scenario)
+    if scenario.protocol.startswith("sql"):
+        return f"django://sim?timeout={scenario.socket_timeout}&prefix=sim_"
     if scenario.protocol == "etcd":
         members = "sim-a:2379,sim-b:2379,sim-c:2379"  # three members, one store
         return f"etcd://{members}?timeout={scenario.socket_timeout}&prefix=sim/"
@@ -796,6 +809,10 @@ def _backend(url: str, client: Client, server: Server, net: Net, timeout: float)
         return etcd_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
     if url.startswith("redlock"):
         return redlock_world.redlock_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
+    if url.startswith("django"):
+        from .sql_world import sql_backend
+
+        return sql_backend(url, client, server, net, timeout)  # type: ignore[arg-type]
     prototype = _prototypes.get(url)
     if prototype is None:
         prototype = _prototypes[url] = RedisBackend(url)
@@ -851,6 +868,11 @@ def _run(sim: Sim, scenario: Scenario) -> Outcome:
     elif scenario.protocol == "redlock":
         server = redlock_world.RedlockWorld(sim, scenario)
         checker_class = redlock_world.redlock_checker(Checker)
+    elif scenario.protocol.startswith("sql"):
+        from .sql_world import install, sql_checker
+
+        server = install(sim, _patches)
+        checker_class = sql_checker(Checker)
     else:
         server = Server(sim)
     net = Net(sim, scenario.delay)
@@ -1013,7 +1035,7 @@ def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scen
             client.sim.say(client.name, f"on_lost callback ({step.on_lost:g} s)")
             client.sleep(step.on_lost)
 
-    if scenario.protocol == "semaphore":
+    if front(scenario.protocol) == "semaphore":
         semaphore = Semaphore(
             step.name,
             scenario.limit,
@@ -1023,7 +1045,7 @@ def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scen
             on_lost=on_lost,
         )
         return semaphore.acquire()
-    if scenario.protocol == "election":
+    if front(scenario.protocol) == "election":
         election = Election(
             step.name,
             step.ttl,
@@ -1039,7 +1061,7 @@ def _take(client: Client, backend: RedisBackend, step: Iteration, scenario: Scen
 
 def _names_of(scenario: Scenario, name: str) -> tuple[str, ...]:
     """The lock names an acquire of ``name`` waits for (a semaphore: every slot)."""
-    if scenario.protocol in ("semaphore", "election"):
+    if front(scenario.protocol) in ("semaphore", "election"):
         return scenario.lock_names
     return (name,)
 
@@ -1057,7 +1079,7 @@ def _worker(
             lease = _take(client, backend, step, scenario)
         except LockHeld:
             sim.say(client.name, "gave up (LockHeld)")
-            if scenario.protocol != "semaphore":  # (a free slot is not a free semaphore)
+            if front(scenario.protocol) != "semaphore":  # (a free slot is not a free semaphore)
                 checker.gave_up(client, names[0], start)
             continue
         except LockError as exc:

@@ -405,6 +405,7 @@ is the releasing holder's own (left from a try before it took the lock free): no
 that grant, the release reports "released" and the lock stays held until its TTL. Both
 halves of the fix go: a lock taken free leaves the taker's queue entry in place, and the
 release's pop does not skip the releasing token (either half alone keeps the bug away).
+protocol: redis-mixed
 """,
     [
         (
@@ -567,6 +568,50 @@ protocol: redlock
             """        unsettled |= {i for i, a in enumerate(cleanup) if not isinstance(a, bool)}
 """,
             "",
+        )
+    ],
+)
+
+mutant(
+    "sql_force_release_frees_a_new_holder",
+    """
+django:// force release of a new holder (fixed early): force_release(name, fence)
+deleted whatever row held the name, so an operator's release of the holder it saw
+freed the next holder instead when the lock had changed hands meanwhile, and said
+it had freed the one it saw.
+protocol: sql
+""",
+    [
+        (
+            "django_app/backend.py",
+            """        return self._delete(name, None, fence)""",
+            """        return self._delete(name, None)""",
+        )
+    ],
+)
+
+mutant(
+    "sql_retried_release_reports_not_owned",
+    """
+django:// release retried after a connection error, as an acquire is: the DELETE whose
+reply was lost (or whose connection was reset after it ran) had removed the row, so
+the retry finds nothing and the release answers "not ours" for a delete that did
+happen. The backend never retries a release (its docstring says why); Redis had this
+bug and fixed it (retried_release_reports_not_owned).
+protocol: sql
+""",
+    [
+        (
+            "django_app/backend.py",
+            """    def release(self, name: str, token: str) -> bool:
+        return self._delete(name, token)
+""",
+            """    def release(self, name: str, token: str) -> bool:
+        try:
+            return self._delete(name, token)
+        except BackendUnavailable:
+            return self._delete(name, token)
+""",
         )
     ],
 )
