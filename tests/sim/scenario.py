@@ -70,8 +70,13 @@ from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasi
 #: on one name (odd clients on the plain URL: their releases leave tombstones with the
 #: server hand-off's waiters still queued); semaphore:
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
-#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`).
-PROTOCOLS = ("redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd")
+#: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`);
+#: celery, celery-both: singleton tasks on a modelled broker (:mod:`tests.sim.celery_world`).
+PROTOCOLS = (
+    "redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "celery",
+    "celery-both",
+)  # fmt: skip
+CELERY = ("celery", "celery-both")
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
@@ -130,6 +135,8 @@ class Scenario:
     delay: tuple[float, float]
     socket_timeout: float
     limit: int = 1
+    #: celery protocols: the task's options, broker and workers (``celery_world``)
+    celery: Any = None
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -154,6 +161,10 @@ SLOW_ON_LOST = True
 
 
 def lock_names(protocol: str, limit: int) -> tuple[str, ...]:
+    if protocol in CELERY:
+        from .celery_world import celery_lock_names
+
+        return celery_lock_names(limit)
     if protocol == "semaphore":
         return tuple(slot_name(SEMAPHORE, i) for i in range(limit))
     if protocol == "election":
@@ -171,6 +182,10 @@ def generate(
     with_ttl = RENEW_WITH_TTL if renew_ttl is None else renew_ttl
     slow = SLOW_ON_LOST if slow_on_lost is None else slow_on_lost
     protocol = protocol or PROTOCOLS[seed % len(PROTOCOLS)]
+    if protocol in CELERY:
+        from .celery_world import generate as generate_celery
+
+        return generate_celery(seed, protocol)  # type: ignore[no-any-return]
     clients = rng.choice((2, 2, 3, 3, 4))
     limit = rng.choice((1, 2, 3)) if protocol == "semaphore" else 1
     if protocol == "semaphore":
@@ -741,6 +756,10 @@ def run(scenario: Scenario, record: bool = False) -> Outcome:
 
 
 def _run(sim: Sim, scenario: Scenario) -> Outcome:
+    if scenario.protocol in CELERY:
+        from .celery_world import run_celery
+
+        return run_celery(sim, scenario)  # type: ignore[no-any-return]
     checker_class: type[Checker] = Checker
     if scenario.protocol == "etcd":
         from .etcd_world import EtcdSimServer, etcd_checker
@@ -1041,7 +1060,11 @@ def describe(scenario: Scenario) -> list[str]:
         f"delays {scenario.delay[0] * 1000:g}-{scenario.delay[1] * 1000:g} ms, "
         f"socket_timeout {scenario.socket_timeout} s"
     ]
-    for who, program in enumerate(scenario.programs):
+    if scenario.celery is not None:
+        from .celery_world import describe as describe_celery
+
+        lines += describe_celery(scenario)
+    for who, program in enumerate(() if scenario.celery is not None else scenario.programs):
         rate = scenario.rates[who]
         steps = "; ".join(
             f"{s.name} ttl {s.ttl} timeout {s.timeout} hold {s.hold:.3g}"
