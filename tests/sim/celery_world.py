@@ -58,7 +58,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import greenlet
 
@@ -741,6 +741,8 @@ class Worker:
         finally:
             self.running.pop(me, None)
             world.in_body.pop(me, None)
+        if world.checker.violation is not None:
+            raise world.checker.violation
         info = traced.info
         state = "SUCCESS" if info is None else info.state
         result = traced.retval if info is None else info.retval
@@ -993,11 +995,35 @@ class CeleryChecker(Checker):
         self.ready_at: dict[str, float] = {}
         #: how many times an operator's force release freed a lock so far
         self.force_count = 0
+        self.violation: Violation | None = None
 
     def track(self, name: str, token: str | None, fence_text: str | None, who: str) -> None:
         if who.startswith("operator") and self.current.get(name) not in (None, token):
             self.force_count += 1
         super().track(name, token, fence_text, who)
+
+    def fail(self, text: str) -> NoReturn:
+        """Raise the violation, and keep it: one raised inside a run is caught by Celery's
+        tracer (the worker raises it again when the tracer returns)."""
+        try:
+            super().fail(text)
+        except Violation as exc:
+            if self.violation is None:
+                self.violation = exc
+            raise
+        raise AssertionError("unreachable")
+
+    def granted(self, client: Client, lease: Any) -> None:
+        """A redelivered copy may take over, with the same token and fence (``"both"``),
+        the lock of a run whose worker was killed: a second leader of that term only
+        while the first lives."""
+        term = (lease.name, lease.fence)
+        leader = self.terms.get(term)
+        if leader is not None and any(
+            w.client.dead and w.client.name == leader for w in self.world.workers.values()
+        ):
+            del self.terms[term]
+        super().granted(client, lease)
 
     def accepted(self, message: Message) -> None:
         self.task_ids.setdefault(message.task_id, []).append(message)
