@@ -479,7 +479,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
     ) -> Generator[_Step, Any, AnyLease | Skipped | None]:
         """Acquire as ``on_conflict`` says (the run guard if ``guard``); a
         :class:`Skipped` (or ``None``): return it without running."""
-        watched = False
+        dead: int | None = None  # the fence of the holder the watch found expired unrenewed
         refused: list[Skipped] = []
         while True:
             timeouts = self._attempts()
@@ -489,16 +489,17 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                     timeouts,
                     self.on_conflict,
                     f"task {self.name}",
-                    functools.partial(self._on_held, name, timeouts, not watched, refused),
+                    functools.partial(self._on_held, name, timeouts, dead, refused),
                 )
             except BackendUnavailable as exc:
                 on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
                 raise
             except _OwnCopy as copy:  # a redelivery met its own task id: alive or dead?
-                watched = True
                 if not (yield from watch(self.resolved_lock_backend(), copy.held.name, copy.held)):
                     self._refuse_copy(copy.who)  # renewed, or released: never run it again
-                self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
+                if dead != copy.held.fence:
+                    self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
+                dead = copy.held.fence
             else:
                 return lease if lease is not None or not refused else refused[0]
 
@@ -506,11 +507,15 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         self,
         name: str,
         timeouts: list[float | None],
-        watch: bool,
+        dead: int | None,
         refused: list[Skipped],
         held: LockHeld,
         number: int,
     ) -> bool:
+        """A redelivered copy watches a holder of its own task id, once; again only if it
+        meets the very holder the watch found expired (``dead``: its fence), whose key the
+        server may keep a few milliseconds longer than the copy's estimate of its expiry."""
+        watch = dead is None or (held.holder is not None and held.holder.fence == dead)
         skipped = self._conflict(name, held, timeouts, number, watch=watch)
         if skipped is not None:
             refused.append(skipped)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from . import scenario as sim
+from .celery_world import CeleryOptions
 from .scenario import Fault, Iteration, Scenario
 
 SHORT_SEEDS = int(os.environ.get("SIM_SHORT_SEEDS", "1200"))
@@ -40,7 +41,7 @@ def test_the_short_form_covers_every_protocol_and_fault() -> None:
     details = {f.detail for s in scenarios for f in s.faults if f.kind == "msg"}
     assert kinds == {
         "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "failover",
-        "clock_step", "force", "lose_renew", "lose_lane",
+        "clock_step", "force", "lose_renew", "lose_lane", "redeliver", "duplicate",
     }  # fmt: skip
     assert details == {
         "drop_request", "drop_reply", "reset_before", "reset_after", "delay_request", "delay_reply"
@@ -277,3 +278,74 @@ TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION = Scenario(
 def test_a_timed_out_renewal_landing_late_cuts_no_lease_short() -> None:
     violation, story = sim.story(TIMED_OUT_RENEWAL_LANDS_AFTER_AN_EXTENSION)
     assert violation is None, "\n".join(story)
+
+
+#: Found by the simulation (``generate(144, "celery-both")``, shrunk): a whole worker killed
+#: (RabbitMQ: its message back at once) a second into a run whose locks had been renewed;
+#: the redelivered copy meets its own task id and watches the dead run's lock, but the
+#: refusal it met reports no renewal count, so the renewals the run made before it died
+#: counted as a renewal at the first look: the copy was refused, the message lost.
+CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED = Scenario(
+    seed=144,
+    protocol="celery-both",
+    programs=((Iteration("job", 1.0, 0.0, 0.0, 0, None, None, True, 0.0),), (), ()),
+    rates=(1.0, 1.0, 1.001),
+    faults=(Fault("kill", 1, 1.0688617965328615), Fault("msg", 1, 4.0, 0.0, "drop_request")),
+    delay=(0.0005, 0.005),
+    socket_timeout=5.0,
+    celery=CeleryOptions(
+        lock_on="both", ttl=1.0, acks_late=True, ignore_result=False, broker="rabbitmq"
+    ),
+)
+
+#: Found the same way (``generate(175, "celery-both")``, shrunk), with that fixed: the watch
+#: sees the dead run's lock gone by its own estimate of the expiry (counted from when its
+#: read was sent), but the server keeps the key a few milliseconds longer; the copy's next
+#: acquire met the same dead holder again and was refused without watching: lost again.
+CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH = Scenario(
+    seed=175,
+    protocol="celery-both",
+    programs=(
+        (
+            Iteration("job", 0.3, 0.0, 0.06, 0, None, None, True, 0.0),
+            Iteration("job", 0.3, 0.1, 0.36, 0, None, None, False, 0.0),
+            Iteration("job", 0.3, 1.0, 0.18, 1, None, None, True, 0.0),
+            Iteration("job", 0.3, 1.0, 0.3, 0, None, None, True, 0.0),
+        ),
+        (),
+        (),
+    ),
+    rates=(1.0, 1.0001, 1.001),
+    faults=(Fault("kill", 1, 2.616290843285616),),
+    delay=(0.001, 0.05),
+    socket_timeout=1.0,
+    celery=CeleryOptions(
+        lock_on="both",
+        ttl=0.3,
+        on_lost="fail",
+        acks_late=True,
+        ignore_result=False,
+        wait_timeout=3.0,
+        retry_countdown=0.5,
+        max_retries=1,
+        broker="rabbitmq",
+        visibility_timeout=1.0,
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED, CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH],
+    ids=lambda s: f"seed{s.seed}",
+)
+def test_a_message_whose_whole_worker_died_is_run_by_its_redelivery(scenario: Scenario) -> None:
+    violation, story = sim.story(scenario)
+    assert violation is None, "\n".join(story)
+
+
+def test_a_celery_seed_replays_exactly() -> None:
+    for protocol in sim.CELERY:
+        first = sim.story(sim.generate(29, protocol))
+        assert first == sim.story(sim.generate(29, protocol))
+        assert any("runs message #1" in line for line in first[1])
