@@ -57,7 +57,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import greenlet
@@ -101,6 +101,8 @@ class CeleryOptions:
     wait_timeout: float | None = 1.0
     retry_countdown: float = 0.2
     max_retries: int = 3
+    #: a run whose acquire gets no answer: "fail", or "retry" (0.3 s apart)
+    lock_unavailable: str = "fail"
     #: "redis" (visibility timeout) or "rabbitmq" (a dead worker's messages back at once)
     broker: str = "redis"
     visibility_timeout: float = 2.0
@@ -118,6 +120,8 @@ class CeleryOptions:
             text += f" wait_timeout={self.wait_timeout}"
         if self.on_conflict == "retry":
             text += f" retry_countdown={self.retry_countdown} max_retries={self.max_retries}"
+        if self.lock_unavailable != "fail":
+            text += f" lock_unavailable={self.lock_unavailable!r}"
         broker = self.broker
         if broker == "redis":
             broker += f" (visibility timeout {self.visibility_timeout} s)"
@@ -164,6 +168,9 @@ def generate(seed: int, protocol: str) -> Any:
         publishers=rng.choice((1, 1, 2)),
         concurrency=rng.choice((1, 1, 2)),
     )
+    # (its own stream: the rest of each schedule is what it was before this option)
+    extra = random.Random(seed * 7_368_787 + 13)
+    options = replace(options, lock_unavailable=extra.choice(("fail", "fail", "retry")))
     workers = rng.choice((1, 2, 2, 3))
     names = KEYS[: rng.choice((1, 1, 2))]
     programs: list[tuple[Iteration, ...]] = []
@@ -313,6 +320,8 @@ def _task(options: CeleryOptions) -> tuple[Any, Any]:
         acks_late=options.acks_late,
         ignore_result=options.ignore_result,
         max_retries=options.max_retries,
+        lock_unavailable=options.lock_unavailable,
+        default_retry_delay=0.3,
     )
     task = app.tasks[task.name]  # (the decorator's proxy, evaluated: finalizes the app)
     type(task).lock_backend = _ClientBackend()
@@ -909,6 +918,22 @@ class CeleryWorld:
             self.sim.stop_at = min(self.sim.stop_at, self.sim.now + 1.0)
 
 
+def _forget_runs() -> None:
+    """Drop what process-wide state kept of a run's greenlets: Celery's task and request
+    stacks (keyed by greenlet) and the live-lease registry still name the runs that were
+    killed or cut off, and would keep their whole world alive."""
+    from celery._state import _task_stack
+
+    from task_locks.celery.registry import live_leases
+
+    main = greenlet.getcurrent()
+    for stack in (_task_stack, *(task.request_stack for task, _ in _tasks.values())):
+        storage = stack._local.__storage__
+        for key in [key for key in storage if key is not main]:
+            del storage[key]
+    live_leases.pop_all()
+
+
 def run_celery(sim: Sim, scenario: Any) -> Any:
     """Play a celery schedule (see :func:`tests.sim.scenario.run`); its Outcome."""
     global _world
@@ -970,6 +995,7 @@ def run_celery(sim: Sim, scenario: Any) -> Any:
     finally:
         patched.undo()
         _world = None
+        _forget_runs()
     if violation:
         sim.say("checker", "VIOLATION " + violation[0])
     return Outcome(violation[0] if violation else None, sim.steps, sim.story)
@@ -996,6 +1022,8 @@ class CeleryChecker(Checker):
         #: how many times an operator's force release freed a lock so far
         self.force_count = 0
         self.violation: Violation | None = None
+        #: message number -> the server's epoch, force releases, clock when accepted
+        self.snapshots: dict[int, tuple[int, int, int]] = {}
 
     def track(self, name: str, token: str | None, fence_text: str | None, who: str) -> None:
         if who.startswith("operator") and self.current.get(name) not in (None, token):
@@ -1026,7 +1054,40 @@ class CeleryChecker(Checker):
         super().granted(client, lease)
 
     def accepted(self, message: Message) -> None:
+        if self.world.options.lock_on != "run" and not message.headers.get("retries"):
+            self._one_queued(message)
         self.task_ids.setdefault(message.task_id, []).append(message)
+        self.snapshots[message.number] = self._snapshot()
+
+    def _snapshot(self) -> tuple[int, int, int]:
+        server = self.server
+        return server.epoch, self.force_count, server.clock_offset_us
+
+    def _one_queued(self, new: Message) -> None:
+        """``lock_on="enqueue"``: at most one queued message per key; ``"both"``: at most
+        one queued or taking its publish-time lock over (docs/celery.md, "Locking at
+        publish"). Not after the server lost or an operator freed that lock, or its
+        clock stepped, nor for a message whose worker was killed, stopped or cut off."""
+        options = self.world.options
+        for other in self.world.broker.messages:
+            if other.key != new.key or other.task_id == new.task_id:
+                continue
+            if other.headers.get("retries") or other.task_id in self.ready_at:
+                continue
+            if self.snapshots.get(other.number) != self._snapshot():
+                continue
+            runs = [run for run in self.world.runs if run.delivery.message is other]
+            if any(run.client.dead or run.client.index in self.unsteady for run in runs):
+                continue
+            if runs and options.lock_on == "enqueue":
+                continue  # it started: its queued lock is dropped
+            if any(run.ended or run.body_started for run in runs):
+                continue  # (a body's lease is the lock checker's)
+            state = "taking its publish-time lock over" if runs else "queued"
+            self.fail(
+                f"{new.publisher}'s publish of {new.task_id} was accepted while message "
+                f"#{other.number} ({other.task_id}) of key {new.key!r} was {state}"
+            )
 
     def body_started(self, run: Run) -> None:
         if run.lease is None:
@@ -1072,7 +1133,12 @@ class CeleryChecker(Checker):
 
     def _exempt(self, lease: Any) -> bool:
         grant = self.grants.get((lease.name, lease.token))
-        return grant is None or grant.epoch != self.server.epoch or lease.token in self.forced
+        return (
+            grant is None
+            or grant.fence != lease.fence  # (its token was granted again since: a copy's)
+            or grant.epoch != self.server.epoch
+            or lease.token in self.forced
+        )
 
     def ended(self, run: Run, state: str, result: Any) -> None:
         """The tracer's outcome of one delivery, against docs/celery.md."""
@@ -1100,7 +1166,7 @@ class CeleryChecker(Checker):
             return
         # the body did not run
         if state in ("IGNORED", "RETRY"):
-            if state == "RETRY" and options.on_conflict != "retry":
+            if state == "RETRY" and "retry" not in (options.on_conflict, options.lock_unavailable):
                 self.fail(f"{who} ended RETRY with on_conflict={options.on_conflict!r}")
             return
         if state == "SUCCESS":
