@@ -442,7 +442,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             lease = yield from self._take(name, self._run_token(handed), guard=False)
         except BaseException as exc:
             yield from self._release_guard(guard, task_id)
-            if isinstance(exc, LockHeld):
+            if isinstance(exc, (LockHeld, BackendUnavailable)):
                 yield from self._free_refused(name, handed)
             raise
         if not isinstance(lease, LeaseBase):
@@ -522,11 +522,13 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         return skipped is not None
 
     def _free_refused(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
-        """A ``lock_on="both"`` run refused by another holder frees its publish-time lock
-        (token-checked), else that lock would drop every publish of the key as a
-        duplicate of this message until ``enqueue_ttl`` (as when an old
-        library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`). A
-        second delivery of a running message never comes here: it is ignored."""
+        """A ``lock_on="both"`` run refused by another holder, or failing because its
+        take-over got no answer (``BackendUnavailable``, ``lock_unavailable="fail"``),
+        frees its publish-time lock (token-checked), else that lock would drop every
+        publish of the key as a duplicate of this message until ``enqueue_ttl`` (as when
+        an old library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`).
+        The take-over may have reached the server: the token is this message's either
+        way. A second delivery of a running message never comes here: it is ignored."""
         if handed and self.lock_on == "both":
             try:
                 yield _DropQueued(self.resolved_lock_backend(), name, handed)

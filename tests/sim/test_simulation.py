@@ -349,3 +349,130 @@ def test_a_celery_seed_replays_exactly() -> None:
         first = sim.story(sim.generate(29, protocol))
         assert first == sim.story(sim.generate(29, protocol))
         assert any("runs message #1" in line for line in first[1])
+
+
+#: Found by the simulation (``generate(1765, "celery-both")`` with ``lock_unavailable="fail"``,
+#: shrunk): a run's take-over of its publish-time lock got no answer (its request lost:
+#: ``BackendUnavailable`` after the socket timeout) and the run failed, leaving that lock
+#: for the whole ``enqueue_ttl``: every later publish of the key was dropped as a
+#: duplicate of the failed message (as a refused run's lock was before it was freed).
+CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK = Scenario(
+    seed=1765,
+    protocol="celery-both",
+    programs=(
+        (
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=0.0,
+                hold=0.05,
+                writes=1,
+                renew_at=None,
+                renew_ttl=None,
+                release=True,
+                on_lost=0.0,
+            ),
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=0.01,
+                hold=0.2,
+                writes=1,
+                renew_at=None,
+                renew_ttl=None,
+                release=False,
+                on_lost=0.0,
+            ),
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=0.01,
+                hold=1.2,
+                writes=1,
+                renew_at=None,
+                renew_ttl=None,
+                release=False,
+                on_lost=0.0,
+            ),
+        ),
+        (
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=1.0,
+                hold=2.0,
+                writes=0,
+                renew_at=None,
+                renew_ttl=None,
+                release=True,
+                on_lost=0.0,
+            ),
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=0.1,
+                hold=2.0,
+                writes=0,
+                renew_at=None,
+                renew_ttl=None,
+                release=True,
+                on_lost=0.0,
+            ),
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=0.1,
+                hold=0.0,
+                writes=3,
+                renew_at=None,
+                renew_ttl=None,
+                release=True,
+                on_lost=0.0,
+            ),
+            Iteration(
+                name="job",
+                ttl=1.0,
+                timeout=1.0,
+                hold=1.0,
+                writes=0,
+                renew_at=None,
+                renew_ttl=None,
+                release=True,
+                on_lost=0.0,
+            ),
+        ),
+        (),
+        (),
+    ),
+    rates=(1.0001, 1.0, 1.0001, 1.001),
+    faults=(
+        Fault(kind="duplicate", client=0, at=0.0, amount=2.0, detail=""),
+        Fault(kind="msg", client=2, at=12.0, amount=0.0, detail="drop_request"),
+    ),
+    delay=(0.0001, 0.001),
+    socket_timeout=5.0,
+    limit=1,
+    celery=CeleryOptions(
+        lock_on="both",
+        on_conflict="wait",
+        limit=1,
+        ttl=1.0,
+        on_lost="interrupt",
+        skip_as="failure",
+        acks_late=True,
+        ignore_result=True,
+        wait_timeout=3.0,
+        retry_countdown=0.2,
+        max_retries=5,
+        lock_unavailable="fail",
+        broker="rabbitmq",
+        visibility_timeout=10.0,
+        publishers=2,
+        concurrency=1,
+    ),
+)
+
+
+def test_a_both_run_that_cannot_take_its_lock_over_frees_it() -> None:
+    violation, story = sim.story(CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK)
+    assert violation is None, "\n".join(story)
