@@ -14,7 +14,9 @@ through the production ``Releaser``). Publishes go through ``task.apply_async`` 
 production publish guard (``lock_on="enqueue"``/``"both"``), which wraps the app's
 ``send_task_message``; ``self.retry()`` publishes the same way. The locks are the
 simulated Redis of :mod:`tests.sim.world` (the production Lua), each process with its own
-``RedisBackend``.
+``RedisBackend``. The tasks are ``@singleton_task`` definitions, one per ``lock_on``,
+``limit`` and ``ignore_result``; a schedule's other options are set on the task class, as
+Celery's own option attributes are.
 
 What is modelled. The broker (:class:`Broker`): a FIFO of messages with ids, acked when
 a worker takes them (``acks_late=False``) or when the tracer returns (``acks_late``);
@@ -45,7 +47,12 @@ The checks, besides :class:`tests.sim.scenario.Checker`'s on every run lock:
   ``BackendUnavailable`` / ``LockLost``;
 - *never lost*: when the broker has nothing left, every task id with a message accepted
   has a delivery that ended ready (``SUCCESS``/``FAILURE``), unless a delivery of it was
-  acked early by a worker that was then killed (Celery's at-most-once);
+  acked early by a worker that was then killed (Celery's at-most-once), a copy was
+  refused while the server lost or an operator freed the lock it watched or the server's
+  clock stepped (documented limits), or its delivery was put back (a visibility timeout)
+  while its run went on, the copy was refused, and then that run's worker was killed:
+  the broker no longer has the message and the refused copy was acknowledged (a limit
+  of refusing copies, left open);
 - *publish de-duplication* (``"both"``): a publish is dropped only as a duplicate of a
   task id that is queued or running, or ended less than a run-lock TTL ago.
 """
@@ -170,7 +177,14 @@ def generate(seed: int, protocol: str) -> Any:
     )
     # (its own stream: the rest of each schedule is what it was before this option)
     extra = random.Random(seed * 7_368_787 + 13)
-    options = replace(options, lock_unavailable=extra.choice(("fail", "fail", "retry")))
+    options = replace(
+        options,
+        lock_unavailable=extra.choice(("fail", "fail", "retry")),
+        # A timeout shorter than the watch a copy may keep (one TTL) redelivers each
+        # watching copy again: a storm of copies (Celery formats a traceback for each
+        # refusal, the bulk of a run's time) that real visibility timeouts (an hour) never see.
+        visibility_timeout=max(options.visibility_timeout, 1.5 * ttl),
+    )
     workers = rng.choice((1, 2, 2, 3))
     names = KEYS[: rng.choice((1, 1, 2))]
     programs: list[tuple[Iteration, ...]] = []
@@ -245,7 +259,7 @@ def describe(scenario: Any) -> list[str]:
 # -- the app and its tasks (one per process, one task per option set) ---------------------
 
 _app: Any = None
-_tasks: dict[CeleryOptions, tuple[Any, Any]] = {}
+_tasks: dict[tuple[str, int, bool], tuple[Any, Any]] = {}
 #: The world of the run in progress (the sender, the descriptors and the patches ask it).
 _world: CeleryWorld | None = None
 
@@ -287,10 +301,34 @@ class _ClientBackend:
 
 
 def _task(options: CeleryOptions) -> tuple[Any, Any]:
-    """The singleton task for ``options`` and its tracer (made once per process)."""
-    found = _tasks.get(options)
-    if found is not None:
-        return found
+    """The singleton task for ``options`` and its tracer.
+
+    One task per process for each ``lock_on``, ``limit`` and ``ignore_result`` (what the
+    task's definition and Celery's tracer read once); the other options are the task
+    class's attributes, which the run reads as it goes, set here for each schedule
+    (defining a task and its tracer per schedule took most of a short run's time).
+    """
+    shape = (options.lock_on, options.limit, options.ignore_result)
+    found = _tasks.get(shape)
+    if found is None:
+        found = _tasks[shape] = _define(options, len(_tasks))
+    task = found[0]
+    for attribute, value in (
+        ("lock_ttl", options.ttl),
+        ("on_conflict", options.on_conflict),
+        ("wait_timeout", options.wait_timeout),
+        ("retry_countdown", options.retry_countdown),
+        ("on_lost", options.on_lost),
+        ("skip_as", options.skip_as),
+        ("acks_late", options.acks_late),
+        ("max_retries", options.max_retries),
+        ("lock_unavailable", options.lock_unavailable),
+    ):
+        setattr(type(task), attribute, value)
+    return found
+
+
+def _define(options: CeleryOptions, number: int) -> tuple[Any, Any]:
     from celery.app.trace import build_tracer
 
     from task_locks.celery import singleton_task
@@ -301,32 +339,22 @@ def _task(options: CeleryOptions) -> tuple[Any, Any]:
         assert _world is not None
         return _world.body(self.request, hold, writes)
 
-    body.__name__ = f"body_{len(_tasks)}"
+    body.__name__ = f"body_{number}"
     task = singleton_task(
         body,
         app=app,
-        name=f"sim.celery.{len(_tasks)}",
+        name=f"sim.celery.{number}",
         bind=True,
         key="{key}",
-        ttl=options.ttl,
-        on_conflict=options.on_conflict,
         lock_on=options.lock_on,
         limit=options.limit,
-        wait_timeout=options.wait_timeout,
-        retry_countdown=options.retry_countdown,
-        enqueue_ttl=ENQUEUE_TTL,
-        on_lost=options.on_lost,
-        skip_as=options.skip_as,
-        acks_late=options.acks_late,
         ignore_result=options.ignore_result,
-        max_retries=options.max_retries,
-        lock_unavailable=options.lock_unavailable,
+        enqueue_ttl=ENQUEUE_TTL,
         default_retry_delay=0.3,
     )
     task = app.tasks[task.name]  # (the decorator's proxy, evaluated: finalizes the app)
     type(task).lock_backend = _ClientBackend()
     tracer = build_tracer(task.name, task, app=app, hostname="sim", eager=False)
-    _tasks[options] = (task, tracer)
     return task, tracer
 
 
