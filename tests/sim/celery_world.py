@@ -59,11 +59,12 @@ The checks, besides :class:`tests.sim.scenario.Checker`'s on every run lock:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as real_dt
 import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
@@ -78,7 +79,9 @@ import task_locks.celery.redelivery
 import task_locks.celery.registry
 import task_locks.celery.releaser
 import task_locks.celery.signals
-import task_locks.celery.task  # noqa: F401
+import task_locks.celery.task
+import task_locks.peers  # noqa: F401
+from task_locks.celery import SingletonTask
 from task_locks.errors import BackendUnavailable, LockHeld, LockLost
 
 from .world import Client, Event, Sim, _Raise
@@ -110,6 +113,9 @@ class CeleryOptions:
     max_retries: int = 3
     #: a run whose acquire gets no answer: "fail", or "retry" (0.3 s apart)
     lock_unavailable: str = "fail"
+    #: ``PeerCheckedTask``: the run also waits out an old library's key ``lock:<key>``
+    #: (fault "peer" sets it)
+    peers: bool = False
     #: "redis" (visibility timeout) or "rabbitmq" (a dead worker's messages back at once)
     broker: str = "redis"
     visibility_timeout: float = 2.0
@@ -129,6 +135,8 @@ class CeleryOptions:
             text += f" retry_countdown={self.retry_countdown} max_retries={self.max_retries}"
         if self.lock_unavailable != "fail":
             text += f" lock_unavailable={self.lock_unavailable!r}"
+        if self.peers:
+            text += " base=PeerCheckedTask (peer key lock:<key>)"
         broker = self.broker
         if broker == "redis":
             broker += f" (visibility timeout {self.visibility_timeout} s)"
@@ -184,6 +192,7 @@ def generate(seed: int, protocol: str) -> Any:
         # watching copy again: a storm of copies (Celery formats a traceback for each
         # refusal, the bulk of a run's time) that real visibility timeouts (an hour) never see.
         visibility_timeout=max(options.visibility_timeout, 1.5 * ttl),
+        peers=limit == 1 and extra.random() < 0.3,
     )
     workers = rng.choice((1, 2, 2, 3))
     names = KEYS[: rng.choice((1, 1, 2))]
@@ -224,6 +233,10 @@ def generate(seed: int, protocol: str) -> Any:
                 faults.append(Fault("kill", who, rng.random() * horizon))
             else:
                 faults.append(_fault(rng, clients, lock_names, horizon))
+    if options.peers:  # an old library's process holds the key's peer key a while
+        for _ in range(extra.choice((1, 1, 2))):
+            hold = extra.choice((0.05, 0.3, 1.0))
+            faults.append(Fault("peer", 0, extra.random() * horizon, hold, extra.choice(names)))
     kinds = {f.kind for f in faults}
     if kinds & {"restart", "failover"} and "clock_step" in kinds:
         faults = [f for f in faults if f.kind != "clock_step"]
@@ -259,7 +272,7 @@ def describe(scenario: Any) -> list[str]:
 # -- the app and its tasks (one per process, one task per option set) ---------------------
 
 _app: Any = None
-_tasks: dict[tuple[str, int, bool], tuple[Any, Any]] = {}
+_tasks: dict[tuple[str, int, bool, bool], tuple[Any, Any]] = {}
 #: The world of the run in progress (the sender, the descriptors and the patches ask it).
 _world: CeleryWorld | None = None
 
@@ -300,6 +313,33 @@ class _ClientBackend:
         return _world.backend_of(_world.sim.active)
 
 
+class _PeerClient:
+    """What ``PeerKeys`` uses of a ``redis.Redis``: the calling process's simulated one."""
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+
+    @contextlib.contextmanager
+    def pipeline(self, transaction: bool = False) -> Iterator[Any]:
+        yield self.redis.pipeline(transaction)
+
+    def close(self) -> None:
+        pass
+
+
+class _ClientPeers:
+    """``lock_peers`` of a ``PeerCheckedTask``: ``lock:<name>`` on the calling process's
+    Redis connection (the old library's keys live on the lock server)."""
+
+    def __get__(self, task: Any, owner: Any = None) -> Any:
+        if task is None or _world is None:
+            return None
+        from task_locks.peers import PeerKeys
+
+        backend = _world.backend_of(_world.sim.active)
+        return PeerKeys(_PeerClient(backend._sync_client), "lock:{name}")  # type: ignore[arg-type]
+
+
 def _task(options: CeleryOptions) -> tuple[Any, Any]:
     """The singleton task for ``options`` and its tracer.
 
@@ -308,7 +348,7 @@ def _task(options: CeleryOptions) -> tuple[Any, Any]:
     class's attributes, which the run reads as it goes, set here for each schedule
     (defining a task and its tracer per schedule took most of a short run's time).
     """
-    shape = (options.lock_on, options.limit, options.ignore_result)
+    shape = (options.lock_on, options.limit, options.ignore_result, options.peers)
     found = _tasks.get(shape)
     if found is None:
         found = _tasks[shape] = _define(options, len(_tasks))
@@ -332,6 +372,7 @@ def _define(options: CeleryOptions, number: int) -> tuple[Any, Any]:
     from celery.app.trace import build_tracer
 
     from task_locks.celery import singleton_task
+    from task_locks.celery.peers import PeerCheckedTask
 
     app = _the_app()
 
@@ -351,9 +392,12 @@ def _define(options: CeleryOptions, number: int) -> tuple[Any, Any]:
         ignore_result=options.ignore_result,
         enqueue_ttl=ENQUEUE_TTL,
         default_retry_delay=0.3,
+        base=PeerCheckedTask if options.peers else SingletonTask,
     )
     task = app.tasks[task.name]  # (the decorator's proxy, evaluated: finalizes the app)
     type(task).lock_backend = _ClientBackend()
+    if options.peers:
+        type(task).lock_peers = _ClientPeers()
     tracer = build_tracer(task.name, task, app=app, hostname="sim", eager=False)
     return task, tracer
 
@@ -797,6 +841,13 @@ class Worker:
             world.broker.ack(delivery)
 
 
+def _quietly(call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except Exception:  # (a lost request or reply: the old library's concern)
+        pass
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) < 100 else text[:97] + "..."
@@ -821,6 +872,8 @@ class CeleryWorld:
         self.in_body: dict[int, Run] = {}
         #: the publishers still publishing
         self.publishing: set[int] = set()
+        #: a simulated redis-py client for a client (an old library's process)
+        self.redis_for: Callable[[Client], Any] = lambda client: None
         self.done = False
 
     def backend_of(self, client: Client | None) -> Any:
@@ -936,6 +989,15 @@ class CeleryWorld:
             sim.say(client.name, f"publish of {task_id} dropped: {handle.id} is queued")
             self.checker.dropped(client, task_id, step.name, handle.id)
 
+    def peer_holds(self, client: Client, fault: Any) -> None:
+        """An old library's process takes the peer key of ``fault.detail`` (SET NX PX)."""
+        key, ms = f"lock:{fault.detail}", int(fault.amount * 1000)
+        self.sim.say(client.name, f"an old library takes {key!r} for {ms} ms")
+        redis = self.redis_for(client)
+        client.spawn(
+            lambda: _quietly(lambda: redis.execute_command("SET", key, "x", "PX", ms, "NX"))
+        )
+
     def maybe_done(self) -> None:
         if self.publishing or self.broker.busy():
             return
@@ -966,7 +1028,7 @@ def run_celery(sim: Sim, scenario: Any) -> Any:
     """Play a celery schedule (see :func:`tests.sim.scenario.run`); its Outcome."""
     global _world
     from .scenario import Outcome, _backend, _plan_fault, _url
-    from .world import Net, Server
+    from .world import Net, Server, SimRedis
 
     server = Server(sim)
     net = Net(sim, scenario.delay)
@@ -983,6 +1045,7 @@ def run_celery(sim: Sim, scenario: Any) -> Any:
     sim.on_renewed, sim.on_lane_call = checker.lane_answered, checker.lane_call
     backends = {c.index: _backend(url, c, server, net, scenario.socket_timeout) for c in clients}
     world = CeleryWorld(sim, scenario, checker, backends)
+    world.redis_for = lambda client: SimRedis(client, server, net, 5.0)
     checker.world = world
     patched = Patched()
     _world = world
@@ -996,6 +1059,9 @@ def run_celery(sim: Sim, scenario: Any) -> Any:
                 continue
             if fault.kind == "duplicate":
                 world.broker.duplicates.add(int(fault.amount))
+                continue
+            if fault.kind == "peer":
+                sim.at(fault.at, lambda f=fault, o=operator_n: world.peer_holds(o, f))
                 continue
             _plan_fault(sim, server, net, clients, operator_n, fault, url, checker)
             if fault.kind == "kill" and fault.client >= options.publishers:

@@ -41,7 +41,7 @@ def test_the_short_form_covers_every_protocol_and_fault() -> None:
     details = {f.detail for s in scenarios for f in s.faults if f.kind == "msg"}
     assert kinds == {
         "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "failover",
-        "clock_step", "force", "lose_renew", "lose_lane", "redeliver", "duplicate",
+        "clock_step", "force", "lose_renew", "lose_lane", "redeliver", "duplicate", "peer",
     }  # fmt: skip
     assert details == {
         "drop_request", "drop_reply", "reset_before", "reset_after", "delay_request", "delay_reply"

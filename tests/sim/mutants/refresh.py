@@ -560,5 +560,26 @@ result is stored (the release is sent at once and finds it gone) and SUCCESS whe
     ],
 )
 
+mutant(
+    "celery_both_refused_run_keeps_its_publish_lock",
+    """
+Celery, lock_on="both": a run refused by another holder (a PeerCheckedTask run skipped
+because an old library's key is held) keeps the lock its publish took, for the whole
+enqueue_ttl: every later publish of the key is dropped as a duplicate of the skipped
+message.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """        if handed and self.lock_on == "both":
+            try:
+                yield _DropQueued(self.resolved_lock_backend(), name, handed)""",
+            """        if False:
+            try:
+                yield _DropQueued(self.resolved_lock_backend(), name, handed)""",
+        )
+    ],
+)
+
 if STALE:
     raise SystemExit(1)
