@@ -436,9 +436,6 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         if guard_name is not None:
             try:
                 taken = yield from self._take(guard_name, None, guard=True)
-            except Ignore:  # a copy of a message whose run still holds its guard
-                yield from self._free_queued_copy(name, handed)
-                raise
             except BackendUnavailable:  # (lock_unavailable="fail": the run fails)
                 yield from self._free_refused(name, handed)
                 raise
@@ -548,27 +545,6 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                     name,
                     exc,
                 )
-
-    def _free_queued_copy(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
-        """A ``lock_on="both"`` copy refused as "already running" frees the lock its own
-        publish took, if that lock is still queued (its token, naming no worker: never
-        taken over). The same task id published again takes its own lock when the key
-        frees between the running message's two releases (run lock, then guard); refused,
-        it kept that lock for the whole ``enqueue_ttl``, and every later publish of the
-        key was dropped as a duplicate of it. A redelivered copy carries the running
-        message's token, which that run took over (its owner names a worker): left alone.
-        """
-        if not handed or self.lock_on != "both":
-            return
-        backend = self.resolved_lock_backend()
-        try:
-            holder = yield HolderOf(backend, name)
-            if holder is not None and holder.token == handed and not holder.owner.worker:
-                yield _DropQueued(backend, name, handed)
-        except LockError as exc:  # it expires by its TTL; the refusal goes on
-            log.warning(
-                "task %s[%s]: freeing the queued lock %r: %s", self.name, self.request.id, name, exc
-            )
 
     def _release_guard(
         self, guard: AnyLease | None, task_id: str | None, later: str | None = None
