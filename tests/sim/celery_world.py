@@ -213,6 +213,9 @@ def generate(seed: int, protocol: str) -> Any:
                 )
             )
         programs.append(tuple(program))
+    if options.peers:  # a late publish: is the key free again once the peer key is gone?
+        late = Iteration(names[0], ttl, 3.0, 0.05, 0, None, None, True)
+        programs[0] = (*programs[0], late)
     programs += [()] * workers
     clients = len(programs)
     rates = tuple(1.0 + rng.choice((0.0, 0.0, 1e-4, 1e-3)) for _ in range(clients))
