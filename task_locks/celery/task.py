@@ -434,24 +434,22 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         guard: AnyLease | None = None
         guard_name = self._guard_name(name, task_id)
         if guard_name is not None:
-            try:
-                taken = yield from self._take(guard_name, None, guard=True)
-            except BackendUnavailable:  # (lock_unavailable="fail": the run fails)
-                yield from self._free_refused(name, handed)
-                raise
+            taken = yield from self._take(guard_name, None, guard=True)
             if not isinstance(taken, LeaseBase):
                 return None if request.called_directly or task_id is None else taken
             guard = taken
         try:
             lease = yield from self._take(name, self._run_token(handed), guard=False)
         except BaseException as exc:
-            yield from self._release_guard(guard, task_id)
             if isinstance(exc, (LockHeld, BackendUnavailable)):
+                # Before the guard goes: while it holds, no copy of this message (same
+                # token) can have taken the queued lock over.
                 yield from self._free_refused(name, handed)
+            yield from self._release_guard(guard, task_id)
             raise
         if not isinstance(lease, LeaseBase):
-            yield from self._release_guard(guard, task_id)
             yield from self._free_refused(name, handed)
+            yield from self._release_guard(guard, task_id)
             return None if request.called_directly or task_id is None else lease
         if handed and _queued_fence(request) not in (None, lease.fence):
             self._queued_lock_expired(name)
@@ -527,8 +525,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _free_refused(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
         """A ``lock_on="both"`` run refused by another holder, or failing because its
-        take-over or its guard got no answer (``BackendUnavailable``,
-        ``lock_unavailable="fail"``),
+        take-over got no answer (``BackendUnavailable``, ``lock_unavailable="fail"``),
         frees its publish-time lock (token-checked), else that lock would drop every
         publish of the key as a duplicate of this message until ``enqueue_ttl`` (as when
         an old library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`).

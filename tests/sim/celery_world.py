@@ -766,8 +766,10 @@ class Run:
     epoch: int = 0
     forced: int = 0
     clock: int = 0
-    #: it ended FAILURE with BackendUnavailable (the lock service did not answer)
-    failed_unavailable: bool = False
+    #: it ended FAILURE with BackendUnavailable: the lock the service did not answer for
+    unanswered: str | None = None
+    key: str = ""
+    at: float = 0.0  # when the worker took it
     #: its locks were taken away while it ran (restart, failover, force release), or the
     #: server's clock stepped (the expiry a redelivered copy watches moves)
     taken_away: bool = False
@@ -818,6 +820,8 @@ class Worker:
             epoch=checker.server.epoch,
             forced=checker.force_count,
             clock=checker.server.clock_offset_us,
+            key=message.key,
+            at=sim.now,
         )
         me = id(greenlet.getcurrent())
         self.running[me] = run
@@ -833,7 +837,8 @@ class Worker:
         state = "SUCCESS" if info is None else info.state
         result = traced.retval if info is None else info.retval
         run.ended = True
-        run.failed_unavailable = state == "FAILURE" and isinstance(result, BackendUnavailable)
+        if state == "FAILURE" and isinstance(result, BackendUnavailable):
+            run.unanswered = result.name or ""
         server = checker.server
         run.taken_away = (run.epoch, run.forced, run.clock) != (
             server.epoch,
@@ -1154,8 +1159,6 @@ class CeleryChecker(Checker):
         super().granted(client, lease)
 
     def accepted(self, message: Message) -> None:
-        if self.world.options.lock_on != "run" and not message.headers.get("retries"):
-            self._one_queued(message)
         self.task_ids.setdefault(message.task_id, []).append(message)
         self.snapshots[message.number] = self._snapshot()
 
@@ -1163,33 +1166,37 @@ class CeleryChecker(Checker):
         server = self.server
         return server.epoch, self.force_count, server.clock_offset_us
 
-    def _one_queued(self, new: Message) -> None:
+    def _one_queued(self, run: Run) -> None:
         """``lock_on="enqueue"``: at most one queued message per key; ``"both"``: at most
         one queued or taking its publish-time lock over (docs/celery.md, "Locking at
-        publish"). Not after the server lost or an operator freed that lock, or its
-        clock stepped, nor for a message whose worker was killed, stopped or cut off."""
-        options = self.world.options
+        publish"). Judged when a message's body starts: no other publish of its key was
+        accepted since it was, before its run began (``"enqueue"``) or before this body
+        (``"both"``). Not after the server lost or an operator freed that lock or its
+        clock stepped, nor for a message a delivery of which ended already (a failed
+        take-over frees the lock) or whose worker was killed, stopped or cut off."""
+        options, message = self.world.options, run.delivery.message
+        if options.lock_on == "run" or message.headers.get("retries"):
+            return
+        if self.snapshots.get(message.number) != self._snapshot():
+            return
+        runs = [r for r in self.world.runs if r.delivery.message is message]
+        if any(r.ended or r.client.dead or r.client.index in self.unsteady for r in runs):
+            return
+        until = min(r.at for r in runs) if options.lock_on == "enqueue" else self.sim.now
         for other in self.world.broker.messages:
-            if other.key != new.key or other.task_id == new.task_id:
+            if other.key != message.key or other.task_id == message.task_id:
                 continue
-            if other.headers.get("retries") or other.task_id in self.ready_at:
+            if other.headers.get("retries") or not message.at < other.at <= until:
                 continue
-            if self.snapshots.get(other.number) != self._snapshot():
-                continue
-            runs = [run for run in self.world.runs if run.delivery.message is other]
-            if any(run.client.dead or run.client.index in self.unsteady for run in runs):
-                continue
-            if runs and options.lock_on == "enqueue":
-                continue  # it started: its queued lock is dropped
-            if any(run.ended or run.body_started for run in runs):
-                continue  # (a body's lease is the lock checker's)
-            state = "taking its publish-time lock over" if runs else "queued"
             self.fail(
-                f"{new.publisher}'s publish of {new.task_id} was accepted while message "
-                f"#{other.number} ({other.task_id}) of key {new.key!r} was {state}"
+                f"{other.publisher}'s publish of {other.task_id} was accepted at "
+                f"{other.at * 1000:.3f} ms while message #{message.number} "
+                f"({message.task_id}) of key {message.key!r} was queued (it ran from "
+                f"{until * 1000:.3f} ms)"
             )
 
     def body_started(self, run: Run) -> None:
+        self._one_queued(run)
         if run.lease is None:
             return  # lock_on="enqueue": the run holds no lock
         self.granted(run.client, run.lease)
@@ -1313,12 +1320,17 @@ class CeleryChecker(Checker):
         if running or queued or ended is None:
             return
         latest = max(self.task_ids[holder], key=lambda message: message.number)
-        if self.world.options.lock_on == "enqueue" and any(
-            r.failed_unavailable for r in self.world.runs if r.delivery.message is latest
+        options = self.world.options
+        if any(
+            r.unanswered is not None and (options.lock_on == "enqueue" or r.unanswered != r.key)
+            for r in self.world.runs
+            if r.delivery.message is latest
         ):
-            # Open finding (seed 1391): an "enqueue" run whose drop of its queued lock gets
-            # no answer fails (BackendUnavailable, even with lock_unavailable="retry") and
-            # the lock stays until enqueue_ttl.
+            # Open findings: an "enqueue" run whose drop of its queued lock gets no answer
+            # fails (BackendUnavailable, even with lock_unavailable="retry": seed 1391), and
+            # a "both" run whose guard gets none (seed 306, with the fix for the take-over);
+            # either leaves the publish-time lock until enqueue_ttl. (Freeing it after the
+            # guard failed raced another delivery of the message taking the token over.)
             return
         if {r.delivery.outcome for r in self.world.runs if r.delivery.message is latest} == {
             "IGNORED"
