@@ -1182,6 +1182,8 @@ class CeleryChecker(Checker):
         runs = [r for r in self.world.runs if r.delivery.message is message]
         if any(r.ended or r.client.dead or r.client.index in self.unsteady for r in runs):
             return
+        if any(r.delivery.restored for r in runs):
+            return  # put back while a run of it went on (which may have freed its lock)
         until = min(r.at for r in runs) if options.lock_on == "enqueue" else self.sim.now
         for other in self.world.broker.messages:
             if other.key != message.key or other.task_id == message.task_id:
@@ -1320,6 +1322,8 @@ class CeleryChecker(Checker):
         if running or queued or ended is None:
             return
         latest = max(self.task_ids[holder], key=lambda message: message.number)
+        if self.snapshots.get(latest.number) != self._snapshot():
+            return  # the server lost or was given back locks since (a failover's replica)
         options = self.world.options
         if any(
             r.unanswered is not None and (options.lock_on == "enqueue" or r.unanswered != r.key)

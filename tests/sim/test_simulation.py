@@ -382,17 +382,53 @@ CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK = Scenario(
 )
 
 
+#: Found by the simulation (``generate(2811, "celery")``, shrunk): a ``PeerCheckedTask``
+#: run takes the key, and its second look at the peer keys gets no answer: the error went
+#: out of ``PeerCheckedLock.acquire`` with the lease it had just taken still held and
+#: renewed by nobody's run; the retry (``lock_unavailable="retry"``) met its own task id on
+#: the key and was refused as a copy: the message lost, the key held for good.
+CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE = Scenario(
+    seed=2811,
+    protocol="celery",
+    programs=(
+        (
+            Iteration("job", 0.3, 0.0, 0.0, 0, None, None, True, 0.0),
+            Iteration("job", 0.3, 3.0, 0.05, 0, None, None, True, 0.0),
+        ),
+        (),
+    ),
+    rates=(1.001, 1.001),
+    faults=(Fault("msg", 1, 9.0, 0.0, "drop_request"),),
+    delay=(0.0005, 0.005),
+    socket_timeout=5.0,
+    celery=CeleryOptions(
+        ttl=0.3,
+        on_lost="fail",
+        skip_as="failure",
+        ignore_result=False,
+        wait_timeout=3.0,
+        retry_countdown=0.05,
+        lock_unavailable="retry",
+        peers=True,
+        broker="rabbitmq",
+        visibility_timeout=3.0,
+    ),
+)
+
+
 @pytest.mark.parametrize(
     "scenario",
     [
         CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED,
         CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH,
         CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK,
+        CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE,
     ],
     ids=lambda s: f"seed{s.seed}",
 )
 def test_the_celery_findings(scenario: Scenario) -> None:
     """A message whose whole worker died is run by its redelivery (the first two); a
-    'both' run that could not take its publish-time lock over frees it (the last)."""
+    'both' run that could not take its publish-time lock over frees it; a peer check that
+    fails after the acquire gives the lock back (the last)."""
     violation, story = sim.story(scenario)
     assert violation is None, "\n".join(story)
