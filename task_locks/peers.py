@@ -29,6 +29,7 @@ Key layouts, read from each library's source:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,7 +39,7 @@ from typing import Any, Final
 import redis
 
 from ._plan import UNSET, Unset
-from .errors import BackendUnavailable, InvalidArgument, LockHeld
+from .errors import BackendUnavailable, InvalidArgument, LockError, LockHeld
 from .lock import AsyncLease, AsyncLock, Lease, Lock
 
 #: python-redis-lock's key for a lock name.
@@ -174,7 +175,15 @@ class PeerCheckedLock(Lock):
                     raise _peer_held(self.name, found, now - start)
                 time.sleep(_pause(found, now, deadline))
             lease = super().acquire(timeout=_left(deadline))
-            if not self.peers.holding(self.name):
+            try:
+                clear = not self.peers.holding(self.name)
+            except BaseException:
+                # The second look failed: give the lock back (else it stays held and renewed
+                # with nobody to release it), then report the failure.
+                with contextlib.suppress(LockError):
+                    lease.release()
+                raise
+            if clear:
                 return lease
             lease.release()  # a peer took its key in between: it was first, give way
 
@@ -199,7 +208,13 @@ class AsyncPeerCheckedLock(AsyncLock):
                     raise _peer_held(self.name, found, now - start)
                 await asyncio.sleep(_pause(found, now, deadline))
             lease = await super().acquire(timeout=_left(deadline))
-            if not await asyncio.to_thread(self.peers.holding, self.name):
+            try:
+                clear = not await asyncio.to_thread(self.peers.holding, self.name)
+            except BaseException:
+                with contextlib.suppress(LockError):  # as in PeerCheckedLock.acquire
+                    await lease.release()
+                raise
+            if clear:
                 return lease
             await lease.release()
 

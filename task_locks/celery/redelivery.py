@@ -20,6 +20,7 @@ broker's duplicate, a second publish with the same id) is refused at once, as be
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Generator
 from typing import Any, Final, NamedTuple
@@ -82,10 +83,15 @@ def watch(backend: Backend, name: str, seen: Holder) -> Generator[Any, Any, bool
         return False
     expires = time.monotonic() + left
     poll = min(POLL, max(0.01, left / 10))
+    counted = False  # whether ``seen`` carries the holder's renewal count yet
     while True:
         now: Holder | None = yield HolderOf(backend, name)
         if now is None or now.fence != seen.fence:
             return time.monotonic() >= expires - SLACK  # gone: expired, or released early
+        if not counted:
+            # A refused acquire reports no renewal count: count from this first look, or a
+            # run that renewed before its worker died would look renewed (alive) here.
+            seen, counted = dataclasses.replace(seen, renewals=now.renewals), True
         if renewed(seen, now):
             return False
         if time.monotonic() > expires + SLACK:  # still there past its expiry: not ours to judge

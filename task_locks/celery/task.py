@@ -461,13 +461,15 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                 name, self._run_token(handed), guard=False, run_of=task_id if checked else None
             )
         except BaseException as exc:
-            yield from self._release_guard(guard, task_id)
-            if isinstance(exc, LockHeld):
+            if isinstance(exc, (LockHeld, BackendUnavailable)):
+                # Before the guard goes: while it holds, no copy of this message (same
+                # token) can have taken the queued lock over.
                 yield from self._free_refused(name, handed)
+            yield from self._release_guard(guard, task_id)
             raise
         if not isinstance(lease, LeaseBase):
-            yield from self._release_guard(guard, task_id)
             yield from self._free_refused(name, handed)
+            yield from self._release_guard(guard, task_id)
             return None if request.called_directly or task_id is None else lease
         if handed and _queued_fence(request) not in (None, lease.fence):
             self._queued_lock_expired(name)
@@ -500,7 +502,7 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         """Acquire as ``on_conflict`` says (the run guard if ``guard``; with the run
         check of task ``run_of`` if given); a :class:`Skipped` (or ``None``): return it
         without running."""
-        watched = False
+        dead: int | None = None  # the fence of the holder the watch found expired unrenewed
         refused: list[Skipped] = []
         while True:
             timeouts = self._attempts()
@@ -510,16 +512,17 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
                     timeouts,
                     self.on_conflict,
                     f"task {self.name}",
-                    functools.partial(self._on_held, name, timeouts, not watched, refused),
+                    functools.partial(self._on_held, name, timeouts, dead, refused),
                 )
             except BackendUnavailable as exc:
                 on_unavailable(self, exc)  # lock_unavailable="retry": Celery's Retry
                 raise
             except _OwnCopy as copy:  # a redelivery met its own task id: alive or dead?
-                watched = True
                 if not (yield from watch(self.resolved_lock_backend(), copy.held.name, copy.held)):
                     self._refuse_copy(copy.who)  # renewed, or released: never run it again
-                self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
+                if dead != copy.held.fence:
+                    self._dead_holder(copy.held)  # expired unrenewed: take the key (next loop)
+                dead = copy.held.fence
             else:
                 return lease if lease is not None or not refused else refused[0]
 
@@ -527,22 +530,28 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         self,
         name: str,
         timeouts: list[float | None],
-        watch: bool,
+        dead: int | None,
         refused: list[Skipped],
         held: LockHeld,
         number: int,
     ) -> bool:
+        """A redelivered copy watches a holder of its own task id, once; again only if it
+        meets the very holder the watch found expired (``dead``: its fence), whose key the
+        server may keep a few milliseconds longer than the copy's estimate of its expiry."""
+        watch = dead is None or (held.holder is not None and held.holder.fence == dead)
         skipped = self._conflict(name, held, timeouts, number, watch=watch)
         if skipped is not None:
             refused.append(skipped)
         return skipped is not None
 
     def _free_refused(self, name: str, handed: str | None) -> Generator[_Step, Any, None]:
-        """A ``lock_on="both"`` run refused by another holder frees its publish-time lock
-        (token-checked), else that lock would drop every publish of the key as a
-        duplicate of this message until ``enqueue_ttl`` (as when an old
-        library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`). A
-        second delivery of a running message never comes here: it is ignored."""
+        """A ``lock_on="both"`` run refused by another holder, or failing because its
+        take-over got no answer (``BackendUnavailable``, ``lock_unavailable="fail"``),
+        frees its publish-time lock (token-checked), else that lock would drop every
+        publish of the key as a duplicate of this message until ``enqueue_ttl`` (as when
+        an old library's key is met by :class:`~task_locks.celery.peers.PeerCheckedTask`).
+        The take-over may have reached the server: the token is this message's either
+        way. A second delivery of a running message never comes here: it is ignored."""
         if handed and self.lock_on == "both":
             try:
                 yield _DropQueued(self.resolved_lock_backend(), name, handed)

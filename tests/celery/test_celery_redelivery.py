@@ -111,13 +111,22 @@ def test_a_whole_worker_killed_mid_run_loses_neither_the_message_nor_the_key(
     """RabbitMQ redelivers an unacknowledged message as soon as the dead worker's
     connection drops, Redis once its visibility timeout (2 s) has passed, to the other
     worker, while the dead run's lock (ttl=3, its renewals gone with it) still names the
-    same task id."""
+    same task id.
+
+    The worker is killed after the run's lock was renewed once: the refusal the copy
+    meets reports no renewal count, and the renewals the dead run made must not count as
+    a renewal at the copy's first look (found by the simulation: the copy was refused as
+    "already running" and the message lost)."""
     workers = request.getfixturevalue("amqp_workers" if broker == "amqp" else "redis_crash_workers")
     log, name = f"log:{key}", f"t:{key}"
     with publishing(cluster, broker, "tl_crash") as options:
         result = cluster.tasks.crash_task.apply_async((key, log, 30), **options)
     first = started(intervals, log, 1)[0]
-    wait_until(lambda: holder(cluster, name), 10, "the first delivery to hold the key")
+    wait_until(
+        lambda: (found := holder(cluster, name)) is not None and found.renewals >= 1,
+        10,
+        "the first delivery to hold the key and renew it",
+    )
     victim = next(w for w in workers if _in_group(first["pid"], w.proc.pid))
     killed = time.monotonic()
     victim.signal(signal.SIGKILL)
@@ -125,9 +134,11 @@ def test_a_whole_worker_killed_mid_run_loses_neither_the_message_nor_the_key(
     assert result.get(timeout=30) == "finished"
     ran_after = time.monotonic() - killed
     runs = intervals(log)
-    assert [r["task_id"] for r in runs] == [result.id] * 2
+    # (On Redis the copy, which waits up to a TTL for the dead run's lock, may outlast the
+    # 2 s visibility timeout itself: a later copy then runs again after it, as in Celery.)
+    assert len(runs) >= 2 and {r["task_id"] for r in runs} == {result.id}, runs
     assert ran_after < 3 + 5, f"the copy ran {ran_after:.1f}s after the kill (ttl=3)"
-    wait_until(lambda: holder(cluster, name) is None, 5, "the key to be free")
+    wait_until(lambda: holder(cluster, name) is None, 10, "the key to be free")
 
 
 def _in_group(pid: int, leader: int) -> bool:

@@ -80,10 +80,12 @@ from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasi
 #: sql-semaphore and sql-election: ``Semaphore`` and ``Election`` there.
 PROTOCOLS = (
     "redis", "redis-handoff", "semaphore", "election", "redis-mixed", "etcd", "redlock",
-    "sql", "sql-semaphore", "sql-election",
+    "sql", "sql-semaphore", "sql-election", "celery", "celery-both",
 )  # fmt: skip
 #: The front end of a protocol on another backend (else the protocol's name is its own).
 FRONT_ENDS = {"sql-semaphore": "semaphore", "sql-election": "election"}
+#: celery, celery-both: singleton tasks on a modelled broker (:mod:`tests.sim.celery_world`).
+CELERY = ("celery", "celery-both")
 NAMES = ("job", "report")
 SEMAPHORE = "pool"
 ELECTION = "leader"
@@ -149,6 +151,8 @@ class Scenario:
     limit: int = 1
     #: Redlock: each master's clock rate (one per master).
     masters: tuple[float, ...] = ()
+    #: celery protocols: the task's options, broker and workers (``celery_world``)
+    celery: Any = None
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -177,6 +181,10 @@ def front(protocol: str) -> str:
 
 
 def lock_names(protocol: str, limit: int) -> tuple[str, ...]:
+    if protocol in CELERY:
+        from .celery_world import celery_lock_names
+
+        return celery_lock_names(limit)
     if front(protocol) == "semaphore":
         return tuple(slot_name(SEMAPHORE, i) for i in range(limit))
     if front(protocol) == "election":
@@ -194,6 +202,10 @@ def generate(
     with_ttl = RENEW_WITH_TTL if renew_ttl is None else renew_ttl
     slow = SLOW_ON_LOST if slow_on_lost is None else slow_on_lost
     protocol = protocol or PROTOCOLS[seed % len(PROTOCOLS)]
+    if protocol in CELERY:
+        from .celery_world import generate as generate_celery
+
+        return generate_celery(seed, protocol)  # type: ignore[no-any-return]
     clients = rng.choice((2, 2, 3, 3, 4))
     limit = rng.choice((1, 2, 3)) if front(protocol) == "semaphore" else 1
     if front(protocol) == "semaphore":
@@ -859,6 +871,10 @@ def _run_alone(scenario: Scenario, record: bool) -> Outcome:
 
 
 def _run(sim: Sim, scenario: Scenario) -> Outcome:
+    if scenario.protocol in CELERY:
+        from .celery_world import run_celery
+
+        return run_celery(sim, scenario)  # type: ignore[no-any-return]
     checker_class: type[Checker] = Checker
     if scenario.protocol == "etcd":
         from .etcd_world import EtcdSimServer, etcd_checker
@@ -1172,7 +1188,11 @@ def describe(scenario: Scenario) -> list[str]:
         f"delays {scenario.delay[0] * 1000:g}-{scenario.delay[1] * 1000:g} ms, "
         f"socket_timeout {scenario.socket_timeout} s"
     ]
-    for who, program in enumerate(scenario.programs):
+    if scenario.celery is not None:
+        from .celery_world import describe as describe_celery
+
+        lines += describe_celery(scenario)
+    for who, program in enumerate(() if scenario.celery is not None else scenario.programs):
         rate = scenario.rates[who]
         steps = "; ".join(
             f"{s.name} ttl {s.ttl} timeout {s.timeout} hold {s.hold:.3g}"

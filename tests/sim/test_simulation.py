@@ -14,6 +14,7 @@ import pytest
 
 from . import scenario as sim
 from .redlock_world import MasterFault
+from .celery_world import CeleryOptions
 from .scenario import Fault, Iteration, Scenario
 
 SHORT_SEEDS = int(os.environ.get("SIM_SHORT_SEEDS", "1200"))
@@ -43,6 +44,7 @@ def test_the_short_form_covers_every_protocol_and_fault() -> None:
         "msg", "pause", "partition", "kill", "jump", "wall_jump", "restart", "failover",
         "clock_step", "force", "lose_renew", "lose_lane", "late_lane",
         "master_restart", "master_pause", "master_partition", "master_clock_step",
+        "redeliver", "duplicate", "peer",
     }  # fmt: skip
     redlock = [s for s in scenarios if s.protocol == "redlock"]
     assert {len(s.masters) for s in redlock} == {3, 5}
@@ -472,3 +474,155 @@ def test_a_release_that_waited_past_the_expiry_is_the_holders() -> None:
     violation, story = sim.story(SQL_RELEASE_DELETES_A_ROW_EXPIRED_WHILE_IT_WAITED)
     assert violation is None, "\n".join(story)
     assert any("waits for the row lock" in line for line in story), "\n".join(story)
+#: Found by the simulation (``generate(144, "celery-both")``, shrunk): a whole worker killed
+#: (RabbitMQ: its message back at once) a second into a run whose locks had been renewed;
+#: the redelivered copy meets its own task id and watches the dead run's lock, but the
+#: refusal it met reports no renewal count, so the renewals the run made before it died
+#: counted as a renewal at the first look: the copy was refused, the message lost.
+CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED = Scenario(
+    seed=144,
+    protocol="celery-both",
+    programs=((Iteration("job", 1.0, 0.0, 0.0, 0, None, None, True, 0.0),), (), ()),
+    rates=(1.0, 1.0, 1.001),
+    faults=(Fault("kill", 1, 1.0688617965328615), Fault("msg", 1, 4.0, 0.0, "drop_request")),
+    delay=(0.0005, 0.005),
+    socket_timeout=5.0,
+    celery=CeleryOptions(
+        lock_on="both", ttl=1.0, acks_late=True, ignore_result=False, broker="rabbitmq"
+    ),
+)
+
+#: Found the same way (``generate(175, "celery-both")``, shrunk), with that fixed: the watch
+#: sees the dead run's lock gone by its own estimate of the expiry (counted from when its
+#: read was sent), but the server keeps the key a few milliseconds longer; the copy's next
+#: acquire met the same dead holder again and was refused without watching: lost again.
+CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH = Scenario(
+    seed=175,
+    protocol="celery-both",
+    programs=(
+        (
+            Iteration("job", 0.3, 0.0, 0.06, 0, None, None, True, 0.0),
+            Iteration("job", 0.3, 0.1, 0.36, 0, None, None, False, 0.0),
+            Iteration("job", 0.3, 1.0, 0.18, 1, None, None, True, 0.0),
+            Iteration("job", 0.3, 1.0, 0.3, 0, None, None, True, 0.0),
+        ),
+        (),
+        (),
+    ),
+    rates=(1.0, 1.0001, 1.001),
+    faults=(Fault("kill", 1, 2.616290843285616),),
+    delay=(0.001, 0.05),
+    socket_timeout=1.0,
+    celery=CeleryOptions(
+        lock_on="both",
+        ttl=0.3,
+        on_lost="fail",
+        acks_late=True,
+        ignore_result=False,
+        wait_timeout=3.0,
+        retry_countdown=0.5,
+        max_retries=1,
+        broker="rabbitmq",
+        visibility_timeout=1.0,
+    ),
+)
+
+
+def test_a_celery_seed_replays_exactly() -> None:
+    for protocol in sim.CELERY:
+        first = sim.story(sim.generate(29, protocol))
+        assert first == sim.story(sim.generate(29, protocol))
+        assert any("runs message #1" in line for line in first[1])
+
+
+#: Found by the simulation (``generate(1765, "celery-both")`` with ``lock_unavailable="fail"``,
+#: shrunk): a run's take-over of its publish-time lock got no answer (its request lost:
+#: ``BackendUnavailable`` after the socket timeout) and the run failed, leaving that lock
+#: for the whole ``enqueue_ttl``: every later publish of the key was dropped as a
+#: duplicate of the failed message (as a refused run's lock was before it was freed).
+CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK = Scenario(
+    seed=1765,
+    protocol="celery-both",
+    programs=(
+        (
+            Iteration("job", 1.0, 0.0, 0.05, 1, None, None, True, 0.0),
+            Iteration("job", 1.0, 0.01, 0.2, 1, None, None, False, 0.0),
+            Iteration("job", 1.0, 0.01, 1.2, 1, None, None, False, 0.0),
+        ),
+        (
+            Iteration("job", 1.0, 1.0, 2.0, 0, None, None, True, 0.0),
+            Iteration("job", 1.0, 0.1, 2.0, 0, None, None, True, 0.0),
+            Iteration("job", 1.0, 0.1, 0.0, 3, None, None, True, 0.0),
+            Iteration("job", 1.0, 1.0, 1.0, 0, None, None, True, 0.0),
+        ),
+        (),
+        (),
+    ),
+    rates=(1.0001, 1.0, 1.0001, 1.001),
+    faults=(Fault("duplicate", 0, 0.0, 2.0), Fault("msg", 2, 12.0, 0.0, "drop_request")),
+    delay=(0.0001, 0.001),
+    socket_timeout=5.0,
+    celery=CeleryOptions(
+        lock_on="both",
+        on_conflict="wait",
+        ttl=1.0,
+        skip_as="failure",
+        wait_timeout=3.0,
+        max_retries=5,
+        broker="rabbitmq",
+        visibility_timeout=10.0,
+        publishers=2,
+    ),
+)
+
+
+#: Found by the simulation (``generate(2811, "celery")``, shrunk): a ``PeerCheckedTask``
+#: run takes the key, and its second look at the peer keys gets no answer: the error went
+#: out of ``PeerCheckedLock.acquire`` with the lease it had just taken still held and
+#: renewed by nobody's run; the retry (``lock_unavailable="retry"``) met its own task id on
+#: the key and was refused as a copy: the message lost, the key held for good.
+CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE = Scenario(
+    seed=2811,
+    protocol="celery",
+    programs=(
+        (
+            Iteration("job", 0.3, 0.0, 0.0, 0, None, None, True, 0.0),
+            Iteration("job", 0.3, 3.0, 0.05, 0, None, None, True, 0.0),
+        ),
+        (),
+    ),
+    rates=(1.001, 1.001),
+    faults=(Fault("msg", 1, 9.0, 0.0, "drop_request"),),
+    delay=(0.0005, 0.005),
+    socket_timeout=5.0,
+    celery=CeleryOptions(
+        ttl=0.3,
+        on_lost="fail",
+        skip_as="failure",
+        ignore_result=False,
+        wait_timeout=3.0,
+        retry_countdown=0.05,
+        lock_unavailable="retry",
+        peers=True,
+        broker="rabbitmq",
+        visibility_timeout=3.0,
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED,
+        CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH,
+        CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK,
+        CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE,
+    ],
+    ids=lambda s: f"seed{s.seed}",
+)
+def test_the_celery_findings(scenario: Scenario) -> None:
+    """A message whose whole worker died is run by its redelivery (the first two); a
+    'both' run that could not take its publish-time lock over frees it; a peer check that
+    fails after the acquire gives the lock back (the last)."""
+    violation, story = sim.story(scenario)
+    assert violation is None, "\n".join(story)

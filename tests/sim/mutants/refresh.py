@@ -616,5 +616,130 @@ protocol: sql
     ],
 )
 
+mutant(
+    "celery_limit_redelivery_takes_a_second_permit",
+    """
+Celery, limit > 1: no run guard named by the key and the task id, so a second delivery of
+a message still running (a visibility timeout, a broker's duplicate) finds a free permit
+and runs the same task id twice at once.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """        if (
+            self.lock_limit == 1
+            and self.lock_on != "both"
+            and self.on_conflict in ("skip", "raise")
+        ):
+            return None""",
+            """        if self.lock_on != "both" and self.on_conflict in ("skip", "raise"):
+            return None""",
+        )
+    ],
+)
+
+mutant(
+    "celery_both_copy_takes_over_the_running_lock",
+    """
+Celery, lock_on="both": no run guard, so a second delivery of a running message, which
+carries the same publish-time token, takes the run's lock over (same token, same fence)
+and runs beside it.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """        if (
+            self.lock_limit == 1
+            and self.lock_on != "both"
+            and self.on_conflict in ("skip", "raise")
+        ):
+            return None""",
+            """        if self.lock_limit == 1 and self.on_conflict in ("skip", "raise"):
+            return None""",
+        )
+    ],
+)
+
+mutant(
+    "celery_both_hand_over_releases_then_acquires",
+    """
+Celery, lock_on="both": the run frees its publish-time lock, then acquires the key afresh
+(the hand-over before it was one server-side step): a publish in between is accepted
+beside a message that is about to run.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """        if handed and self.lock_on == "enqueue":
+            yield from self._drop_queued_lock(name, handed)
+        tick = _beat_tick(request)""",
+            """        if handed and self.lock_on in ("enqueue", "both"):
+            yield from self._drop_queued_lock(name, handed)
+        tick = _beat_tick(request)""",
+        ),
+        (
+            "task_locks/celery/task.py",
+            """        return handed if self.lock_on == "both" else None""",
+            """        return None""",
+        ),
+    ],
+)
+
+mutant(
+    "celery_redelivered_copy_refused_at_once",
+    """
+Celery: a redelivered message that meets its own task id on the key is refused at once
+as "already running", even when the worker that ran it was killed whole: the copy is
+acknowledged and the message lost.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """            if watch and held.holder is not None and redelivered(request):""",
+            """            if False and watch and held.holder is not None and redelivered(request):""",
+        )
+    ],
+)
+
+mutant(
+    "celery_lost_lease_outcome_decided_at_release",
+    """
+Celery: whether a run lost its lock is decided when its release answers, not when its
+body returns: a lock force-released after the last renewal ends the run FAILURE when its
+result is stored (the release is sent at once and finds it gone) and SUCCESS when not
+(the release is deferred).
+""",
+    [
+        (
+            "task_locks/celery/interrupt.py",
+            """        if not self._lost_at_end:
+            return result""",
+            """        if not (self._lost_at_end or self.lost_known):
+            return result""",
+        )
+    ],
+)
+
+mutant(
+    "celery_both_refused_run_keeps_its_publish_lock",
+    """
+Celery, lock_on="both": a run refused by another holder (a PeerCheckedTask run skipped
+because an old library's key is held) keeps the lock its publish took, for the whole
+enqueue_ttl: every later publish of the key is dropped as a duplicate of the skipped
+message.
+""",
+    [
+        (
+            "task_locks/celery/task.py",
+            """        if handed and self.lock_on == "both":
+            try:
+                yield _DropQueued(self.resolved_lock_backend(), name, handed)""",
+            """        if False:
+            try:
+                yield _DropQueued(self.resolved_lock_backend(), name, handed)""",
+        )
+    ],
+)
+
 if STALE:
     raise SystemExit(1)
