@@ -552,9 +552,9 @@ def contention_libraries(
     plan: Plan, peers_python: str | None, peers: dict[str, str]
 ) -> list[tuple[str, str, str]]:
     libs = [("task-locks", sys.executable, "task-locks")]
-    if "task-locks-handoff" in plan.libraries:
-        # Opt-in server-side grant (Redis URL option handoff=server).
-        libs.append(("task-locks-handoff", sys.executable, "task-locks-handoff"))
+    if "task-locks-client" in plan.libraries:
+        # The opt-out client hand-off (Redis URL option handoff=client).
+        libs.append(("task-locks-client", sys.executable, "task-locks-client"))
     libs.append(("redis-py Lock", sys.executable, "redis-py"))
     if (
         "python-redis-lock" in plan.libraries

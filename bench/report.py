@@ -141,9 +141,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "command the script runs, so a script with three calls counts four; failed "
         "attempts and wake-ups are included, so this is per contended acquisition where "
         "the lock is busy (hold 0 and 1 ms at 4 processes: nearly every acquisition "
-        "waits). `task-locks-handoff` is task-locks with the opt-in Redis URL option "
-        "`handoff=server` (release grants the lock to the first queued waiter inside the "
-        "server). redis-py's Lock runs with its defaults (blocking, sleep=0.1) and "
+        "waits). `task-locks` runs its default, the server hand-off (a release grants the "
+        "lock to the first queued waiter inside Redis); `task-locks-client` is task-locks "
+        "with the opt-out Redis URL option `handoff=client` (a release wakes a waiter, "
+        "which acquires again). redis-py's Lock runs with its defaults (blocking, sleep=0.1) and "
         "timeout=30; python-redis-lock with expire=30.\n"
     )
     plan = results.get("plan")

@@ -28,8 +28,8 @@ class Target:
 
 #: The two ways task-locks hands a contended lock over, each checked against the contention targets.
 OURS = (
-    ("task-locks", "task-locks (default, client hand-off)"),
-    ("task-locks-handoff", "task-locks-handoff (opt-in handoff=server)"),
+    ("task-locks", "task-locks (default, server hand-off)"),
+    ("task-locks-client", "task-locks-client (opt-out handoff=client)"),
 )
 
 

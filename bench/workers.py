@@ -184,9 +184,10 @@ class Sherlock(Adapter):
 ADAPTERS: dict[str, Callable[..., Adapter]] = {
     "task-locks": TaskLocks,
     "task-locks-norenew": lambda url, name, ttl: TaskLocks(url, name, ttl, renew=False),
-    # Redis's server-side hand-off (handoff=server): the release grants the lock to the next waiter.
-    "task-locks-handoff": lambda url, name, ttl: TaskLocks(
-        url + ("&" if "?" in url else "?") + "handoff=server", name, ttl
+    # The opt-out client hand-off (handoff=client): a release wakes a waiter, which acquires
+    # again (the default is the server hand-off: the release grants the lock inside Redis).
+    "task-locks-client": lambda url, name, ttl: TaskLocks(
+        url + ("&" if "?" in url else "?") + "handoff=client", name, ttl
     ),
     "redis-py": RedisPyLock,
     "python-redis-lock": PythonRedisLock,

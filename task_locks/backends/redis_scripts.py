@@ -27,7 +27,7 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
 - ``<prefix>released:<db>``, a pub/sub **channel**, not a key: an operator's release
   publishes ``<fence>|<record key>`` to it, so the holder's process (its one listener,
   :mod:`task_locks.notices`) marks that lease lost at once. Nothing is stored.
-- ``handoff=server`` waiters: ``<prefix>{name}:queue`` (zset of tokens by arrival),
+- server hand-off waiters (the default): ``<prefix>{name}:queue`` (zset of tokens by arrival),
   ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
   ``:grant:<token>`` (the list its grant is pushed to). They exist while someone waits.
 
@@ -313,7 +313,7 @@ return 1
 """,
 )
 
-# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
+# -- server-side hand-off (the default; ``handoff=client`` opts out) ----------------------
 
 # KEYS[1] - the lock's record
 # KEYS[2] - the fence counter
