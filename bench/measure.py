@@ -304,7 +304,7 @@ def measure_contention(
     libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path, admin: Any
 ) -> dict[str, dict[str, Any]]:
     """``libraries``: (label, python, adapter). A pool of max(procs) workers per library."""
-    size = max(plan.procs)
+    size = max(n for n, _ in plan.cells())
     pools: dict[str, list[Worker]] = {}
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}

@@ -363,8 +363,13 @@ if not held or not held.token then
   local head, entry = false, false
   if not held then head, entry = pop_live(key, queue_key) end
   if not head or head == token then
-    redis.call('zrem', queue_key, token)
-    redis.call('del', entry_key, key .. ':grant:' .. token)
+    -- Our own place in line goes with the lock, if we have a live one: a member whose
+    -- entry expired is dropped by any pop, and a queue found empty holds none of ours.
+    -- An uncontended try pays one DEL for this (nothing for a new name).
+    if (held or head) and redis.call('del', entry_key) == 1 then
+      redis.call('zrem', queue_key, token)
+      redis.call('del', key .. ':grant:' .. token)
+    end
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     local waiters = (head and '1') or (held and held.waiters) or '0'
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
