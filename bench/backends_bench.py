@@ -32,12 +32,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from peers import ensure_peers, installed
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 # This checkout's task_locks, not whatever the virtualenv's editable install points at.
 sys.path.insert(0, str(ROOT))
 
-PEER_VENV = BENCH / ".peers"
 TTL = 30.0
 CONTENDERS = 4
 ROUNDS = 3
@@ -139,6 +140,10 @@ def summarise(rounds: list[Raw]) -> dict[str, Any]:
     errors = [e for r in rounds for e in r[3]]
     result: dict[str, Any] = {
         "median_us": statistics.median(samples) * 1e6,
+        # The typical round (median of the rounds' medians): a burst of load from other
+        # jobs in one round does not decide it (the targets read this).
+        "round_median_us": statistics.median(statistics.median(r[0]) for r in rounds if r[0]) * 1e6,
+        "rounds": len(rounds),
         "p90_us": quantile(samples, 0.9) * 1e6,
         "cycles": len(samples),
         "handoffs_per_s": handoffs / elapsed if elapsed else 0.0,
@@ -152,32 +157,13 @@ def summarise(rounds: list[Raw]) -> dict[str, Any]:
 # -- pottery, from its own venv ---------------------------------------------------------------
 
 
-def peers_python() -> tuple[str | None, str]:
-    """The peers' interpreter with pottery importable, creating the venv if needed."""
-    python = PEER_VENV / "bin" / "python"
-    probe = [str(python), "-c", "import importlib.metadata as m; print(m.version('pottery'))"]
-    if python.exists():
-        done = subprocess.run(probe, capture_output=True, text=True, check=False)
-        if done.returncode == 0:
-            return str(python), done.stdout.strip()
-    log("installing pottery into bench/.peers")
-    try:
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "pottery", "redis[hiredis]"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    except (subprocess.SubprocessError, OSError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        return None, f"pottery could not be installed into bench/.peers: {detail[-300:]}"
-    done = subprocess.run(probe, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        return None, f"pottery does not import in bench/.peers: {done.stderr[-300:]}"
-    return str(python), done.stdout.strip()
+def pottery_python() -> tuple[str | None, str]:
+    """The peers' interpreter with pottery importable (``bench/peers.py`` installs it into
+    ``bench/.peers`` as it installs every peer), and pottery's version or why not."""
+    python, status = ensure_peers(True)
+    if python is None or not installed(status, "pottery"):
+        return None, f"pottery {status.get('pottery', 'not installed')}"
+    return python, status["pottery"]
 
 
 def measure_pottery(python: str, ports: list[int], cycles: int, seconds: float) -> Raw:
@@ -207,23 +193,28 @@ def started(server: Any) -> Iterator[Any]:
         server.cleanup()
 
 
-def deployments(stack: ExitStack) -> Iterator[tuple[str, Callable[[], str], Any]]:
-    """(label, URL factory, the servers) for every backend, started lazily."""
+def deployments(
+    stack: ExitStack, only_targets: bool = False
+) -> Iterator[tuple[str, Callable[[], str], Any]]:
+    """(label, URL factory, the servers) for every backend (``only_targets``: those the
+    targets read), started lazily."""
     import shutil
 
     import common  # noqa: F401  (puts tests/ on sys.path for servers)
     import servers
 
-    yield "memory", lambda: f"memory://{uuid.uuid4().hex}", None
-    redis_server = stack.enter_context(started(servers.RedisServer()))
-    yield "redis (1 server)", redis_server.url, redis_server
+    if not only_targets:
+        yield "memory", lambda: f"memory://{uuid.uuid4().hex}", None
+        redis_server = stack.enter_context(started(servers.RedisServer()))
+        yield "redis (1 server)", redis_server.url, redis_server
     masters = stack.enter_context(started(servers.RedisMasters(3)))
     yield "redlock (3 masters)", masters.url, masters
     if shutil.which("etcd"):
         node = stack.enter_context(started(servers.EtcdServer()))
         yield "etcd (1 member)", node.url, node
-        cluster = stack.enter_context(started(servers.EtcdCluster(3)))
-        yield "etcd (3 members)", cluster.url, cluster
+        if not only_targets:
+            cluster = stack.enter_context(started(servers.EtcdCluster(3)))
+            yield "etcd (3 members)", cluster.url, cluster
     else:
         yield "etcd", lambda: "", "no etcd binary (scripts/install-servers.sh installs it)"
 
@@ -249,6 +240,21 @@ def django_worker(alias: str, cycles: int, seconds: float) -> None:
     print(json.dumps(raw))
 
 
+def alternating(
+    subjects: dict[str, Callable[[], object]], cycles: int, block: int
+) -> dict[str, list[float]]:
+    """Each subject's call timed ``block`` times in turn, about ``cycles`` times in all:
+    alternating blocks, so load from other jobs lands on every subject alike."""
+    samples: dict[str, list[float]] = {key: [] for key in subjects}
+    for _ in range(max(1, cycles // block)):
+        for key, call in subjects.items():
+            for _ in range(block):
+                started = time.perf_counter()
+                call()
+                samples[key].append(time.perf_counter() - started)
+    return samples
+
+
 def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
     """The uncontended cycle beside two raw ``SELECT 1`` round trips (the django:// target)
     and one durable one-row write, on a connection opened with the backend's own
@@ -263,17 +269,28 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
     for _ in range(20):
         lock.acquire(timeout=5).release()
     sent: list[str] = []
+    replay: list[tuple[Any, Any]] = []  # what one cycle sent, to send again raw
 
-    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        sent.append("; ".join(" ".join(part.split())[:48] for part in sql.split("; ")))
-        return execute(sql, params, many, context)
+    def counting(base: Any) -> Any:
+        """``base`` (the driver's cursor class) recording every statement it runs."""
 
-    idle = backend.idle_connections()
-    for wrapper in idle:
-        wrapper.execute_wrappers.append(count)
+        def execute(cursor: Any, query: Any, params: Any = None, **options: Any) -> Any:
+            sql = str(query)
+            sent.append("; ".join(" ".join(part.split())[:48] for part in sql.split("; ")))
+            replay.append((query, params))
+            return base.execute(cursor, query, params, **options)
+
+        return type("Counting", (base,), {"execute": execute})
+
+    # Counted in the driver (psycopg's cursor_factory, which Django's cursors come from
+    # too), so statements the backend sends on raw driver cursors are counted as well.
+    idle = [w.connection for w in backend.idle_connections() if w.connection is not None]
+    factories = [raw.cursor_factory for raw in idle]
+    for raw, factory in zip(idle, factories, strict=True):
+        raw.cursor_factory = counting(factory)
     lock.acquire(timeout=5).release()
-    for wrapper in idle:
-        wrapper.execute_wrappers.remove(count)
+    for raw, factory in zip(idle, factories, strict=True):
+        raw.cursor_factory = factory
 
     wrapper = backend.new_connection()  # the pool's settings: same options, own connection
     wrapper.ensure_connection()
@@ -294,17 +311,70 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
     def durable_write() -> None:
         conn.execute("UPDATE bench_floor SET n = n + 1 WHERE id = 1")
 
-    subjects = {"cycle": cycle, "select1x2": select1_twice, "durable_write": durable_write}
-    samples: dict[str, list[float]] = {key: [] for key in subjects}
-    block = 25
-    for _ in range(max(1, cycles // block)):
-        for key, call in subjects.items():
-            for _ in range(block):
-                started = time.perf_counter()
-                call()
-                samples[key].append(time.perf_counter() - started)
+    def bare_cycle() -> None:
+        """The statements of one cycle (the same token: taken again, released again),
+        sent raw on the floor's connection: the SQL's own cost, no lock code."""
+        for query, params in replay:
+            conn.execute(query, params, prepare=True).fetchall()
+
+    subjects = {
+        "cycle": cycle,
+        "select1x2": select1_twice,
+        "durable_write": durable_write,
+        "bare_cycle": bare_cycle,
+    }
+    samples = alternating(subjects, cycles, block=25)
     wrapper.close()
     return {"samples": samples, "statements": sent}
+
+
+def etcd_floor(url: str, cycles: int) -> dict[str, Any]:
+    """The etcd target's floor: the uncontended cycle beside two bare gateway requests (a
+    range of a missing key) sent through the backend's own HTTP client (etcd3gw over one
+    ``requests`` session: the same transport), in alternating blocks; beside them the
+    least any lease-based lock cycle sends (grant a lease, put the key with it if absent,
+    delete it if still ours), bare; and the requests one of our cycles sends."""
+    import base64
+
+    from task_locks import Lock
+
+    lock = Lock(f"bench-floor-{uuid.uuid4().hex}", ttl=TTL, backend=url, renew=False)
+    for _ in range(20):
+        lock.acquire(timeout=5).release()
+    client = lock.backend.transport()
+    sent: list[str] = []
+
+    def count(response: Any, *args: Any, **kwargs: Any) -> None:
+        sent.append(response.request.path_url.rsplit("/v3/", 1)[-1])
+
+    client.session.hooks["response"].append(count)
+    lock.acquire(timeout=5).release()
+    client.session.hooks["response"].remove(count)
+
+    def post(path: str, body: dict[str, Any]) -> Any:
+        return client.post(client.get_url(path), json=body)
+
+    missing = base64.b64encode(f"bench-floor-missing-{uuid.uuid4().hex}".encode()).decode()
+    key = base64.b64encode(f"bench-floor-bare-{uuid.uuid4().hex}".encode()).decode()
+
+    def range_twice() -> None:
+        post("/kv/range", {"key": missing})
+        post("/kv/range", {"key": missing})
+
+    def bare_protocol() -> None:
+        lease = post("/lease/grant", {"TTL": int(TTL)})["ID"]
+        absent = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
+        put = [{"request_put": {"key": key, "value": "eA==", "lease": lease}}]
+        post("/kv/txn", {"compare": absent, "success": put, "failure": []})
+        ours = [{"key": key, "result": "EQUAL", "target": "LEASE", "lease": lease}]
+        delete = [{"request_delete_range": {"key": key}}]
+        post("/kv/txn", {"compare": ours, "success": delete, "failure": []})
+
+    def cycle() -> None:
+        lock.acquire(timeout=5).release()
+
+    subjects = {"cycle": cycle, "range2": range_twice, "bare3": bare_protocol}
+    return {"samples": alternating(subjects, cycles, block=10), "statements": sent}
 
 
 def summarise_floor(floors: list[dict[str, Any]]) -> dict[str, Any]:
@@ -314,9 +384,10 @@ def summarise_floor(floors: list[dict[str, Any]]) -> dict[str, Any]:
         for key, values in floor["samples"].items():
             merged.setdefault(key, []).extend(values)
     medians = {f"{key}_us": statistics.median(v) * 1e6 for key, v in merged.items() if v}
+    base = "select1x2_us" if "select1x2_us" in medians else "range2_us"
     return {
         **medians,
-        "ratio": medians["cycle_us"] / medians["select1x2_us"],
+        "ratio": medians["cycle_us"] / medians[base],
         "statements": floors[-1]["statements"],
     }
 
@@ -388,17 +459,25 @@ def django_reason(alias: str) -> str | None:
     return None
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    peers_python: str | None = None,
+    peers: dict[str, str] | None = None,
+    only_targets: bool = False,
+) -> dict[str, Any]:
     """Measure every backend; returns ``{"rows": [...], "markdown": "..."}``.
 
-    Each subject is measured in ROUNDS short rounds; on ``redlock://`` ours and pottery
-    alternate round by round, so load on the machine falls on both alike.
+    Each subject is measured in ROUNDS short rounds, the order rotated each round; on
+    ``redlock://`` ours and pottery take turns, so load on the machine falls on both
+    alike. ``peers_python``/``peers``: the runner's peers venv (``bench/peers.py``), else
+    installed here. ``only_targets``: just the three target cells (Redlock vs pottery,
+    the etcd and PostgreSQL floors), for the runner's ``--quick``.
     """
     cycles, seconds = (200, 1.5) if quick else (1000, 4.0)
     per_round = (max(50, cycles // ROUNDS), seconds / ROUNDS)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        for label, make_url, server in deployments(stack):
+        for label, make_url, server in deployments(stack, only_targets):
             if isinstance(server, str):
                 rows.append({"backend": label, "library": "task-locks", "status": server})
                 continue
@@ -408,7 +487,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "task-locks": partial(measure_ours, url, *per_round)
             }
             if label.startswith("redlock"):
-                python, version = peers_python()
+                if peers is None:  # run alone: install the peers here
+                    python, version = pottery_python()
+                elif peers_python and installed(peers, "pottery"):
+                    python, version = peers_python, peers["pottery"]
+                else:
+                    python, version = None, f"pottery {peers.get('pottery', 'not installed')}"
                 if python is None:
                     rows.append({"backend": label, "library": "pottery Redlock", "status": version})
                 else:
@@ -418,12 +502,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                     )
             measured: dict[str, list[Raw]] = {library: [] for library in subjects}
             failed: dict[str, str] = {}
-            for _ in range(ROUNDS):
-                for library, measure in subjects.items():
+            order = list(subjects)
+            for turn in range(ROUNDS):
+                for library in order[turn % len(order) :] + order[: turn % len(order)]:
                     if library in failed:
                         continue
                     try:
-                        measured[library].append(measure())
+                        measured[library].append(subjects[library]())
                     except Exception as exc:
                         failed[library] = f"failed: {type(exc).__name__}: {exc}"
             for library in subjects:
@@ -432,8 +517,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                     row["status"] = failed[library]
                 else:
                     row.update(summarise(measured[library]))
+                if library == "task-locks" and label.startswith("etcd") and "status" not in row:
+                    try:
+                        row["floor"] = summarise_floor([etcd_floor(url, cycles)])
+                    except Exception as exc:
+                        row["floor_status"] = f"failed: {type(exc).__name__}: {exc}"
                 rows.append(row)
         for label, alias in DJANGO_ALIASES.items():
+            if only_targets and alias != "pg":
+                continue
             reason = django_reason(alias)
             if reason:
                 rows.append({"backend": label, "library": "task-locks", "status": reason})
@@ -457,6 +549,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "cycles": per_round[0] * ROUNDS,
         "seconds": seconds,
         "rounds": ROUNDS,
+        "loadavg": os.getloadavg(),
     }
     result["markdown"] = markdown(result)
     return result
@@ -482,6 +575,8 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         if "floor" in row:
             lines += ["", *floor_markdown(row["backend"], row["floor"])]
+        elif "floor_status" in row:
+            lines += ["", f"{row['backend']}: floor {row['floor_status']}"]
     ours = next(
         (
             r
@@ -501,29 +596,48 @@ def markdown(result: dict[str, Any]) -> str:
     if "median_us" in ours and "median_us" in peer:
         lines += [
             "",
-            f"redlock:// vs pottery on the same masters: cycle {ours['median_us'] / peer['median_us']:.2f}x "
-            f"pottery's time, hand-offs {ours['handoffs_per_s'] / max(peer['handoffs_per_s'], 1e-9):.1f}x "
-            "pottery's rate.",
+            "redlock:// vs pottery on the same masters: cycle "
+            f"{ours['round_median_us'] / peer['round_median_us']:.2f}x pottery's time "
+            f"(typical round {ours['round_median_us']:.0f} vs {peer['round_median_us']:.0f} µs "
+            f"over {ours['rounds']} rotated rounds), hand-offs "
+            f"{ours['handoffs_per_s'] / max(peer['handoffs_per_s'], 1e-9):.1f}x pottery's rate.",
         ]
     return "\n".join(lines)
 
 
 def floor_markdown(label: str, floor: dict[str, Any]) -> list[str]:
-    """The cycle beside two raw SELECT 1 round trips, in prose (the django:// target)."""
+    """The cycle beside its floor, in prose: two raw SELECT 1 round trips and a durable
+    write (the django:// target), or two bare gateway requests (the etcd target)."""
     statements = floor.get("statements", [])
+    if "range2_us" in floor:
+        return [
+            f"{label}: cycle {floor['cycle_us']:.0f} µs = {floor['ratio']:.2f}x two bare "
+            f"gateway requests (a range of a missing key, {floor['range2_us']:.0f} µs) over "
+            "the backend's own HTTP client, alternating blocks; the least a lease-based "
+            f"cycle sends (grant, put, delete), bare: {floor['bare3_us']:.0f} µs = "
+            f"{floor['bare3_us'] / floor['range2_us']:.2f}x. {len(statements)} requests "
+            "per cycle: " + ", ".join(f"`{s}`" for s in statements),
+        ]
     count = sum(len(s.split("; ")) for s in statements)
+    base = floor["select1x2_us"] + floor["durable_write_us"]
+    bare = (
+        f"; the cycle's own statements sent raw on that connection (no lock code): "
+        f"{floor['bare_cycle_us']:.0f} µs = {floor['bare_cycle_us'] / base:.2f}x the floor"
+        if "bare_cycle_us" in floor
+        else ""
+    )
     return [
-        f"{label}: cycle {floor['cycle_us']:.0f} µs = {floor['ratio']:.1f}x two raw "
-        f"`SELECT 1` round trips ({floor['select1x2_us']:.0f} µs) in the same child, "
-        f"alternating blocks; one durable one-row write (its commit's WAL flush) "
-        f"{floor['durable_write_us']:.0f} µs. {count} statements in {len(statements)} "
-        "round trips per cycle: " + " / ".join(f"`{s}`" for s in statements),
+        f"{label}: cycle {floor['cycle_us']:.0f} µs = {floor['cycle_us'] / base:.2f}x its "
+        f"floor, two raw `SELECT 1` round trips ({floor['select1x2_us']:.0f} µs) plus one "
+        f"durable one-row write (its commit's WAL flush, {floor['durable_write_us']:.0f} µs), "
+        f"measured in the same child in alternating blocks{bare}. {count} statements in "
+        f"{len(statements)} round trips per cycle: " + " / ".join(f"`{s}`" for s in statements),
     ]
 
 
 def run_pg_floor(quick: bool = True) -> dict[str, Any]:
     """Only the django:// (PostgreSQL) target, for runs that skip this module's
-    :func:`run` (``--smoke``, ``--quick``): one child, no contention."""
+    :func:`run` and :func:`run_targets` (``--smoke``): one child, no contention."""
     label, alias = "django (PostgreSQL)", "pg"
     reason = django_reason(alias)
     if reason:
@@ -535,9 +649,20 @@ def run_pg_floor(quick: bool = True) -> dict[str, Any]:
     return {"rows": [row], "markdown": "\n".join(lines)}
 
 
+def run_targets(
+    quick: bool = True, peers_python: str | None = None, peers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Only the three target cells (Redlock vs pottery on the same masters, the etcd and
+    PostgreSQL cycles beside their floors), for the runner's ``--quick``."""
+    return run(quick=quick, peers_python=peers_python, peers=peers, only_targets=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--only-targets", action="store_true", help="only the Redlock, etcd and PostgreSQL cells"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--django-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -545,7 +670,7 @@ def main() -> int:
         alias, cycles, seconds = args.django_worker
         django_worker(alias, int(cycles), float(seconds))
         return 0
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, only_targets=args.only_targets)
     print(result["markdown"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

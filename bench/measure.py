@@ -613,6 +613,7 @@ def hooks(
     out: dict[str, Any] = {
         "celery": {"status": "not measured: skipped"},
         "celery_profile": {"status": "not measured: skipped (--no-celery)"},
+        "celery_footprint": {"status": "not measured: skipped (--no-celery)"},
     }
     if plan.celery and celery:
         log("celery: bench/celery_bench.py")
@@ -627,16 +628,30 @@ def hooks(
     if celery:
         log("celery profile: bench/celery_profile.py (quick)")
         out["celery_profile"] = run_hook("celery_profile", redis_url=url, quick=True)
+    if celery and plan.mode != "smoke":  # a process per mode: seconds even for a few runs
+        log(f"celery footprint: {plan.footprint_cycles:,} runs per mode (celery_footprint.py)")
+        out["celery_footprint"] = run_hook(
+            "celery_footprint", url=url, n=plan.footprint_cycles, peers_python=peers_python
+        )
     if plan.mode == "full":
         log("backends: bench/backends_bench.py")
-        out["backends"] = run_hook("backends_bench", quick=False)
+        out["backends"] = run_hook(
+            "backends_bench", quick=False, peers_python=peers_python, peers=peers
+        )
         out["coordination"] = run_hook("coordination_bench", quick=False)
     else:
         skipped = {"status": f"skipped in --{plan.mode} (full run only)"}
         out["coordination"] = dict(skipped)
-        # The django:// (PostgreSQL) target alone: one short child process.
-        log("backends: django (PostgreSQL) cycle vs SELECT 1 (bench/backends_bench.py)")
-        out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
+        if plan.mode == "quick":
+            # The three backend targets only: Redlock vs pottery, etcd and PostgreSQL floors.
+            log("backends: the Redlock, etcd and PostgreSQL targets (bench/backends_bench.py)")
+            out["backends"] = run_hook(
+                "backends_bench", "run_targets", quick=True, peers_python=peers_python, peers=peers
+            )
+        else:
+            # The django:// (PostgreSQL) target alone: one short child process.
+            log("backends: django (PostgreSQL) cycle vs its floor (bench/backends_bench.py)")
+            out["backends"] = run_hook("backends_bench", "run_pg_floor", quick=True)
     if plan.mode != "smoke":
         log("notices: force release to lease.lost (bench/notice_bench.py)")
         out["notice"] = run_hook("notice_bench", quick=plan.mode != "full")
@@ -773,6 +788,9 @@ def measure_all(
         "footprint": footprint,
         "celery": {k: v for k, v in hooked["celery"].items() if k != "traceback"},
         "celery_profile": {k: v for k, v in hooked["celery_profile"].items() if k != "traceback"},
+        "celery_footprint": {
+            k: v for k, v in hooked["celery_footprint"].items() if k != "traceback"
+        },
         "backends": hooked["backends"],
         "coordination": hooked["coordination"],
     }

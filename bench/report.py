@@ -208,6 +208,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     add("")
 
     out.extend(footprint_markdown(results.get("footprint", {}), results["plan"]))
+    out.extend(celery_footprint_markdown(results.get("celery_footprint", {})))
     add("## Celery (`bench/celery_bench.py`)\n")
     out.extend(celery_markdown(results.get("celery", {})))
     out.extend(profile_markdown(results.get("celery_profile", {})))
@@ -261,6 +262,25 @@ def footprint_markdown(footprint: dict[str, Any], plan: dict[str, Any]) -> list[
         )
     lines.append("")
     return lines
+
+
+def celery_footprint_markdown(found: dict[str, Any]) -> list[str]:
+    """What each Celery mode leaves in Redis (``celery_footprint.run()``), beside the peers'."""
+    lines = ["## Redis footprint of the Celery modes (`bench/celery_footprint.py`)\n"]
+    if found.get("status") != "ok" or not found.get("markdown"):
+        return [*lines, f"{found.get('status', 'not measured')}\n"]
+    return [
+        *lines,
+        "Each mode alone on a flushed database: that many runs, each of a key of its own "
+        "(per-entity keys), then the keys and bytes the database holds right after. The runs "
+        "go through Celery's own tracer in one process (what a solo worker calls per "
+        "message), not through a broker and a worker, so that this many runs take seconds; "
+        '`lock_on="enqueue"`/`"both"` put each message through the publish guard first, '
+        "and the peers their own `apply_async` to an in-memory broker. Every run gets its lock "
+        "at once (no contention). A key left without an expiry or with one past 60 s counts "
+        "as beyond 60 s (ours: the database's one fence counter).\n",
+        found["markdown"] + "\n",
+    ]
 
 
 def celery_markdown(celery: dict[str, Any]) -> list[str]:

@@ -45,7 +45,7 @@ from measure import (
     run_hook,
 )
 from peers import ensure_peers, versions_of
-from report import footprint_markdown, write_results
+from report import celery_footprint_markdown, footprint_markdown, write_results
 from servers import RedisServer  # tests/servers.py, the tests' own harness
 from targets import target_rows
 
@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                 contention_libraries(plan, peers_python, peers), url, plan, log_dir
             )
             print("\n".join(footprint_markdown(found, dataclasses.asdict(plan))))
+            if not args.no_celery:
+                cells = run_hook(
+                    "celery_footprint", url=url, n=plan.footprint_cycles, peers_python=peers_python
+                )
+                print("\n".join(celery_footprint_markdown(cells)))
             return 0
         measured = measure_all(
             plan,

@@ -420,6 +420,15 @@ def wake_push(url: str, key: str, n: int, gap: float) -> dict[str, Any]:
     return {"ping": pings}
 
 
+def lasting_keys(admin: Any) -> int:
+    """How many keys of ``admin``'s database outlive 60 s (no expiry, or a longer one)."""
+    lasting = 0
+    for key in admin.scan_iter(count=1000):
+        pttl = admin.pttl(key)
+        lasting += pttl == -1 or pttl > 60_000
+    return lasting
+
+
 def footprint(adapter: Adapter, url: str, n: int, live: int) -> dict[str, Any]:
     """What this library leaves in Redis (its own database, flushed first).
 
@@ -452,10 +461,7 @@ def footprint(adapter: Adapter, url: str, n: int, live: int) -> dict[str, Any]:
         adapter.acquire()
         adapter.release()
     left_bytes, left_keys = used() - base, admin.dbsize()
-    lasting = 0
-    for key in admin.scan_iter(count=1000):
-        pttl = admin.pttl(key)
-        lasting += pttl == -1 or pttl > 60_000
+    lasting = lasting_keys(admin)
     admin.flushdb()
     return {
         "live_bytes_per_lock": live_bytes,

@@ -52,6 +52,7 @@ has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import math
@@ -59,16 +60,16 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from task_locks.backends.base import Backend, Capability, unknown_options
+from task_locks.backends.base import Backend, Capability, RunChecked, unknown_options
 from task_locks.backends.notices import Notice, NoticeStream, close_streams, retired, track
 from task_locks.errors import BackendUnavailable, InvalidArgument
 from task_locks.lock import MAX_NAME_LENGTH as NAME_LENGTH  # the name column's size
-from task_locks.types import AcquireResult, Holder, Owner, RenewItem
+from task_locks.types import AcquireResult, Holder, Owner, RenewItem, RunCheck, parse_slot
 
 LOCKS = "task_locks_lock"
 FENCES = "task_locks_fence"
@@ -285,9 +286,7 @@ class _ConnectionCutter:
         with self._cond:
             if self._pid != os.getpid():  # first use, or a forked child: no thread yet
                 self._pid, self._heap = os.getpid(), []
-                threading.Thread(
-                    target=self._run, name="task-locks-db-cutter", daemon=True
-                ).start()
+                threading.Thread(target=self._run, name="task-locks-db-cutter", daemon=True).start()
             heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
             if deadline.at < self._wake_at:  # else the thread wakes in time anyway
                 self._cond.notify()
@@ -471,10 +470,12 @@ class _NotConnected(BackendUnavailable):
     """
 
 
-class DjangoBackend(Backend):
+class DjangoBackend(Backend, RunChecked):
     """Locks in the ``task_locks_lock`` table of the database ``ALIAS`` names."""
 
-    capabilities = frozenset({Capability.FENCING, Capability.MULTIPROCESS, Capability.HOLDERS})
+    capabilities = frozenset(
+        {Capability.FENCING, Capability.MULTIPROCESS, Capability.HOLDERS, Capability.RUN_CHECK}
+    )
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -568,10 +569,22 @@ class DjangoBackend(Backend):
 
     @contextmanager
     def _cursor(
-        self, name: str | None, *, transaction: bool = False, budget: float | None = None
+        self,
+        name: str | None,
+        *,
+        transaction: bool = False,
+        budget: float | None = None,
+        driver: bool = False,
     ) -> Iterator[Any]:
         """A cursor on a pooled connection, within ``budget`` seconds (default: the
-        backend's timeout); database errors become ``BackendUnavailable``."""
+        backend's timeout); database errors become ``BackendUnavailable``.
+
+        ``driver`` (PostgreSQL): the driver's own cursor, its errors still mapped to
+        Django's: a single statement needs none of Django's cursor layers, which cost
+        a cycle about a tenth of its client CPU. A connection given ``execute_wrappers``
+        (Django's hook for instrumenting queries) keeps Django's cursor, so that they
+        see every statement.
+        """
         from django.db import Error as DatabaseError
 
         seconds = self.timeout if budget is None else budget
@@ -582,6 +595,10 @@ class DjangoBackend(Backend):
             wrapper = self._pool.checkout()
             armed = self._arm(wrapper, seconds)
             connected = True
+            if driver and not wrapper.execute_wrappers:  # _arm connected it
+                with wrapper.wrap_database_errors, wrapper.connection.cursor() as cursor:
+                    yield cursor
+                return
             with wrapper.cursor() as cursor:
                 if transaction:
                     cursor.execute(self.dialect.begin)
@@ -671,43 +688,96 @@ class DjangoBackend(Backend):
         fresh take if the first attempt rolled back), and spares the name from being
         held by nobody's lease until its TTL runs out.
         """
+        return self._once_more_if_unknown(
+            name, ttl_ms, lambda: self._take(name, token, ttl_ms, owner)
+        )
+
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        """:meth:`acquire` with a run check, in one transaction: the rows of the run's
+        names are read under a row lock (a semaphore's checks are first serialised on
+        the fence counter row of its first slot, since a free slot has no row to lock;
+        one name needs none: the insert of its row is what two copies race on), then
+        the lock is taken over from ``run.take_over`` or taken as usual."""
+        return self._once_more_if_unknown(
+            name, ttl_ms, lambda: self._take_run(name, token, ttl_ms, owner, run)
+        )
+
+    def _once_more_if_unknown(
+        self, name: str, ttl_ms: int, take: Callable[[], AcquireResult]
+    ) -> AcquireResult:
         from django.db import InterfaceError, OperationalError
 
         self._check_ttl(name, ttl_ms)
         self.check_name(name)
         try:
-            return self._take(name, token, ttl_ms, owner)
+            return take()
         except _NotConnected:
             raise  # nothing was sent: no unknown outcome, and a retry doubles the wait
         except BackendUnavailable as exc:
             if not isinstance(exc.__cause__, (OperationalError, InterfaceError)):
                 raise
-        return self._take(name, token, ttl_ms, owner)
+        return take()
 
     def _take(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         d = self.dialect
         key = self.prefix + name
-        params = [key, token, owner.to_json(), d.ttl_param(ttl_ms)]
         if d.vendor == "postgresql":
-            return self._take_pg(name, key, token, params[2], ttl_ms)
+            return self._take_pg(name, key, token, owner.to_json(), ttl_ms)
         with self._cursor(name, transaction=True) as cursor:
-            cursor.execute(d.take_sql(), params)
-            cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
-            row = cursor.fetchone()
-            if row is not None and row[1] == token and not row[2]:
-                cursor.execute(d.bump_fence_sql(), [key])
-                cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
-                fence = int(cursor.fetchone()[0])
-                cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
-                return AcquireResult(fence)
+            return self._take_in(cursor, name, token, ttl_ms, owner)
+
+    def _take_in(
+        self, cursor: Any, name: str, token: str, ttl_ms: int, owner: Owner
+    ) -> AcquireResult:
+        """The acquire's statements, inside the caller's transaction."""
+        d = self.dialect
+        key = self.prefix + name
+        cursor.execute(d.take_sql(), [key, token, owner.to_json(), d.ttl_param(ttl_ms)])
+        cursor.execute(self._select_sql("name = %s") + d.for_update, [key])
+        row = cursor.fetchone()
+        if row is not None and row[1] == token and not row[2]:
+            cursor.execute(d.bump_fence_sql(), [key])
+            cursor.execute(f"SELECT fence FROM {FENCES} WHERE name = %s{d.for_update}", [key])
+            fence = int(cursor.fetchone()[0])
+            cursor.execute(f"UPDATE {LOCKS} SET fence = %s WHERE name = %s", [fence, key])
+            return AcquireResult(fence)
         return self._taken(name, token, row)
+
+    def _take_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        d = self.dialect
+        keys = sorted(self.prefix + other for other in {name, *run.names})
+        mine = {token, run.take_over, run.mark}
+        slots = sorted(other for other in run.names if parse_slot(other) is not None)
+        with self._cursor(name, transaction=True) as cursor:
+            if len(slots) > 1:  # a free slot has no row to lock: serialise on the first's
+                cursor.execute(d.bump_fence_sql(), [self.prefix + slots[0]])  # (fences skip)
+            marks = ", ".join(["%s"] * len(keys))
+            live = f"name IN ({marks}) AND expires_at > {d.now}"
+            cursor.execute(self._select_sql(live) + d.for_update, keys)
+            for row in cursor.fetchall():
+                holder = self._holder(row)
+                if holder.token not in mine and holder.owner.task_id == run.task_id:
+                    found = self._taken(name, token, row)
+                    other = None if holder.name == name else holder.name
+                    return dataclasses.replace(found, holder_name=other)
+            if run.take_over is not None:
+                cursor.execute(
+                    f"UPDATE {LOCKS} SET token = %s WHERE name = %s AND token = %s "
+                    f"AND expires_at > {d.now}",
+                    [token, self.prefix + name, run.take_over],
+                )
+            return self._take_in(cursor, name, token, ttl_ms, owner)
 
     def _take_pg(self, name: str, key: str, token: str, owner: str, ttl_ms: int) -> AcquireResult:
         """:meth:`_Dialect.take_pg_sql`, again at once when it lost a race since its
         snapshot (the next statement sees the winner's row)."""
         params = {"name": key, "token": token, "owner": owner, "ttl": ttl_ms}
         for _ in range(RACE_RETRIES):
-            with self._cursor(name) as cursor:
+            with self._cursor(name, driver=True) as cursor:
                 cursor.execute(self.dialect.take_pg_sql(), params)
                 fence, holder_token, *holder = cursor.fetchone()
             if fence is not None:
@@ -783,8 +853,9 @@ class DjangoBackend(Backend):
             where += " AND fence = %s"
             params.append(fence)
         delete = f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}"
-        with self._cursor(name) as cursor:
-            if self.dialect.vendor == "postgresql":
+        postgres = self.dialect.vendor == "postgresql"
+        with self._cursor(name, driver=postgres) as cursor:
+            if postgres:
                 # One round trip: the NOTIFY rides in the DELETE's statement (sent at
                 # commit). A token-checked release commits without waiting for its WAL
                 # flush: a crash can only bring the row back until its TTL (as if this
@@ -887,7 +958,7 @@ class DjangoBackend(Backend):
 
     def idle_connections(self) -> list[Any]:
         """The pooled connections waiting for a lock operation (Django ``DatabaseWrapper``
-        objects): where a benchmark hooks ``execute_wrappers`` to count what one sends."""
+        objects): where a benchmark counts what one sends (on their driver connections)."""
         return [wrapper for wrapper, _ in self._pool._idle]
 
     def new_connection(self) -> Any:

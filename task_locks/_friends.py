@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from .context import AnyLease
 from .context import _current as _current_lease
 from .errors import BackendUnavailable
+from .types import RunCheck
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -77,6 +78,32 @@ def acquire_under(lock: _Lock, token: str | None) -> _Lock:
     return lock
 
 
+def acquire_as_run(
+    lock: _Lock,
+    token: str | None,
+    task_id: str,
+    *,
+    also: tuple[str, ...] = (),
+    mark: str | None = None,
+    give_up_on_copy: bool = True,
+) -> _Lock:
+    """Make ``lock``'s next acquire a Celery run's: one server step that also refuses a
+    run of ``task_id`` already holding any of its names or ``also`` (a second delivery
+    of the same message) other than under ``mark`` (this run's own), and takes over the
+    publish-time lock held by ``token`` (if any) under a token of its own
+    (:class:`~task_locks.types.RunCheck`). The backend must be a
+    :class:`~task_locks.backends.base.RunChecked`."""
+    lock._token = None
+    lock._run = RunCheck(
+        task_id,
+        (*lock._run_names(), *also),
+        take_over=token,
+        mark=mark,
+        give_up_on_copy=give_up_on_copy,
+    )
+    return lock
+
+
 if TYPE_CHECKING:
     from .lock import AsyncLease, Lease
 
@@ -84,4 +111,4 @@ if TYPE_CHECKING:
         return lease, alease
 
 
-__all__ = ["FriendLease", "acquire_under", "current_lease_var"]
+__all__ = ["FriendLease", "acquire_as_run", "acquire_under", "current_lease_var"]

@@ -29,9 +29,9 @@ from typing import Any, Final, Never, NoReturn, TypeVar
 
 from . import events
 from ._steps import arun, run
-from .backends.base import Backend, ServerHandoff
+from .backends.base import Backend, RunChecked, ServerHandoff
 from .errors import LockHeld
-from .types import Owner
+from .types import Owner, RunCheck
 
 T = TypeVar("T")
 
@@ -127,12 +127,15 @@ def entry_ms(ttl: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """Try once to take ``name`` for ``token``; answered with an ``AcquireResult``."""
+    """Try once to take ``name`` for ``token``; answered with an ``AcquireResult``.
+    ``run``: a Celery run's check, decided in the same step (a :class:`RunChecked`
+    backend's ``acquire_run``)."""
 
     name: str
     token: str
     ttl_ms: int
     owner: Owner
+    run: RunCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +220,14 @@ def _handoff(backend: Backend, name: str) -> ServerHandoff:
     return backend
 
 
+def _run_checked(backend: Backend, name: str) -> RunChecked:
+    """``backend`` as the :class:`RunChecked` an acquire with a run check needs (Celery
+    asks only those: :attr:`~task_locks.backends.base.Capability.RUN_CHECK`)."""
+    if not isinstance(backend, RunChecked):
+        raise NotImplementedError(f"lock {name!r}: {backend!r} has no run check")
+    return backend
+
+
 def run_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns.
 
@@ -226,8 +237,10 @@ def run_against(plan: Plan[T], backend: Backend) -> T:
 
 def _answer(op: Op, backend: Backend) -> Any:
     match op:
-        case Acquire(name, token, ttl_ms, owner):
-            return backend.acquire(name, token, ttl_ms, owner)
+        case Acquire(name, token, ttl_ms, owner, check):
+            if check is None:
+                return backend.acquire(name, token, ttl_ms, owner)
+            return _run_checked(backend, name).acquire_run(name, token, ttl_ms, owner, check)
         case Release(name, token):
             return backend.release(name, token)
         case Wait(name, seconds):
@@ -251,8 +264,10 @@ async def arun_against(plan: Plan[T], backend: Backend) -> T:
 
 async def _aanswer(op: Op, backend: Backend) -> Any:
     match op:
-        case Acquire(name, token, ttl_ms, owner):
-            return await backend.aacquire(name, token, ttl_ms, owner)
+        case Acquire(name, token, ttl_ms, owner, check):
+            if check is None:
+                return await backend.aacquire(name, token, ttl_ms, owner)
+            return await _run_checked(backend, name).aacquire_run(name, token, ttl_ms, owner, check)
         case Release(name, token):
             return await backend.arelease(name, token)
         case Wait(name, seconds):

@@ -65,7 +65,7 @@ from .events import HANDED_OVER, LostReason, ReleaseReason
 from .leasing import Clock, Lane, LeaseBook, LeaseRuntime, RenewCall, current_runtime, retry_delay
 from .owner import current_owner
 from .owner import internal as owner_internal
-from .types import AcquireResult, Holder
+from .types import AcquireResult, Holder, RunCheck
 from .watchdog import process_runtime
 
 log = logging.getLogger("task_locks.lock")
@@ -136,7 +136,11 @@ def _held_message(name: str, result: AcquireResult, waited: float | None) -> Loc
     if result.holder is not None:
         expires = None if result.retry_after is None else time.time() + result.retry_after
         holder = Holder(
-            name, result.holder_fence or 0, result.holder, result.holder_acquired_at, expires
+            result.holder_name or name,
+            result.holder_fence or 0,
+            result.holder,
+            result.holder_acquired_at,
+            expires,
         )
     who = holder.describe() if holder else "another holder"
     after = f" after waiting {format_wait(waited)}" if waited else ""
@@ -798,12 +802,13 @@ class _Attempt:
         mine: tuple[LeaseBase, str] | None,
         *,
         held_token: str | None,
+        run: RunCheck | None = None,
     ) -> None:
         self.name, self.ttl, self.backend, self.clock = name, ttl, backend, clock
-        self.timeout, self.mine = timeout, mine
+        self.timeout, self.mine, self.run = timeout, mine, run
         self.ttl_ms = max(1, int(ttl * 1000))
         self.token = held_token or secrets.token_hex(16)
-        self.may_give_back = held_token is None
+        self.may_give_back = held_token is None and (run is None or run.take_over is None)
         self.owner = current_owner()
         self.start = clock.monotonic()
         self.deadline = None if timeout is None else self.start + timeout
@@ -840,9 +845,11 @@ class _Attempt:
         It ends at the deadline, and when the wait would be for itself: the server says
         the lease :attr:`mine` holds the lock, it is renewed, and there is no timeout, so
         the wait would never end. A bounded wait, or one for an unrenewed lease (its TTL
-        frees it), waits as usual.
+        frees it), waits as usual. And at once when a run check says a run of the same
+        task id holds it (:class:`~task_locks.types.RunCheck`): a copy never waits.
         """
-        if self.expired(now):
+        run = self.run
+        if self.expired(now) or (run is not None and run.give_up_on_copy and run.is_copy(result)):
             if leave is not None:
                 yield leave
             held = _held_message(self.name, result, now - self.start)
@@ -874,7 +881,7 @@ def _plain_plan(attempt: _Attempt) -> Plan[Granted]:
     a = attempt
     while True:
         sent_at = a.clock.monotonic()
-        result: AcquireResult = yield Acquire(a.name, a.token, a.ttl_ms, a.owner)
+        result: AcquireResult = yield Acquire(a.name, a.token, a.ttl_ms, a.owner, a.run)
         if result.fence is None:
             now = a.clock.monotonic()
             yield from a.refuse(result, now)
@@ -949,6 +956,12 @@ class LockBase:
     #: holds the lock gets it back with the same fence (a Celery run taking over its
     #: publish-time lock in one server-side step); subclasses' ``acquire`` keep working.
     _token: str | None = None
+    #: Private: a Celery run's check, sent with each acquire (``_plan.Acquire.run``).
+    _run: RunCheck | None = None
+
+    def _run_names(self) -> tuple[str, ...]:
+        """The names whose holders a run check looks at: the lock's own."""
+        return (self.name,)
 
     def __init__(
         self,
@@ -1031,8 +1044,10 @@ class LockBase:
             timeout,
             mine,
             held_token=self._token,
+            run=self._run,
         )
-        if isinstance(backend, ServerHandoff):
+        # The server hand-off's queue does not carry a run check: each try sends it.
+        if isinstance(backend, ServerHandoff) and self._run is None:
             return (yield from _handoff_plan(attempt))
         return (yield from _plain_plan(attempt))
 

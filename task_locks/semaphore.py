@@ -45,6 +45,7 @@ from .lock import (
     Lease,
     LockBase,
     _AsyncAcquire,
+    _held_message,
     _SyncAcquire,
     format_wait,
     validate_name,
@@ -165,6 +166,11 @@ class _SemaphoreBase(LockBase):
         self.slot_names = tuple(slot_name(self.name, i) for i in range(self.limit))
         validate_name(self.slot_names[-1])  # the longest one must fit too
 
+    def _run_names(self) -> tuple[str, ...]:
+        """A run check looks at every slot: a copy must not take a free one while the
+        original holds another."""
+        return self.slot_names
+
     def _permit_plan(
         self, backend: Backend, timeout: float | None
     ) -> Plan[tuple[int, str, int, float]]:
@@ -178,13 +184,21 @@ class _SemaphoreBase(LockBase):
         token = secrets.token_hex(16)
         owner = replace(current_owner(), limit=self.limit)
         clock = self._lease_runtime().clock
+        run = self._run
         start = clock.monotonic()
         deadline = None if timeout is None else start + timeout
         while True:
             soonest: float | None = None
+            copy: tuple[str, AcquireResult] | None = None  # this round's run check refusal
             for index in random.sample(range(self.limit), self.limit):
                 sent_at = clock.monotonic()
-                result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner)
+                result: AcquireResult = yield Acquire(names[index], token, ttl_ms, owner, run)
+                if run is not None and run.is_copy(result):
+                    copy = (names[index], result)
+                    if run.give_up_on_copy:
+                        held = _held_message(names[index], result, clock.monotonic() - start)
+                        report_conflict(self.name, backend, held, 0.0, timeout, owner)
+                        raise held
                 if result.fence is not None:
                     report_acquired(
                         names[index], backend, result.fence, owner, clock.monotonic() - start
@@ -196,7 +210,10 @@ class _SemaphoreBase(LockBase):
                     soonest = result.retry_after
             now = clock.monotonic()
             if deadline is not None and now >= deadline:
-                full = self._full(now - start)
+                # Refused for a run of the same task id: say so (its holder), as a lock does.
+                full = (
+                    self._full(now - start) if copy is None else _held_message(*copy, now - start)
+                )
                 report_conflict(self.name, backend, full, now - start, timeout, owner)
                 raise full
             yield WaitAny(names, pause(soonest, now, deadline))

@@ -154,10 +154,50 @@ class AcquireResult:
     holder: Owner | None = None
     holder_fence: int | None = None
     holder_acquired_at: float | None = None
+    #: The name that holder holds, when it is not the one asked for (a run check's
+    #: refusal by another slot of a semaphore: :class:`RunCheck`).
+    holder_name: str | None = None
 
     @property
     def acquired(self) -> bool:
         return self.fence is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RunCheck:
+    """What a Celery run's acquire carries, so that the server step that takes its lock
+    also refuses a second delivery of the same message (same task id) while the first
+    one holds it: one lock per run, and no second record to leave behind.
+
+    The server refuses the acquire, answering that holder (and its name), when any of
+    ``names`` is held under a token other than the acquire's own, ``take_over`` and
+    ``mark`` whose owner's ``task_id`` is ``task_id``; even when the name asked for is free (a
+    semaphore's other slot) or held by ``take_over``. Otherwise the acquire is an
+    ordinary one, except that a lock held by ``take_over`` (the lock taken when the
+    message was published, ``lock_on="both"``) becomes this acquire's: its token is
+    swapped for the acquire's, keeping its fence, with a fresh TTL and owner. So a copy
+    carrying the same publish-time token finds the run's own token there, not its own.
+    """
+
+    task_id: str
+    #: The lock's own name, or every slot of a semaphore.
+    names: tuple[str, ...]
+    #: The token of the publish-time lock this run takes over, if any.
+    take_over: str | None = None
+    #: The token under which this run itself holds one of ``names`` (its mark while it
+    #: waits), never taken for a copy.
+    mark: str | None = None
+    #: ``True``: an acquire that meets a copy gives up at once instead of waiting (a
+    #: retry waiting for its own previous attempt to let go passes ``False``).
+    give_up_on_copy: bool = True
+
+    def is_copy(self, result: AcquireResult) -> bool:
+        """Whether ``result`` is a refusal by a run of this same task id."""
+        return (
+            result.fence is None
+            and result.holder is not None
+            and result.holder.task_id == self.task_id
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,3 +153,107 @@ def test_contention_targets_pass_or_miss_with_the_measured_reason(
     assert rows[server + ping].verdict == "PASS"
     util = "4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time"
     assert rows[client + util].verdict == "MISS" and rows[server + util].verdict == "PASS"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ['lock_on="both"', "limit=3"])
+def test_a_celery_mode_leaves_one_key_per_run_and_one_shared_counter(
+    redis_url: str, mode: str
+) -> None:
+    """The Celery footprint cell's one mode (``bench/celery_footprint.py``), a few runs:
+    each run's key keeps its release tombstone (a minute), nothing else is per run, and
+    only the database's fence counter lives longer."""
+    done = subprocess.run(
+        [sys.executable, str(RUNNER.with_name("celery_footprint.py")), "--one", "ours", mode,
+         "--url", redis_url, "--n", "40"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["left_keys"] == 40 + 1, found
+    assert found["left_keys_beyond_60s"] == 1, found
+
+
+def test_celery_footprint_targets_name_the_worst_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two keys a run (a second lock beside the run's) is a MISS, and says which mode."""
+    targets = load_bench("targets", monkeypatch)
+
+    def mode(keys: int, lasting: int) -> dict[str, int]:
+        return {"cycles": 100, "left_keys": keys, "left_keys_beyond_60s": lasting}
+
+    found = {"status": "ok", "modes": {"run": mode(101, 1), "both": mode(201, 1)}}
+    per_run, lasting = targets._celery_footprint_targets(found)
+    assert per_run.verdict == "MISS" and per_run.value == 2.0 and "both" in per_run.note
+    assert lasting.verdict == "PASS"
+    found["modes"]["both"] = mode(101, 1)
+    found["modes"]["celery-singleton"] = mode(0, 0)  # a peer: not one of ours
+    assert [t.verdict for t in targets._celery_footprint_targets(found)] == ["PASS", "PASS"]
+    assert targets._celery_footprint_targets({"status": "skipped"})[0].verdict == "n/a"
+
+
+def test_backend_targets_pass_or_miss_with_the_measured_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Redlock against pottery, etcd against two bare requests, django:// against its
+    floor: known figures in, ratios, verdicts and reasons out (or "n/a" with why)."""
+    targets = load_bench("targets", monkeypatch)
+    backends = {
+        "status": "ok",
+        "rows": [
+            {
+                "backend": "redlock (3 masters)",
+                "library": "task-locks",
+                "round_median_us": 1000.0,
+                "rounds": 3,
+                "handoffs_per_s": 400.0,
+            },
+            {
+                "backend": "redlock (3 masters)",
+                "library": "pottery 3.0.1 Redlock",
+                "round_median_us": 1250.0,
+                "rounds": 3,
+                "handoffs_per_s": 300.0,
+            },
+            {
+                "backend": "etcd (1 member)",
+                "library": "task-locks",
+                "floor": {
+                    "cycle_us": 4000.0,
+                    "range2_us": 2000.0,
+                    "bare3_us": 3400.0,
+                    "statements": ["lease/grant", "kv/txn", "kv/txn"],
+                },
+            },
+            {
+                "backend": "django (PostgreSQL)",
+                "library": "task-locks",
+                "floor": {
+                    "cycle_us": 440.0,
+                    "select1x2_us": 100.0,
+                    "durable_write_us": 300.0,
+                    "bare_cycle_us": 420.0,
+                    "statements": ["WITH live", "WITH d"],
+                },
+            },
+        ],
+    }
+    results = {"uncontended": [], "floor": {}, "contention": {}, "backends": backends}
+    rows = {t.what.split(" ")[0]: t for t in targets.check_targets(results)}
+    redlock, etcd, django = rows["redlock"], rows["etcd"], rows["django"]
+    assert redlock.value == pytest.approx(0.8) and redlock.verdict == "PASS"
+    assert "1000 vs 1250 µs over 3 rotated rounds" in redlock.note
+    assert etcd.value == pytest.approx(2.0) and etcd.verdict == "MISS"
+    assert "3 requests per cycle" in etcd.note and "= 1.70x already" in etcd.note
+    assert django.value == pytest.approx(1.1) and django.verdict == "PASS"
+    assert "floor 400 µs" in django.note and "= 1.05x" in django.note
+
+    missing = {"uncontended": [], "floor": {}, "contention": {}, "backends": {"rows": []}}
+    missing["backends"]["rows"] = [
+        {"backend": "redlock (3 masters)", "library": "pottery Redlock", "status": "no pip"},
+    ]
+    rows = {t.what.split(" ")[0]: t for t in targets.check_targets(missing)}
+    assert rows["redlock"].verdict == "n/a" and rows["redlock"].note == "no pip"
+    assert rows["etcd"].verdict == "n/a" and rows["django"].verdict == "n/a"

@@ -53,7 +53,7 @@ from typing import ClassVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument, LockError
-from ..types import AcquireResult, Holder, Owner, RenewItem
+from ..types import AcquireResult, Holder, Owner, RenewItem, RunCheck
 from .notices import NoticeStream
 
 _claims = threading.Lock()
@@ -150,6 +150,10 @@ class Capability(StrEnum):
     #: A release hands the lock to the first queued waiter inside the server, in FIFO
     #: order: declared by a :class:`ServerHandoff` backend, and only by one.
     SERVER_HANDOFF = "server_handoff"
+    #: An acquire can carry a :class:`~task_locks.types.RunCheck` (a Celery run's task
+    #: id, checked against the holders of its names in the same step): declared by a
+    #: :class:`RunChecked` backend, and only by one.
+    RUN_CHECK = "run_check"
 
 
 #: Every capability name (plain strings, derived from :class:`Capability`).
@@ -320,6 +324,42 @@ class ServerHandoff(abc.ABC):
         return await asyncio.to_thread(self.dequeue, name, token)
 
 
+class RunChecked(abc.ABC):
+    """What a :class:`Backend` whose acquire can also refuse a second delivery of a
+    Celery message implements: :meth:`acquire_run`, the acquire with a
+    :class:`~task_locks.types.RunCheck` decided in the same server step. A backend
+    inherits it exactly when it declares :attr:`Capability.RUN_CHECK` (checked where
+    the class is written). Celery's runs take one lock on such a backend; elsewhere
+    they also hold a lock named by their task id (:mod:`task_locks.celery.task`).
+    """
+
+    @abc.abstractmethod
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        """:meth:`Backend.acquire`, refused as :class:`~task_locks.types.RunCheck` says
+        (its ``holder_name`` set when the holder found holds another of ``run.names``),
+        and taking over a lock held by ``run.take_over`` under ``token``, in one step."""
+
+    async def aacquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        """The asyncio twin of :meth:`acquire_run`."""
+        return await asyncio.to_thread(self.acquire_run, name, token, ttl_ms, owner, run)
+
+    def checks_together(self, names: Sequence[str]) -> bool:
+        """Whether one :meth:`acquire_run` sees all of ``names`` (a semaphore's slots) in
+        its one step; Redis Cluster keeps them in different hash slots."""
+        return True
+
+
+#: Each capability that is also a class of methods, and that class.
+_IMPLEMENTED_BY: dict[Capability, type] = {
+    Capability.SERVER_HANDOFF: ServerHandoff,
+    Capability.RUN_CHECK: RunChecked,
+}
+
+
 class Backend(abc.ABC):
     """The contract between :class:`~task_locks.Lock` and a lock service."""
 
@@ -332,17 +372,19 @@ class Backend(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """A backend declares :attr:`Capability.SERVER_HANDOFF` exactly when it is a
-        :class:`ServerHandoff`: a claim without the methods, or the methods unclaimed,
+        :class:`ServerHandoff` (and :attr:`Capability.RUN_CHECK` when a
+        :class:`RunChecked`): a claim without the methods, or the methods unclaimed,
         fails where the class is written, not in a waiter."""
         super().__init_subclass__(**kwargs)
-        declared = Capability.SERVER_HANDOFF in cls.capabilities
-        if declared != issubclass(cls, ServerHandoff):
-            missing = "ServerHandoff" if declared else "Capability.SERVER_HANDOFF"
-            raise TypeError(
-                f"{cls.__qualname__}: the server hand-off is declared by Capability."
-                f"SERVER_HANDOFF and implemented by ServerHandoff, together; {missing} "
-                "is missing"
-            )
+        for capability, methods in _IMPLEMENTED_BY.items():
+            declared = capability in cls.capabilities
+            if declared != issubclass(cls, methods):
+                missing = methods.__name__ if declared else f"Capability.{capability.name}"
+                raise TypeError(
+                    f"{cls.__qualname__}: Capability.{capability.name} is declared by "
+                    f"the capability and implemented by {methods.__name__}, together; "
+                    f"{missing} is missing"
+                )
 
     def __init__(self, url: str) -> None:
         self.url = url

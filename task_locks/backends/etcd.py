@@ -94,8 +94,8 @@ from etcd3gw import exceptions as etcd_errors
 from requests.adapters import HTTPAdapter
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
-from ..types import AcquireResult, Holder, Owner, RenewItem
-from .base import Backend, Capability
+from ..types import AcquireResult, Holder, Owner, RenewItem, RunCheck
+from .base import Backend, Capability, RunChecked
 from .notices import Notice, NoticeStream, close_streams, retired, track
 
 _OPTIONS: Final = {"prefix", "timeout"}
@@ -193,6 +193,29 @@ class _Held:
             {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": self.revision},
             {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(self.value)},
         ]
+
+
+def _absent(key: str) -> dict[str, Any]:
+    """Txn condition: ``key`` (base64) does not exist."""
+    return {"key": key, "result": "EQUAL", "target": "VERSION", "version": 0}
+
+
+def _same(kv: dict[str, Any]) -> dict[str, Any]:
+    """Txn condition: the key of ``kv`` is unchanged since it was read."""
+    return {
+        "key": kv["key"],
+        "result": "EQUAL",
+        "target": "MOD",
+        "mod_revision": kv["mod_revision"],
+    }
+
+
+def _a_copy(data: dict[str, Any], mine: set[str], run: RunCheck | None) -> bool:
+    """Whether a key's value is held by a run of ``run``'s task id under another token."""
+    if run is None or data.get("token") in mine:
+        return False
+    owner = data.get("owner")
+    return isinstance(owner, dict) and owner.get("task_id") == run.task_id
 
 
 class _Budget:
@@ -368,9 +391,10 @@ class _EtcdNotices:
                 client.session.close()
 
 
-class EtcdBackend(Backend):
+class EtcdBackend(Backend, RunChecked):
     capabilities = frozenset(
         {
+            Capability.RUN_CHECK,
             Capability.CONSENSUS,
             Capability.FENCING,
             Capability.HOLDERS,
@@ -455,6 +479,11 @@ class EtcdBackend(Backend):
                     self._pid = os.getpid()
         return self._clients
 
+    def transport(self) -> etcd3gw.Etcd3Client:
+        """The HTTP client (etcd3gw over one ``requests`` session) of the endpoint in use:
+        where a benchmark sends bare requests over the very transport the locks use."""
+        return self._client_list()[self._current]
+
     def _make_client(self, host: str, port: int) -> etcd3gw.Etcd3Client:
         session = requests.Session()
         pool: dict[str, Any] = {"pool_connections": 1, "pool_maxsize": _POOL_SIZE, "max_retries": 0}
@@ -471,6 +500,17 @@ class EtcdBackend(Backend):
                 session.cert = (cert, key) if key else cert
         else:
             session.mount("http://", HTTPAdapter(**pool))
+        if session.trust_env:
+            # requests reads the environment again (proxies, NO_PROXY, ~/.netrc, the CA
+            # bundle) on every request: a tenth of each call's client CPU here. Read it
+            # once, now. (A ~/.netrc login is left out: it would replace the RBAC token.)
+            protocol = "https" if self.tls else "http"
+            url = f"{protocol}://{host}:{port}"
+            session.proxies.update(requests.utils.get_environ_proxies(url))
+            if session.verify is True:
+                bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+                session.verify = bundle or True
+            session.trust_env = False
         if self._token:
             session.headers["Authorization"] = self._token
         return etcd3gw.Etcd3Client(
@@ -705,6 +745,16 @@ class EtcdBackend(Backend):
     # -- the protocol ------------------------------------------------------------------------
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return self._acquire(name, token, ttl_ms, owner, None)
+
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        return self._acquire(name, token, ttl_ms, owner, run)
+
+    def _acquire(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None
+    ) -> AcquireResult:
         seconds = max(1, math.ceil(ttl_ms / 1000))
         if seconds > MAX_LEASE_SECONDS:
             raise InvalidArgument(
@@ -725,7 +775,7 @@ class EtcdBackend(Backend):
                 separators=(",", ":"),
             ).encode()
             try:
-                return self._take(name, token, lease, value)
+                return self._take(name, token, lease, value, run)
             except _LeaseGone:
                 # The grant's reply came after its TTL: the lease ended unused (etcd
                 # refused the write, nothing changed). Once more with a fresh lease.
@@ -744,7 +794,9 @@ class EtcdBackend(Backend):
             )
         return lease
 
-    def _take(self, name: str, token: str, lease: int, value: bytes) -> AcquireResult:
+    def _take(
+        self, name: str, token: str, lease: int, value: bytes, run: RunCheck | None = None
+    ) -> AcquireResult:
         """Put ``value`` with our fresh ``lease`` if the key is free or already ``token``'s.
 
         Free: one transaction creates it (create_revision 0 -> ours). Held by our token
@@ -754,12 +806,21 @@ class EtcdBackend(Backend):
         transaction whose reply was lost and was retried elsewhere finds the key with
         our lease: that is our own write, and ``lease`` is kept. ``lease`` is revoked
         only when the key is someone else's (then it carries nothing).
+
+        A run check (``run``) reads the other names with the key; the write then also
+        compares each one unchanged since it was read and seen free of a run of the
+        same task id, so the check and the write are one transaction's.
         """
         key = _b64(self._key(name))
         put = [{"request_put": {"key": key, "value": _b64(value), "lease": lease}}]
-        read = [{"request_range": {"key": key}}]
+        others = [] if run is None else [other for other in run.names if other != name]
+        other_keys = [_b64(self._key(other)) for other in others]
+        read = [{"request_range": {"key": k}} for k in (key, *other_keys)]
         free = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
-        compare, previous = free, None  # previous: the _Held our token had before
+        unchanged = [_absent(k) for k in other_keys]
+        mine = {token} if run is None or run.take_over is None else {token, run.take_over}
+        ours = mine if run is None or run.mark is None else {*mine, run.mark}
+        compare, previous = free + unchanged, None  # previous: the _Held our token had before
         for _ in range(_TAKE_ROUNDS):
             try:
                 answer = self._txn(
@@ -777,33 +838,48 @@ class EtcdBackend(Backend):
             if answer.get("succeeded"):
                 fence = previous.revision if previous else int(answer["header"]["revision"])
                 return self._taken(name, token, _Held(lease, fence, value), previous)
-            kvs = answer["responses"][0].get("response_range", {}).get("kvs", [])
-            if not kvs:  # freed since we looked: create it
-                compare, previous = free, None
+            found = [
+                (response.get("response_range", {}).get("kvs") or [None])[0]
+                for response in answer["responses"]
+            ]
+            unchanged = []
+            for other, other_key, other_kv in zip(others, other_keys, found[1:], strict=True):
+                if other_kv is not None and _a_copy(self._decode(other_kv)[0], ours, run):
+                    self._revoke_quietly(name, lease)
+                    return self._refusal(name, other_kv, other)
+                unchanged.append(_absent(other_key) if other_kv is None else _same(other_kv))
+            kv = found[0]
+            if kv is None:  # freed since we looked: create it
+                compare, previous = free + unchanged, None
                 continue
-            kv = kvs[0]
             data, raw = self._decode(kv)
             revision = int(kv.get("create_revision", 0))
-            if data.get("token") != token:
+            if data.get("token") not in mine or _a_copy(data, ours, run):
                 self._revoke_quietly(name, lease)  # never attached: the key is not ours
                 self._note_held(name, answer)
-                remaining = self._lease_ttl(name, int(kv.get("lease", 0)))
-                return AcquireResult(
-                    None,
-                    # whole seconds, rounded down; the watch wakes us sooner anyway
-                    retry_after=None if remaining is None else remaining + 1.0,
-                    holder=Owner.from_json(json.dumps(data.get("owner", {}))),
-                    holder_fence=revision,
-                    holder_acquired_at=data.get("acquired"),
-                )
+                return self._refusal(name, kv)
             if int(kv.get("lease", 0)) == lease:  # our own write, its reply lost: keep it
                 return self._taken(name, token, _Held(lease, revision, raw), previous)
             previous = _Held(int(kv.get("lease", 0)), revision, raw)
-            compare = previous.compare(key)
+            compare = previous.compare(key) + unchanged
         raise BackendUnavailable(
             f"lock {name!r}: its key kept changing under a same-token acquire at {self.server}",
             name=name,
             server=self.server,
+        )
+
+    def _refusal(self, name: str, kv: dict[str, Any], other: str | None = None) -> AcquireResult:
+        """A refused acquire: who holds ``kv`` (``other``: another name than ``name``)."""
+        data, _ = self._decode(kv)
+        remaining = self._lease_ttl(name, int(kv.get("lease", 0)))
+        return AcquireResult(
+            None,
+            # whole seconds, rounded down; the watch wakes us sooner anyway
+            retry_after=None if remaining is None else remaining + 1.0,
+            holder=Owner.from_json(json.dumps(data.get("owner", {}))),
+            holder_fence=int(kv.get("create_revision", 0)),
+            holder_acquired_at=data.get("acquired"),
+            holder_name=other,
         )
 
     def _taken(self, name: str, token: str, held: _Held, previous: _Held | None) -> AcquireResult:

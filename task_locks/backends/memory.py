@@ -12,8 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..types import AcquireResult, Holder, Owner
-from .base import Backend, Capability, check_ttl_ms, log_forced
+from ..types import AcquireResult, Holder, Owner, RunCheck
+from .base import Backend, Capability, RunChecked, check_ttl_ms, log_forced
 
 log = logging.getLogger("task_locks.backends.memory")
 
@@ -28,8 +28,10 @@ class _Entry:
     renewals: int = 0
 
 
-class MemoryBackend(Backend):
-    capabilities = frozenset({Capability.FENCING, Capability.WAKEUP, Capability.HOLDERS})
+class MemoryBackend(Backend, RunChecked):
+    capabilities = frozenset(
+        {Capability.FENCING, Capability.WAKEUP, Capability.HOLDERS, Capability.RUN_CHECK}
+    )
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -47,21 +49,50 @@ class MemoryBackend(Backend):
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         check_ttl_ms(ttl_ms, name)
         with self._cond:
+            return self._take(name, token, ttl_ms, owner, time.monotonic())
+
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        check_ttl_ms(ttl_ms, name)
+        with self._cond:
             now = time.monotonic()
+            for other in run.names:
+                entry = self._live(other, now)
+                if (
+                    entry is not None
+                    and entry.token not in (token, run.take_over, run.mark)
+                    and entry.owner.task_id == run.task_id
+                ):
+                    return AcquireResult(
+                        None,
+                        entry.deadline - now,
+                        entry.owner,
+                        entry.fence,
+                        entry.acquired_at,
+                        None if other == name else other,
+                    )
             entry = self._live(name, now)
-            if entry is not None and entry.token != token:
-                return AcquireResult(
-                    None, entry.deadline - now, entry.owner, entry.fence, entry.acquired_at
-                )
-            if entry is None:
-                fence = max(self._fences.get(name, 0) + 1, time.time_ns() // 1000)
-                self._fences[name] = fence
-                entry = _Entry(token, fence, owner, time.time(), now + ttl_ms / 1000)
-                self._locks[name] = entry
-            else:  # ours already (a retried acquire): its lease counts from this request
-                entry.deadline = now + ttl_ms / 1000
-                entry.owner = owner
-            return AcquireResult(entry.fence)
+            if entry is not None and run.take_over is not None and entry.token == run.take_over:
+                entry.token = token  # the publish-time lock becomes this run's
+            return self._take(name, token, ttl_ms, owner, now)
+
+    def _take(self, name: str, token: str, ttl_ms: int, owner: Owner, now: float) -> AcquireResult:
+        """The acquire, under the condition's lock."""
+        entry = self._live(name, now)
+        if entry is not None and entry.token != token:
+            return AcquireResult(
+                None, entry.deadline - now, entry.owner, entry.fence, entry.acquired_at
+            )
+        if entry is None:
+            fence = max(self._fences.get(name, 0) + 1, time.time_ns() // 1000)
+            self._fences[name] = fence
+            entry = _Entry(token, fence, owner, time.time(), now + ttl_ms / 1000)
+            self._locks[name] = entry
+        else:  # ours already (a retried acquire): its lease counts from this request
+            entry.deadline = now + ttl_ms / 1000
+            entry.owner = owner
+        return AcquireResult(entry.fence)
 
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         check_ttl_ms(ttl_ms, name)

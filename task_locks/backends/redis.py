@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -63,12 +64,13 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from ..errors import BackendUnavailable, InvalidArgument, LockError
-from ..types import AcquireResult, Holder, Owner, RenewItem
+from ..types import AcquireResult, Holder, Owner, RenewItem, RunCheck
 from .base import (
     MAX_TTL,
     Backend,
     Capability,
     DeferredRelease,
+    RunChecked,
     ServerHandoff,
     check_ttl_ms,
     log_forced,
@@ -82,6 +84,7 @@ from .redis_scripts import (
     Commands,
     counter_key,
     hash_tag,
+    key_slot,
     record_fields,
     script_command,
     untag,
@@ -113,6 +116,11 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _owned_by(task_id: str) -> str:
+    """The text an owner JSON of ``task_id`` holds (:meth:`Owner.to_json`'s separators)."""
+    return f'"task_id": {json.dumps(task_id)}'
 
 
 def _wants_server_handoff(url: str) -> bool:
@@ -189,9 +197,7 @@ class _RedisNotices:
                         notices.append(Notice(backend._name(key), int(fence), FORCED_NOTICE))
                 message = self._pubsub.get_message(timeout=0)
         except CLIENT_ERRORS as exc:
-            raise translate(
-                exc, what="release notices", name=None, server=backend.server
-            ) from exc
+            raise translate(exc, what="release notices", name=None, server=backend.server) from exc
         return notices
 
     def close(self) -> None:
@@ -207,7 +213,7 @@ class _RedisNotices:
 FORCED_NOTICE = "it was force-released (an operator's release, announced by the server)"
 
 
-class RedisBackend(Backend):
+class RedisBackend(Backend, RunChecked):
     """A lock per key, over one connection pool (the module's docstring says how).
 
     ``RedisBackend(url)`` makes a :class:`RedisHandoffBackend` (the default hand-off)
@@ -223,6 +229,7 @@ class RedisBackend(Backend):
             Capability.WAKEUP,
             Capability.HOLDERS,
             Capability.RELEASE_NOTICE,
+            Capability.RUN_CHECK,
         }
     )
 
@@ -387,29 +394,44 @@ class RedisBackend(Backend):
 
     # -- request shaping shared by sync and async paths ----------------------------------
 
-    def _acquire_args(self, name: str, token: str, ttl_ms: int, owner: Owner) -> list[Any]:
+    def _acquire_args(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None = None
+    ) -> list[Any]:
         check_ttl_ms(ttl_ms, name)
         key = self._key(name)
-        return [2, key, self._counter(name), token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
+        if run is None:
+            return [2, key, self._counter(name), token, ttl_ms, owner.to_json(), self.fence_ttl_ms]
+        others = [self._key(other) for other in run.names if other != name]
+        return [2 + len(others), key, self._counter(name), *others, token, ttl_ms,
+                owner.to_json(), self.fence_ttl_ms, _owned_by(run.task_id), run.take_over or "",
+                run.mark or ""]  # fmt: skip
 
-    def _acquire_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
-        """The acquire script and, with ``wait_replicas``, WAIT right after it.
+    def checks_together(self, names: Sequence[str]) -> bool:
+        """One script sees every name on one server; on a cluster only names of one slot."""
+        if not (self.cluster or self._slotted):
+            return True
+        return len({key_slot(hash_tag(name)) for name in names}) <= 1
+
+    def _acquire_commands(self, args: list[Any], run: RunCheck | None) -> Commands:
+        """The acquire script (its ``args``) and, with ``wait_replicas``, WAIT after it.
 
         Sent as one pipeline, so on one connection: WAIT answers only for the writes of
         the connection it runs on; on any other pooled connection it would count
         replicas for someone else's writes (or none), not for this lock.
         """
-        args = self._acquire_args(name, token, ttl_ms, owner)
+        script = "acquire" if run is None else "acquire_run"
         wait = [("WAIT", self.wait_replicas, self.wait_timeout_ms)] if self.wait_replicas else []
-        return lambda by_sha: [script_command("acquire", by_sha, args), *wait]
+        return lambda by_sha: [script_command(script, by_sha, args), *wait]
 
-    def _acquired(self, name: str, replies: list[Any]) -> tuple[AcquireResult, int | None]:
+    def _acquired(
+        self, name: str, replies: list[Any], args: list[Any] | None = None
+    ) -> tuple[AcquireResult, int | None]:
         """The acquire's result and, if it was granted without enough replicas, how many
         acknowledged it (else ``None``)."""
         for reply in replies:
             if isinstance(reply, Exception):
                 self._fail(name, reply)
-        result = self._acquire_result(replies[0])
+        result = self._acquire_result(replies[0], args)
         if result.acquired and self.wait_replicas and int(replies[1]) < self.wait_replicas:
             return result, int(replies[1])
         return result, None
@@ -444,16 +466,18 @@ class RedisBackend(Backend):
     def _release_script(self) -> str:
         return "release_handoff" if self.server_handoff else "release"
 
-    def _acquire_result(self, reply: Any) -> AcquireResult:
+    def _acquire_result(self, reply: Any, args: list[Any] | None = None) -> AcquireResult:
+        """An acquire script's reply; ``args`` (the script's) name a run check's holder."""
         if isinstance(reply, int):
             return AcquireResult(int(reply))
-        pttl, owner, fence, acquired = reply
+        pttl, owner, fence, acquired, *index = reply
         return AcquireResult(
             None,
             retry_after=max(0, int(pttl)) / 1000 if int(pttl) >= 0 else None,
             holder=Owner.from_json(owner),
             holder_fence=int(fence) if fence else None,
             holder_acquired_at=int(acquired) / 1000 if acquired else None,
+            holder_name=self._name(args[int(index[0])]) if index and args else None,
         )
 
     def _too_few_replicas(self, name: str, acked: int) -> BackendUnavailable:
@@ -723,19 +747,30 @@ class RedisBackend(Backend):
                 log.exception("answering the deferred release of %r failed", rider.name)
 
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return self._acquire(name, token, ttl_ms, owner, None)
+
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        return self._acquire(name, token, ttl_ms, owner, run)
+
+    def _acquire(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None
+    ) -> AcquireResult:
         riders = self._take_riders() if self._riders else None
+        args = self._acquire_args(name, token, ttl_ms, owner, run)
         if not riders and self._plain_acquire:
-            args = self._acquire_args(name, token, ttl_ms, owner)
+            script = "acquire" if run is None else "acquire_run"
             try:
-                return self._acquire_result(self._eval(self.client, "acquire", args))
+                return self._acquire_result(self._eval(self.client, script, args), args)
             except CLIENT_ERRORS as exc:
                 self._fail(name, exc)
-        commands = self._acquire_commands(name, token, ttl_ms, owner)
+        commands = self._acquire_commands(args, run)
         if riders:  # finished runs' releases ride this acquire (defer_release)
             replies = self._after_releases(name, riders, commands)
         else:
             replies = self._acquire_replies(name, commands)
-        result, acked = self._acquired(name, replies)
+        result, acked = self._acquired(name, replies, args)
         if acked is not None:
             # Granted on the master only: give it back rather than block every other
             # client until its TTL. A failover may already have lost it.
@@ -945,12 +980,23 @@ class RedisBackend(Backend):
         return replies
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
+        return await self._aacquire(name, token, ttl_ms, owner, None)
+
+    async def aacquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        return await self._aacquire(name, token, ttl_ms, owner, run)
+
+    async def _aacquire(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None
+    ) -> AcquireResult:
         client = self._async_client()
+        args = self._acquire_args(name, token, ttl_ms, owner, run)
         if self._plain_acquire:
-            args = self._acquire_args(name, token, ttl_ms, owner)
-            reply = await self._acall(name, lambda: self._aeval(client, "acquire", args))
-            return self._acquire_result(reply)
-        commands = self._acquire_commands(name, token, ttl_ms, owner)
+            script = "acquire" if run is None else "acquire_run"
+            reply = await self._acall(name, lambda: self._aeval(client, script, args))
+            return self._acquire_result(reply, args)
+        commands = self._acquire_commands(args, run)
 
         async def send() -> list[Any]:
             if not self._on_primary(name):
@@ -964,7 +1010,7 @@ class RedisBackend(Backend):
                 replies = await self._aone_connection(direct, commands)
             return replies
 
-        result, acked = self._acquired(name, await self._acall(name, send))
+        result, acked = self._acquired(name, await self._acall(name, send), args)
         if acked is not None:
             with contextlib.suppress(LockError):
                 await self.arelease(name, token)

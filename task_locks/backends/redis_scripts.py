@@ -254,6 +254,71 @@ return tonumber(fence)
 """,
 )
 
+# KEYS[1] - the lock's record
+# KEYS[2] - the fence counter
+# KEYS[3..] - the records of the other names a Celery run's check looks at (the other
+#   slots of a semaphore)
+# ARGV[1] - token
+# ARGV[2] - ttl (ms)
+# ARGV[3] - owner JSON
+# ARGV[4] - the fence counter's ttl (ms)
+# ARGV[5] - the run's task id as its owner JSON has it: '"task_id": ' and the id as a
+#   JSON string (Owner.to_json's form, old clients' too; found as plain text, no decode)
+# ARGV[6] - the token of the publish-time lock the run takes over, or ''
+# ARGV[7] - the token of the run's own mark among KEYS[3..], or ''
+# As ACQUIRE, for a run of a task (types.RunCheck): refused, answering that holder, when
+# the lock or one of KEYS[3..] is held, under another token than ARGV[1], [6] and [7], by
+# an owner whose task_id is ARGV[5] (a second delivery of the message); the reply then
+# has a fifth element, the index in KEYS of the key that holder holds. A lock held by
+# ARGV[6] becomes ARGV[1]'s, keeping its fence.
+ACQUIRE_RUN = _lua(
+    _CHECKS,
+    _RECORD,
+    _FENCE,
+    """
+local key = KEYS[1]
+local counter_key = KEYS[2]
+local token = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local owner = ARGV[3]
+local counter_ttl = tonumber(ARGV[4])
+local task_id = ARGV[5]
+local take_over = ARGV[6]
+local mark = ARGV[7]
+if not ttls_ok(ttl, counter_ttl) then return redis.error_reply(TTL_ERROR) end
+local function copy(held)
+  if not held or not held.token or held.token == token or held.token == take_over
+      or held.token == mark then
+    return false
+  end
+  return string.find(held.owner, task_id, 1, true) ~= nil
+end
+for i = 3, #KEYS do
+  local other = read_record(KEYS[i])
+  if copy(other) then
+    local reply = refuse(KEYS[i], other, true)
+    reply[5] = i
+    return reply
+  end
+end
+local held = read_record(key)
+if copy(held) then return refuse(key, held, true) end
+if held and held.token and take_over ~= '' and held.token == take_over then
+  held.token = token
+end
+if held and held.token and held.token ~= token then return refuse(key, held, true) end
+if held and held.token then
+  held.owner = owner
+  write_record(key, held, ttl)
+  return tonumber(held.fence)
+end
+local fence, now_ms = next_fence(counter_key, counter_ttl)
+write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
+  waiters = held and held.waiters or '0', rid = held and held.rid or '', owner = owner}, ttl)
+return tonumber(fence)
+""",
+)
+
 # KEYS[i] - a lock's record
 # ARGV[2i-1] - the token that should hold KEYS[i]
 # ARGV[2i] - its new ttl (ms)
@@ -512,6 +577,7 @@ class _Scripts:
         self.source: dict[str, str] = {}
         self.sha: dict[str, str] = {}
         self.register("acquire", ACQUIRE)
+        self.register("acquire_run", ACQUIRE_RUN)
         self.register("renew_many", RENEW_MANY)
         self.register("release", RELEASE)
         self.register("enqueue", ENQUEUE)

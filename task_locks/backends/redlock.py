@@ -91,9 +91,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._steps import arun, run
 from ..errors import BackendUnavailable, InvalidArgument, LockError, RenewalUndecided
-from ..types import AcquireResult, Holder, Owner, RenewItem
+from ..types import AcquireResult, Holder, Owner, RenewItem, RunCheck
 from ._redis_compat import aget_connection, get_connection
-from .base import Backend, Capability, check_ttl_ms
+from .base import Backend, Capability, RunChecked, check_ttl_ms
 from .redis import RedisBackend
 from .redis_scripts import BUMP_FENCE, Commands, script_command
 
@@ -170,17 +170,24 @@ class _MasterBackend(RedisBackend):
 
     # -- requests shaped once, sent by the sync or the async client --------------------
 
-    def _grant_commands(self, name: str, token: str, ttl_ms: int, owner: Owner) -> Commands:
+    def _grant_commands(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None
+    ) -> Commands:
         # A grant that was already ours (left by a straggler of an earlier attempt) gets
         # its TTL restarted by ACQUIRE itself (same token), so every vote lasts ttl from now.
-        acquire = self._acquire_args(name, token, ttl_ms, owner)
-        return lambda by_sha: [script_command("acquire", by_sha, acquire)]
+        acquire = self._acquire_args(name, token, ttl_ms, owner, run)
+        script = "acquire" if run is None else "acquire_run"
+        return lambda by_sha: [script_command(script, by_sha, acquire)]
 
-    def _grant_result(self, name: str, replies: list[Any]) -> AcquireResult:
+    def _grant_result(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None,
+        replies: list[Any],
+    ) -> AcquireResult:  # fmt: skip
         for reply in replies:
             if isinstance(reply, Exception):
                 self._fail(name, reply)
-        return self._acquire_result(replies[0])
+        named = None if run is None else self._acquire_args(name, token, ttl_ms, owner, run)
+        return self._acquire_result(replies[0], named)
 
     def _bump_commands(self, name: str, token: str, fence: int) -> Commands:
         key = self._key(name)
@@ -189,9 +196,11 @@ class _MasterBackend(RedisBackend):
 
     # -- sync ----------------------------------------------------------------------------
 
-    def grant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        replies = self._scripts(name, self._grant_commands(name, token, ttl_ms, owner))
-        return self._grant_result(name, replies)
+    def grant(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None = None
+    ) -> AcquireResult:
+        replies = self._scripts(name, self._grant_commands(name, token, ttl_ms, owner, run))
+        return self._grant_result(name, token, ttl_ms, owner, run, replies)
 
     def bump_fence(self, name: str, token: str, fence: int) -> bool:
         return bool(self._scripts(name, self._bump_commands(name, token, fence))[0])
@@ -217,9 +226,12 @@ class _MasterBackend(RedisBackend):
 
     # -- async ---------------------------------------------------------------------------
 
-    async def agrant(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
-        replies = await self._ascripts(name, self._grant_commands(name, token, ttl_ms, owner))
-        return self._grant_result(name, replies)
+    async def agrant(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None = None
+    ) -> AcquireResult:
+        commands = self._grant_commands(name, token, ttl_ms, owner, run)
+        replies = await self._ascripts(name, commands)
+        return self._grant_result(name, token, ttl_ms, owner, run, replies)
 
     async def abump_fence(self, name: str, token: str, fence: int) -> bool:
         return bool((await self._ascripts(name, self._bump_commands(name, token, fence)))[0])
@@ -303,9 +315,15 @@ def _after_fork(ref: weakref.ReferenceType[RedlockBackend]) -> None:
         backend._forked()
 
 
-class RedlockBackend(Backend):
+class RedlockBackend(Backend, RunChecked):
     capabilities = frozenset(
-        {Capability.FENCING, Capability.HOLDERS, Capability.MULTIPROCESS, Capability.WAKEUP}
+        {
+            Capability.FENCING,
+            Capability.HOLDERS,
+            Capability.MULTIPROCESS,
+            Capability.WAKEUP,
+            Capability.RUN_CHECK,
+        }
     )
 
     def __init__(self, url: str) -> None:
@@ -439,8 +457,10 @@ class RedlockBackend(Backend):
     # -- the algorithms, written once as plans of fan-outs ---------------------------------
 
     def _acquire_plan(
-        self, name: str, token: str, ttl_ms: int, owner: Owner
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck | None = None
     ) -> _Plan[AcquireResult]:
+        """A grant from a majority in time. A run check is each master's: a copy is
+        refused where the original holds, a majority, so it never wins one."""
         check_ttl_ms(ttl_ms, name)  # here: a master's refusal would only count as no vote
         ttl = ttl_ms / 1000
         self._longest_ttl = max(self._longest_ttl, ttl)
@@ -461,7 +481,7 @@ class RedlockBackend(Backend):
                 answered >= self.quorum or answered + undecided < self.quorum
             )
 
-        answers = yield _Call("grant", (name, token, ttl_ms, owner), enough, (name, token))
+        answers = yield _Call("grant", (name, token, ttl_ms, owner, run), enough, (name, token))
         elapsed = time.monotonic() - started
         validity = ttl - elapsed - self.clock_margin(ttl)
         voters = self._voters(answers)
@@ -508,6 +528,7 @@ class RedlockBackend(Backend):
             holder=best[0].holder,
             holder_fence=best[0].holder_fence,
             holder_acquired_at=best[0].holder_acquired_at,
+            holder_name=best[0].holder_name,
         )
 
     def _renew_plan(self, items: Sequence[RenewItem]) -> _Plan[list[bool]]:
@@ -704,6 +725,11 @@ class RedlockBackend(Backend):
     def acquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         return self._drive(self._acquire_plan(name, token, ttl_ms, owner))
 
+    def acquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        return self._drive(self._acquire_plan(name, token, ttl_ms, owner, run))
+
     def renew(self, name: str, token: str, ttl_ms: int) -> bool:
         return self.renew_many([RenewItem(name, token, ttl_ms)])[0]
 
@@ -837,6 +863,11 @@ class RedlockBackend(Backend):
 
     async def aacquire(self, name: str, token: str, ttl_ms: int, owner: Owner) -> AcquireResult:
         return await self._adrive(self._acquire_plan(name, token, ttl_ms, owner))
+
+    async def aacquire_run(
+        self, name: str, token: str, ttl_ms: int, owner: Owner, run: RunCheck
+    ) -> AcquireResult:
+        return await self._adrive(self._acquire_plan(name, token, ttl_ms, owner, run))
 
     async def arenew(self, name: str, token: str, ttl_ms: int) -> bool:
         return (await self.arenew_many([RenewItem(name, token, ttl_ms)]))[0]

@@ -30,9 +30,9 @@ from typing import Any, Final, NamedTuple, NoReturn, TypeVar, cast
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
-from .._friends import acquire_under, current_lease_var
+from .._friends import acquire_as_run, acquire_under, current_lease_var
 from .._steps import Call, adrive, drive
-from ..backends.base import Backend
+from ..backends.base import Backend, RunChecked
 from ..config import resolve_backend, validate_ttl
 from ..context import AnyLease, current_lease
 from ..errors import BackendUnavailable, InvalidArgument, LockError, LockHeld, LockLost
@@ -88,14 +88,17 @@ RETRY_HANDOVER_WAIT: Final = 5.0
 
 
 def task_id_lock_name(name: str, task_id: str) -> str:
-    """The lock a run of task ``task_id`` on key ``name`` holds besides its run lock.
+    """The lock a run of task ``task_id`` on key ``name`` holds besides its run lock, on
+    a backend without a run check (:class:`~task_locks.backends.base.RunChecked`).
 
     With ``limit`` > 1, a second delivery of a running message (same task id: an
     ``acks_late`` redelivery, a visibility timeout, a broker's duplicate) would find a
     free permit; with ``lock_on="both"`` it carries the same publish-time token as the
-    run. Either way the run lock cannot tell the copy from the original, so every run
-    of those tasks first takes this lock, named by the key *and* the task id: a copy
-    finds it held by its own task id and is refused, as with ``limit=1``.
+    run. Where the run lock's own server step cannot tell the copy from the original,
+    every run of those tasks first takes this lock, named by the key *and* the task id:
+    a copy finds it held by its own task id and is refused, as with ``limit=1``. A
+    :class:`~task_locks.backends.base.RunChecked` backend decides it in the run lock's
+    acquire instead, and no such lock is taken.
     """
     return f"{name}{TASK_ID_SEPARATOR}{task_id}"
 
@@ -328,6 +331,19 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         # Always the guard too: a call's lock_options may have needed one (owner-checked).
         return names if task_id is None else [*names, task_id_lock_name(name, task_id)]
 
+    def _run_checked(self, name: str, task_id: str) -> bool:
+        """Whether the run lock's own acquire can refuse a copy of this message: the
+        backend is a :class:`~task_locks.backends.base.RunChecked` that sees, in one
+        step, every name the run lock may hold (every slot if ``limit`` > 1) and, for
+        the options that may wait, the task id's own name (:func:`task_id_lock_name`: a
+        waiting run's mark, or a previous release's guard held for a whole run)."""
+        backend = self.resolved_lock_backend()
+        if not isinstance(backend, RunChecked):
+            return False
+        names = self.held_lock_names(name)
+        mark = self._guard_name(name, task_id)
+        return backend.checks_together(names if mark is None else [*names, mark])
+
     def _guard_name(self, name: str, task_id: str | None) -> str | None:
         """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
 
@@ -432,14 +448,18 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             releaser.flush_key(name)
         task_id = request.id
         guard: AnyLease | None = None
-        guard_name = self._guard_name(name, task_id)
+        # One lock per run where the backend checks the task id itself; else a guard.
+        checked = task_id is not None and self._run_checked(name, task_id)
+        guard_name = None if checked else self._guard_name(name, task_id)
         if guard_name is not None:
             taken = yield from self._take(guard_name, None, guard=True)
             if not isinstance(taken, LeaseBase):
                 return None if request.called_directly or task_id is None else taken
             guard = taken
         try:
-            lease = yield from self._take(name, self._run_token(handed), guard=False)
+            lease = yield from self._take(
+                name, self._run_token(handed), guard=False, run_of=task_id if checked else None
+            )
         except BaseException as exc:
             yield from self._release_guard(guard, task_id)
             if isinstance(exc, LockHeld):
@@ -475,17 +495,18 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         return watch.outcome(result)
 
     def _take(
-        self, name: str, token: str | None, *, guard: bool
+        self, name: str, token: str | None, *, guard: bool, run_of: str | None = None
     ) -> Generator[_Step, Any, AnyLease | Skipped | None]:
-        """Acquire as ``on_conflict`` says (the run guard if ``guard``); a
-        :class:`Skipped` (or ``None``): return it without running."""
+        """Acquire as ``on_conflict`` says (the run guard if ``guard``; with the run
+        check of task ``run_of`` if given); a :class:`Skipped` (or ``None``): return it
+        without running."""
         watched = False
         refused: list[Skipped] = []
         while True:
             timeouts = self._attempts()
             try:
                 lease = yield from take(
-                    functools.partial(_Acquire, self, name, token, guard),
+                    functools.partial(_Acquire, self, name, token, guard, run_of),
                     timeouts,
                     self.on_conflict,
                     f"task {self.name}",
@@ -761,31 +782,83 @@ _L = TypeVar("_L", Lock | Semaphore, AsyncLock | AsyncSemaphore)
 
 
 class _Acquire(NamedTuple):
-    """Take the run lock (or, ``guard``, the run guard) once, waiting up to ``timeout``."""
+    """Take the run lock (or, ``guard``, the run guard) once, waiting up to ``timeout``.
+
+    ``run_of``: with the run check of that task id (:class:`~task_locks.types.RunCheck`:
+    the run lock's own acquire refuses a copy of this message that holds it). A run
+    that is to *wait* also marks its task id while it waits (:func:`task_id_lock_name`,
+    taken at once and let go as soon as the run lock is its, or the wait ends): a
+    copy waiting beside it would otherwise take the key after it and run again. A
+    retry's wait for its previous attempt to let go does not give up on meeting it.
+    """
 
     task: SingletonTask
     name: str
     token: str | None
     guard: bool
+    run_of: str | None
     timeout: float | None
 
     def run(self) -> Lease:
-        with self._as_owner():
-            return self._lock(Lock, self.task.run_lock).acquire(timeout=self.timeout)
+        marker = self._marker(Lock)
+        if marker is None:
+            with self._as_owner():
+                return self._lock(Lock, self.task.run_lock).acquire(timeout=self.timeout)
+        with owner_context(internal=True):
+            mark = marker.acquire(timeout=0)  # held by a copy: LockHeld naming this task id
+        try:
+            return self._lock(Lock, self.task.run_lock, mark.token).acquire(timeout=self.timeout)
+        finally:
+            with contextlib.suppress(LockError):
+                mark.release()
 
     async def arun(self) -> AsyncLease:
-        lock = self._lock(AsyncLock, self.task.async_run_lock)
-        with self._as_owner():
+        marker = self._marker(AsyncLock)
+        if marker is None:
+            lock = self._lock(AsyncLock, self.task.async_run_lock)
+            with self._as_owner():
+                return await lock.acquire(timeout=self.timeout)
+        with owner_context(internal=True):
+            mark = await marker.acquire(timeout=0)
+        try:
+            lock = self._lock(AsyncLock, self.task.async_run_lock, mark.token)
             return await lock.acquire(timeout=self.timeout)
+        finally:
+            with contextlib.suppress(LockError):
+                await mark.release()
 
     def _as_owner(self) -> AbstractContextManager[None]:
         """The guard is the library's own record (``Owner.internal``): operators and the
         metrics see one lock per run, the run lock."""
         return owner_context(internal=True) if self.guard else contextlib.nullcontext()
 
-    def _lock(self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L]) -> _L:
+    def _marks(self) -> bool:
+        """Whether this task's runs mark their task id while they wait, and look for it:
+        those the previous release guarded (``_guard_name``). ``limit=1``, ``"skip"`` or
+        ``"raise"`` and ``lock_on="run"`` never waits, and its copies meet the run lock."""
+        return self.run_of is not None and self.task._guard_name(self.name, self.run_of) is not None
+
+    def _marker(self, cls: Callable[..., _L]) -> _L | None:
+        """The lock marking this task id while the run waits, if it is to wait."""
+        run_of = self.run_of
+        if run_of is None or self.timeout == 0 or not self._marks():
+            return None
+        return cls(task_id_lock_name(self.name, run_of), **self.task.lock_arguments())
+
+    def _lock(
+        self, guard_lock: Callable[..., _L], run_lock: Callable[[str], _L], mark: str | None = None
+    ) -> _L:
         if self.guard:
             return guard_lock(self.name, **self.task.lock_arguments())
+        if self.run_of is not None:
+            return acquire_as_run(
+                run_lock(self.name),
+                self.token,
+                self.run_of,
+                also=(task_id_lock_name(self.name, self.run_of),) if self._marks() else (),
+                mark=mark,
+                give_up_on_copy=not self.task.request.retries,
+            )
         return acquire_under(run_lock(self.name), self.token)
 
 

@@ -287,3 +287,25 @@ def test_a_renewal_batch_is_bounded_by_its_timeout_not_the_request_timeout(
         assert backend.release("bounded", token)
     finally:
         hub.close()
+
+
+def test_the_environment_is_read_once_per_endpoint_not_per_request(
+    etcd_node: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy named by the environment still applies (NO_PROXY too), read when the
+    endpoint's session is made: requests would read it again on every call otherwise."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "")
+    proxied = EtcdBackend("etcd://127.0.0.1:2")
+    session = proxied.transport().session
+    assert session.trust_env is False
+    assert session.proxies.get("http") == "http://127.0.0.1:9"
+    proxied.close()
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    direct = EtcdBackend(etcd_node.url())
+    assert "http" not in direct.transport().session.proxies
+    monkeypatch.delenv("HTTP_PROXY")  # read already: the session keeps what it saw
+    lease = Lock("env-once", ttl=5, backend=direct, renew=False).acquire(timeout=5)
+    lease.release()
+    direct.close()

@@ -278,7 +278,9 @@ def test_force_release_takes_the_lock_away(deployment: Deployment) -> None:
     lease = Lock("forced", ttl=30, backend=deployment.url, on_lost=lost.append).acquire(timeout=0)
     assert backend.force_release("forced") is True
     assert backend.holder("forced") is None
-    with pytest.raises(NotOwned):
+    # NotOwned from the server; or LockLost at once where the release notice got here
+    # first (etcd's watch can beat the holder() read above: seen on main, 1 run in 3).
+    with pytest.raises(LockLost):
         lease.renew()
     assert lost == [lease]
     successor = Lock("forced", ttl=30, backend=deployment.url).acquire(timeout=0)
@@ -308,9 +310,9 @@ def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     capabilities = deployment.capabilities
     assert capabilities <= {
         "fencing", "consensus", "multiprocess", "wakeup", "holders", "release_notice",
-        "server_handoff",
+        "server_handoff", "run_check",
     }  # fmt: skip
-    assert {"fencing", "holders"} <= capabilities
+    assert {"fencing", "holders", "run_check"} <= capabilities
     assert ("consensus" in capabilities) == deployment.kind.startswith("etcd")
     # A force release is announced to the holder's process (Redis pub/sub, etcd's watch,
     # PostgreSQL's NOTIFY); Redis Cluster, Redlock, MySQL, SQLite and memory do not.

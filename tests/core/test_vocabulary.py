@@ -85,6 +85,7 @@ def test_capability_values_are_the_documented_names() -> None:
         "holders",
         "release_notice",
         "server_handoff",
+        "run_check",
     }
     assert CAPABILITIES == {c.value for c in Capability}
     assert Capability("fencing") is Capability.FENCING
