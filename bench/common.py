@@ -81,7 +81,7 @@ class Plan:
     celery: bool = True
     libraries: tuple[str, ...] = (
         "task-locks",
-        "task-locks-handoff",
+        "task-locks-client",
         "redis-py",
         "python-redis-lock",
     )
@@ -137,7 +137,7 @@ PLANS = {
         footprint_live=100,
         other_backends=False,
         celery=False,
-        libraries=("task-locks", "task-locks-handoff", "redis-py"),
+        libraries=("task-locks", "task-locks-client", "redis-py"),
         extra_cells=(),
     ),
 }

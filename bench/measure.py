@@ -52,6 +52,10 @@ class Worker:
         self.log_path = log_dir / f"{label.replace(' ', '_').replace('/', '_')}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)
+        if python == sys.executable:
+            # This checkout's task_locks, not whichever the venv has installed (an
+            # editable install of another worktree would be measured instead).
+            env["PYTHONPATH"] = str(ROOT)
         with open(self.log_path, "ab") as err:
             self.proc = subprocess.Popen(
                 [python, str(BENCH / "workers.py")],
@@ -132,6 +136,9 @@ class Subject:
     error: str | None = None
     cpu_ns: int = 0
     cpu_cycles: int = 0
+    #: Background thread wake-ups (deadline watch + renewal lanes) over ``woken_cycles``.
+    wakeups: int = 0
+    woken_cycles: int = 0
     server_us: float | None = None  # redis-server's CPU per cycle (INFO cpu)
     server_calls: float | None = None  # commands executed per cycle (inside scripts too)
     #: Each round's median cycle (ns): the median of these is the typical round, which a
@@ -196,6 +203,9 @@ def measure_uncontended(
                 item.error = str(exc).splitlines()[-1][:300]
                 continue
             cpu_ns, count = reply.pop("cpu")
+            woken, woken_cycles = reply.pop("wakeups", (0, 0))
+            item.wakeups += woken
+            item.woken_cycles += woken_cycles
             if reply.get("cycle"):
                 item.round_medians.append(quantile(reply["cycle"], 0.5))
             item.cpu_ns += cpu_ns
@@ -294,7 +304,7 @@ def measure_contention(
     libraries: list[tuple[str, str, str]], url: str, plan: Plan, log_dir: Path, admin: Any
 ) -> dict[str, dict[str, Any]]:
     """``libraries``: (label, python, adapter). A pool of max(procs) workers per library."""
-    size = max(plan.procs)
+    size = max(n for n, _ in plan.cells())
     pools: dict[str, list[Worker]] = {}
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
@@ -542,6 +552,7 @@ def uncontended_rows(subjects: list[Subject]) -> list[dict[str, Any]]:
             row["acquire_median_us"] = quantile(s.samples["acq"], 0.5) / 1000
             row["release_median_us"] = quantile(s.samples["rel"], 0.5) / 1000
             row["client_cpu_us"] = s.cpu_ns / s.cpu_cycles / 1000 if s.cpu_cycles else None
+            row["wakeups_per_cycle"] = s.wakeups / s.woken_cycles if s.woken_cycles else None
             row["server_us"] = s.server_us
             row["server_calls"] = s.server_calls
         rows.append(row)
@@ -552,9 +563,9 @@ def contention_libraries(
     plan: Plan, peers_python: str | None, peers: dict[str, str]
 ) -> list[tuple[str, str, str]]:
     libs = [("task-locks", sys.executable, "task-locks")]
-    if "task-locks-handoff" in plan.libraries:
-        # Opt-in server-side grant (Redis URL option handoff=server).
-        libs.append(("task-locks-handoff", sys.executable, "task-locks-handoff"))
+    if "task-locks-client" in plan.libraries:
+        # The opt-out client hand-off (Redis URL option handoff=client).
+        libs.append(("task-locks-client", sys.executable, "task-locks-client"))
     libs.append(("redis-py Lock", sys.executable, "redis-py"))
     if (
         "python-redis-lock" in plan.libraries
@@ -701,9 +712,11 @@ def measure_all(
     log_dir: Path,
     *,
     celery: bool = True,
+    locks_only: bool = False,
 ) -> dict[str, Any]:
     """Every measurement of one run against the Redis server at ``url``, in order:
     uncontended (with the floor and the server's cost), contention, renewal, the hooks.
+    ``locks_only``: the first two only (``--only-locks``), the rest reported as skipped.
 
     Returns the results' measurement sections; worker processes and the extra servers of
     other backends are stopped before it returns, whatever happens.
@@ -737,14 +750,20 @@ def measure_all(
             contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
         )
         wakeup = measure_wakeup(url, log_dir, 300 if plan.mode == "smoke" else 1000)
-        log(f"renewal: {plan.leases} leases")
-        renewal = measure_renewal(url, plan, log_dir, admin.flushall)
-        admin.flushall()
-        log(f"footprint: {plan.footprint_cycles:,} unique-name cycles per library")
-        footprint = measure_footprint(
-            contention_libraries(plan, peers_python, peers), url, plan, log_dir
-        )
-        hooked = hooks(plan, celery, url, peers_python, peers)
+        skipped = {"status": "not measured: --only-locks"}
+        renewal: list[dict[str, Any]] = []
+        footprint: dict[str, dict[str, Any]] = {}
+        hooked = {k: dict(skipped) for k in ("celery", "celery_profile", "backends")}
+        hooked["coordination"] = dict(skipped)
+        if not locks_only:
+            log(f"renewal: {plan.leases} leases")
+            renewal = measure_renewal(url, plan, log_dir, admin.flushall)
+            admin.flushall()
+            log(f"footprint: {plan.footprint_cycles:,} unique-name cycles per library")
+            footprint = measure_footprint(
+                contention_libraries(plan, peers_python, peers), url, plan, log_dir
+            )
+            hooked = hooks(plan, celery, url, peers_python, peers)
     finally:
         for worker in workers:
             worker.close()

@@ -102,30 +102,33 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "Client CPU = the worker process's CPU per cycle (user + system, socket calls "
         "included); Redis CPU and Redis cmds (commands run, those inside scripts included) "
         "per cycle come from `INFO cpu` / `INFO commandstats` with that library alone on "
-        "the server. The servers run on the first CPU and every client on the others "
+        "the server. Thread wake-ups = how often task-locks' deadline watch and renewal "
+        "threads woke per cycle (each is a thread switch; a lease released before its "
+        "first renewal is due should cost none). The servers run on the first CPU and every client on the others "
         "(unpinned, the scheduler put a client on the server's CPU in some rounds and "
         "not in others, two modes about 2x apart). The targets compare the typical round (the median of each round's "
         "median), so a burst of load from other jobs in a few rounds does not decide "
         "them; the table's medians pool every sample.\n"
     )
     add(
-        "| library | backend | median µs | p99 µs | acquire µs | release µs | x floor | x redis-py Lock | client CPU µs | Redis CPU µs | Redis cmds | samples |"
+        "| library | backend | median µs | p99 µs | acquire µs | release µs | x floor | x redis-py Lock | client CPU µs | Redis CPU µs | Redis cmds | thread wake-ups | samples |"
     )
-    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rp = next(
         (r for r in results["uncontended"] if r["label"] == "redis-py Lock" and "median_us" in r),
         None,
     )
     for r in results["uncontended"]:
         if "median_us" not in r:
-            add(f"| {r['label']} | {r['backend']} | {r.get('error', 'n/a')} | | | | | | | | | |")
+            add(f"| {r['label']} | {r['backend']} | {r.get('error', 'n/a')} | | | | | | | | | | |")
             continue
         add(
             f"| {r['label']} | {r['backend']} | {fmt(r['median_us'])} | {fmt(r['p99_us'])} "
             f"| {fmt(r['acquire_median_us'])} | {fmt(r['release_median_us'])} "
             f"| {fmt(ratio(r['median_us'], 2 * ping if ping and r['backend'] == 'redis' else None), 2)} "
             f"| {fmt(ratio(r['median_us'], rp['median_us'] if rp else None), 2)} "
-            f"| {fmt(r['client_cpu_us'])} | {fmt(r['server_us'])} | {fmt(r['server_calls'])} | {r['n']} |"
+            f"| {fmt(r['client_cpu_us'])} | {fmt(r['server_us'])} | {fmt(r['server_calls'])} "
+            f"| {fmt(r.get('wakeups_per_cycle'), 3)} | {r['n']} |"
         )
     add("")
 
@@ -141,9 +144,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "command the script runs, so a script with three calls counts four; failed "
         "attempts and wake-ups are included, so this is per contended acquisition where "
         "the lock is busy (hold 0 and 1 ms at 4 processes: nearly every acquisition "
-        "waits). `task-locks-handoff` is task-locks with the opt-in Redis URL option "
-        "`handoff=server` (release grants the lock to the first queued waiter inside the "
-        "server). redis-py's Lock runs with its defaults (blocking, sleep=0.1) and "
+        "waits). `task-locks` runs its default, the server hand-off (a release grants the "
+        "lock to the first queued waiter inside Redis); `task-locks-client` is task-locks "
+        "with the opt-out Redis URL option `handoff=client` (a release wakes a waiter, "
+        "which acquires again). redis-py's Lock runs with its defaults (blocking, sleep=0.1) and "
         "timeout=30; python-redis-lock with expire=30.\n"
     )
     plan = results.get("plan")

@@ -71,6 +71,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only the release-notice cell (bench/notice_bench.py) and print it",
     )
     parser.add_argument(
+        "--only-locks",
+        action="store_true",
+        help="only the Redis lock cells: uncontended (with the floor and Redis's cost), "
+        "contention and their targets; no renewal, footprint, Celery or other backends "
+        "(for a shared machine)",
+    )
+    parser.add_argument(
+        "--cells",
+        help="contention cells to run, as PROCSxHOLD_SECONDS, comma-separated "
+        "(e.g. 4x0,4x0.0002,4x0.001); default: the plan's",
+    )
+    parser.add_argument(
         "--only-footprint",
         action="store_true",
         help="run only the footprint cell (and print it): what each lock leaves in Redis",
@@ -83,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.footprint_cycles:
         plan = dataclasses.replace(plan, footprint_cycles=args.footprint_cycles)
+    if args.cells:
+        cells = tuple(
+            (int(n), float(hold))
+            for n, hold in (cell.split("x") for cell in args.cells.split(","))
+        )
+        plan = dataclasses.replace(plan, procs=(), holds=(), extra_cells=cells)
+    if args.only_locks:
+        plan = dataclasses.replace(plan, other_backends=False, celery=False)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     # Worker logs (their stderr) live in a temp dir, kept only when the run fails.
@@ -111,7 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print("\n".join(celery_footprint_markdown(cells)))
             return 0
-        measured = measure_all(plan, url, peers_python, peers, log_dir, celery=not args.no_celery)
+        measured = measure_all(
+            plan,
+            url,
+            peers_python,
+            peers,
+            log_dir,
+            celery=not args.no_celery,
+            locks_only=args.only_locks,
+        )
         machine["loadavg_end"] = os.getloadavg()
         results: dict[str, Any] = {
             "mode": plan.mode,

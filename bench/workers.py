@@ -46,6 +46,10 @@ class Adapter:
     def versions(self) -> dict[str, str]:
         return {}
 
+    def wakeups(self) -> int | None:
+        """Background thread wake-ups so far (``None``: the library has no such threads)."""
+        return None
+
 
 def _version(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -82,6 +86,13 @@ class TaskLocks(Adapter):
 
     def versions(self) -> dict[str, str]:
         return {"task-locks": _version("task-locks"), **_redis_versions()}
+
+    def wakeups(self) -> int | None:
+        """The deadline watch's and the renewal lanes' thread wake-ups so far."""
+        from task_locks import watchdog
+
+        lanes = watchdog.thread_renewer().lanes.all()
+        return watchdog.deadline_watch().wakeups + sum(lane.wakeups for lane in lanes)
 
 
 class RedisPyLock(Adapter):
@@ -184,9 +195,10 @@ class Sherlock(Adapter):
 ADAPTERS: dict[str, Callable[..., Adapter]] = {
     "task-locks": TaskLocks,
     "task-locks-norenew": lambda url, name, ttl: TaskLocks(url, name, ttl, renew=False),
-    # Redis's server-side hand-off (handoff=server): the release grants the lock to the next waiter.
-    "task-locks-handoff": lambda url, name, ttl: TaskLocks(
-        url + ("&" if "?" in url else "?") + "handoff=server", name, ttl
+    # The opt-out client hand-off (handoff=client): a release wakes a waiter, which acquires
+    # again (the default is the server hand-off: the release grants the lock inside Redis).
+    "task-locks-client": lambda url, name, ttl: TaskLocks(
+        url + ("&" if "?" in url else "?") + "handoff=client", name, ttl
     ),
     "redis-py": RedisPyLock,
     "python-redis-lock": PythonRedisLock,
@@ -207,6 +219,7 @@ def cycles(adapter: Adapter, n: int, max_seconds: float | None = None) -> dict[s
     acq: list[int] = []
     rel: list[int] = []
     stop = None if max_seconds is None else now() + max_seconds
+    woken = adapter.wakeups()
     gc.disable()  # a collection inside one sample is the runtime's noise, not the lock's
     cpu = time.process_time_ns()
     try:
@@ -223,11 +236,14 @@ def cycles(adapter: Adapter, n: int, max_seconds: float | None = None) -> dict[s
     finally:
         cpu = time.process_time_ns() - cpu
         gc.enable()
+    after = adapter.wakeups()
     return {
         "cycle": [a + r for a, r in zip(acq, rel, strict=True)],
         "acq": acq,
         "rel": rel,
         "cpu": [cpu, len(acq)],
+        # [thread wake-ups, cycles] (deadline watch + renewal lanes; absent for peers)
+        **({} if woken is None or after is None else {"wakeups": [after - woken, len(acq)]}),
     }
 
 

@@ -76,12 +76,22 @@ class BackendUnavailable(LockError):
     """The lock service could not be reached or did not answer in time.
 
     ``server`` names the backend (URL without credentials). The outcome of the operation
-    is unknown; a lock we might have taken expires by its TTL.
+    is unknown; a lock we might have taken expires by its TTL. ``timed_out``: the server
+    did not answer within the socket timeout (paused, cut off), where a follow-up call
+    would only wait as long again; ``False`` when unknown.
     """
 
-    def __init__(self, message: str, *, name: str | None = None, server: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        server: str | None = None,
+        timed_out: bool = False,
+    ) -> None:
         super().__init__(message, name=name)
         self.server = server
+        self.timed_out = timed_out
 
 
 class BackendMisconfigured(InvalidArgument):

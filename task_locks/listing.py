@@ -84,7 +84,8 @@ def backend_namespace(backend: Backend) -> str | None:
 
 
 def describe_backend(backend: Backend) -> str:
-    """``redis://127.0.0.1:6379/0 (namespace 'task_locks:')``: where the verbs look.
+    """``redis://127.0.0.1:6379/0 (namespace 'task_locks:')``: where the verbs look, and on
+    Redis which hand-off its waiters get (``, hand-off: server (...)``) and why.
 
     Without the password. One lock name is one lock only within one server and namespace,
     so every listing says which it read.
@@ -94,7 +95,9 @@ def describe_backend(backend: Backend) -> str:
         return f"misconfigured ({problem})"
     namespace = backend_namespace(backend)
     where = "no namespace" if namespace is None else f"namespace {namespace!r}"
-    return f"{backend.server} ({where})"
+    handoff = getattr(backend, "handoff_mode", None)  # Redis: which hand-off, and why
+    mode = f", hand-off: {handoff}" if isinstance(handoff, str) else ""
+    return f"{backend.server} ({where}){mode}"
 
 
 # -- elections and semaphores among the holders ----------------------------------------

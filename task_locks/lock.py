@@ -933,13 +933,18 @@ def _leaving_if_failed(
     """``op``'s answer. If it fails (a lost reply, or the waiter interrupted: cancelled,
     Ctrl-C, a task time limit) with its entry still queued and maybe a grant taken, the
     waiter leaves the queue, giving the grant back (unless ``give_back`` is false), rather
-    than have the lock held by no one until its TTL runs out."""
+    than have the lock held by no one until its TTL runs out.
+
+    Not after a call the server did not answer in time: a paused or cut-off server would
+    keep the give-back waiting a whole socket timeout more, doubling how long an outage
+    takes to report; the entry then expires, and a grant with its TTL, as a plain
+    acquire's lost reply does."""
     try:
         return (yield op)
     except GeneratorExit:
         raise
-    except BaseException:
-        if give_back:
+    except BaseException as exc:
+        if give_back and not (isinstance(exc, BackendUnavailable) and exc.timed_out):
             yield from _give_back(attempt.name, attempt.token)
         raise
 

@@ -59,8 +59,9 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     assert 0 < ours["utilisation"] <= 1
     assert 0 < ours["fairness"] <= 1
     assert "redis-py Lock|2|0.001" in results["contention"]
-    # The opt-in server hand-off (handoff=server) runs in the same rounds, Redis commands counted.
-    handoff = results["contention"]["task-locks-handoff|2|0.001"]
+    # The opt-out client hand-off (handoff=client) runs in the same rounds, Redis commands
+    # counted.
+    handoff = results["contention"]["task-locks-client|2|0.001"]
     assert handoff["acquisitions"] > 0
     assert ours["server_calls_per_acq"] > 0 and handoff["server_calls_per_acq"] > 0
 
@@ -75,7 +76,7 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     assert set(verdicts.values()) <= {"PASS", "MISS", "n/a"}
     assert verdicts["uncontended cycle / redis-py Lock (median)"] in {"PASS", "MISS"}
     # The contention targets, once for each of our two hand-offs.
-    for name in ("task-locks (default", "task-locks-handoff (opt-in"):
+    for name in ("task-locks (default", "task-locks-client (opt-out"):
         assert any(what.startswith(name) for what in verdicts), verdicts
 
     markdown = (tmp_path / "results.md").read_text()
@@ -130,28 +131,28 @@ def test_contention_targets_pass_or_miss_with_the_measured_reason(
     contention = {}
     for hold in (0.0, 0.0002, 0.001):
         contention[f"python-redis-lock|4|{hold}"] = cell(1000, 10)
-        contention[f"task-locks|4|{hold}"] = cell(900, 17, fairness=0.9, util=0.7)
-        contention[f"task-locks-handoff|4|{hold}"] = cell(1300, 8)
+        contention[f"task-locks-client|4|{hold}"] = cell(900, 17, fairness=0.9, util=0.7)
+        contention[f"task-locks|4|{hold}"] = cell(1300, 8)
     results = {
         "uncontended": [],
         "floor": {"our client (.venv)": {"ping": {"median_us": 60.0}}},
         "contention": contention,
     }
     rows = {t.what: t for t in targets.check_targets(results)}
-    default = "task-locks (default, client hand-off): "
-    handoff = "task-locks-handoff (opt-in handoff=server): "
+    client = "task-locks-client (opt-out handoff=client): "
+    server = "task-locks (default, server hand-off): "
     rate0 = "4 procs, hold 0: rate / python-redis-lock"
-    assert rows[default + rate0].verdict == "MISS"
-    assert "900 vs 1000 acq/s" in rows[default + rate0].note
-    assert rows[handoff + rate0].verdict == "PASS"
+    assert rows[client + rate0].verdict == "MISS"
+    assert "900 vs 1000 acq/s" in rows[client + rate0].note
+    assert rows[server + rate0].verdict == "PASS"
     cmds = "Redis cmds per contended acquisition / python-redis-lock's (4 procs, hold 0)"
-    assert rows[default + cmds].verdict == "MISS" and "17.0 vs 10.0" in rows[default + cmds].note
-    assert rows[handoff + cmds].verdict == "PASS"
+    assert rows[client + cmds].verdict == "MISS" and "17.0 vs 10.0" in rows[client + cmds].note
+    assert rows[server + cmds].verdict == "PASS"
     ping = "hand-off median / PING round trip (4 procs, 1 ms hold)"
-    assert rows[handoff + ping].value == pytest.approx(2.5)
-    assert rows[handoff + ping].verdict == "PASS"
+    assert rows[server + ping].value == pytest.approx(2.5)
+    assert rows[server + ping].verdict == "PASS"
     util = "4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time"
-    assert rows[default + util].verdict == "MISS" and rows[handoff + util].verdict == "PASS"
+    assert rows[client + util].verdict == "MISS" and rows[server + util].verdict == "PASS"
 
 
 @pytest.mark.timeout(60)

@@ -393,7 +393,7 @@ class Backend(abc.ABC):
     @property
     def server_handoff(self) -> bool:
         """Whether a release hands the lock to the next waiter inside the server: this
-        backend is a :class:`ServerHandoff` (opt-in on Redis, ``?handoff=server``)."""
+        backend is a :class:`ServerHandoff` (Redis by default; ``?handoff=client`` opts out)."""
         return isinstance(self, ServerHandoff)
 
     def check_name(self, name: str) -> None:

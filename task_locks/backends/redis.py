@@ -17,16 +17,18 @@ URL options (query string, removed before the URL reaches redis-py): ``prefix``
 (default ``task_locks:``), ``socket_timeout`` (seconds, default 5), ``connect_timeout``
 (default 2), ``wait_replicas`` and ``wait_timeout`` (ms) to demand that a replica has the
 lock before an acquire counts, ``fence_ttl`` (seconds the database's fence counter
-outlives the last acquire in it, default 7 days), ``handoff`` (``client``, the default,
-or ``server``).
+outlives the last acquire in it, default 7 days), ``handoff`` (``server``, the default,
+or ``client``).
 
-``handoff=server`` (opt-in): a waiter that finds the lock held queues itself in the same
-script (FIFO), and a release hands the lock to the first live waiter in the same script
-(new fence, the waiter's TTL and owner), pushing the fence to that waiter's own list,
-where its short BLPOP picks it up: no second acquire round trip, and strict FIFO. Every
-client of a lock name should use the same mode (mixing is safe, only slower: a waiter
-is not woken by a release of the other mode until its next try). See ``ENQUEUE`` in
-:mod:`.redis_scripts`.
+The server hand-off (the default): a waiter that finds the lock held queues itself in
+the same script (FIFO), and a release hands the lock to the first live waiter in the same
+script (new fence, the waiter's TTL and owner), pushing the fence to that waiter's own
+list, where its short BLPOP picks it up: no second acquire round trip, and strict FIFO.
+The client hand-off (a release wakes a waiter, which acquires again) is used where the
+server's cannot be: with ``wait_replicas`` (a grant made inside a release has no WAIT of
+its own), or when the URL says ``handoff=client``. Every client of a lock name should use
+the same mode (mixing is safe, only slower: a waiter is not woken by a release of the
+other mode until its next try). See ``ENQUEUE`` in :mod:`.redis_scripts`.
 
 Sentinel: ``redis+sentinel://[:password@]host:port[,host:port]/service[/db]``.
 Cluster: ``redis+cluster://host:port[,host:port]``.
@@ -121,12 +123,22 @@ def _owned_by(task_id: str) -> str:
     return f'"task_id": {json.dumps(task_id)}'
 
 
-def _handoff_option(url: str) -> str | None:
-    """The URL's ``handoff`` option, if given (checked by the backend it makes)."""
+def _wants_server_handoff(url: str) -> bool:
+    """Whether ``url`` makes a server hand-off backend: unless its ``handoff`` option says
+    ``client``, or it asks for ``wait_replicas`` (a grant made inside a release has no
+    WAIT of its own) without naming ``handoff=server`` (refused then, by the backend).
+    Values are checked by the backend the URL makes."""
     try:
-        return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)).get("handoff")
+        query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
     except ValueError:  # a malformed URL: the backend's own parsing says what is wrong
-        return None
+        return False
+    handoff = query.get("handoff")
+    if handoff is not None:
+        return handoff == "server"
+    try:
+        return not float(query.get("wait_replicas") or 0)
+    except ValueError:
+        return False
 
 
 class _RedisNotices:
@@ -204,9 +216,10 @@ FORCED_NOTICE = "it was force-released (an operator's release, announced by the 
 class RedisBackend(Backend, RunChecked):
     """A lock per key, over one connection pool (the module's docstring says how).
 
-    ``RedisBackend(url)`` with ``handoff=server`` in the URL makes a
-    :class:`RedisHandoffBackend`, as ``pathlib.Path`` makes a ``PosixPath``: the server
-    hand-off's methods exist exactly on the backends that declare it.
+    ``RedisBackend(url)`` makes a :class:`RedisHandoffBackend` (the default hand-off)
+    unless the URL says ``handoff=client`` or asks for ``wait_replicas``, as
+    ``pathlib.Path`` makes a ``PosixPath``: the server hand-off's methods exist exactly on
+    the backends that declare it. This class itself is the client hand-off.
     """
 
     capabilities = frozenset(
@@ -223,7 +236,7 @@ class RedisBackend(Backend, RunChecked):
     def __new__(cls, url: str = "", *args: Any, **kwargs: Any) -> RedisBackend:
         # No URL: copy.copy or pickle rebuilding an instance of the class it already is.
         chosen: type[RedisBackend] = cls
-        if cls is RedisBackend and _handoff_option(url) == "server":
+        if cls is RedisBackend and url and _wants_server_handoff(url):
             chosen = RedisHandoffBackend
         return super().__new__(chosen)
 
@@ -268,6 +281,15 @@ class RedisBackend(Backend, RunChecked):
             raise InvalidArgument(
                 f"{self.server}: option handoff=server cannot be combined with wait_replicas"
             )
+        #: How a release reaches a waiter, and why (``--help``, ``list``, ``show``).
+        self.handoff_mode = (
+            "server (a release grants the lock to the first waiter inside Redis, FIFO)"
+            if self.server_handoff
+            else "client (wait_replicas: a grant inside a release would have no WAIT; "
+            "waiters are woken to try again)"
+            if self.wait_replicas and "handoff" not in options
+            else "client (handoff=client: waiters are woken to try again)"
+        )
         self.scheme = parts.scheme.lower()
         self.cluster = self.scheme == "redis+cluster"
         if self.cluster:  # a cluster's pub/sub is not tried yet: renewal finds the loss
@@ -668,7 +690,7 @@ class RedisBackend(Backend, RunChecked):
         return send
 
     def defer_release(self, release: DeferredRelease) -> bool:
-        """Pipelined ahead of the next acquire or, with ``handoff=server``, enqueue (not on
+        """Pipelined ahead of the next acquire or, with the server hand-off, enqueue (not on
         a cluster: one pipeline goes to one node)."""
         if self.cluster:
             return False
@@ -1083,10 +1105,11 @@ class RedisBackend(Backend, RunChecked):
 
 
 class RedisHandoffBackend(RedisBackend, ServerHandoff):
-    """``handoff=server``: a waiter that finds the lock held queues itself in the same
-    script, and a release grants the lock to the first live waiter (the module's
-    docstring; ``ENQUEUE`` in :mod:`.redis_scripts`). Made by ``RedisBackend(url)``
-    (``get_backend``) when the URL says so.
+    """The server hand-off (the default): a waiter that finds the lock held queues itself
+    in the same script, and a release grants the lock to the first live waiter (the
+    module's docstring; ``ENQUEUE`` in :mod:`.redis_scripts`). Made by
+    ``RedisBackend(url)`` (``get_backend``) unless the URL says ``handoff=client`` or
+    asks for ``wait_replicas``.
     """
 
     capabilities = RedisBackend.capabilities | {Capability.SERVER_HANDOFF}

@@ -164,6 +164,9 @@ def translate(
         )
     if isinstance(exc, UNAVAILABLE):
         return BackendUnavailable(
-            f"{what}: Redis at {server} is unavailable: {exc}", name=name, server=server
+            f"{what}: Redis at {server} is unavailable: {exc}",
+            name=name,
+            server=server,
+            timed_out=isinstance(exc, RedisTimeoutError),
         )
     return LockError(f"{what}: Redis at {server} refused: {exc}", name=name)

@@ -27,7 +27,7 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
 - ``<prefix>released:<db>``, a pub/sub **channel**, not a key: an operator's release
   publishes ``<fence>|<record key>`` to it, so the holder's process (its one listener,
   :mod:`task_locks.notices`) marks that lease lost at once. Nothing is stored.
-- ``handoff=server`` waiters: ``<prefix>{name}:queue`` (zset of tokens by arrival),
+- server hand-off waiters (the default): ``<prefix>{name}:queue`` (zset of tokens by arrival),
   ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
   ``:grant:<token>`` (the list its grant is pushed to). They exist while someone waits.
 
@@ -378,7 +378,7 @@ return 1
 """,
 )
 
-# -- server-side hand-off (URL option ``handoff=server``) --------------------------------
+# -- server-side hand-off (the default; ``handoff=client`` opts out) ----------------------
 
 # KEYS[1] - the lock's record
 # KEYS[2] - the fence counter
@@ -428,8 +428,13 @@ if not held or not held.token then
   local head, entry = false, false
   if not held then head, entry = pop_live(key, queue_key) end
   if not head or head == token then
-    redis.call('zrem', queue_key, token)
-    redis.call('del', entry_key, key .. ':grant:' .. token)
+    -- Our own place in line goes with the lock, if we have a live one: a member whose
+    -- entry expired is dropped by any pop, and a queue found empty holds none of ours.
+    -- An uncontended try pays one DEL for this (nothing for a new name).
+    if (held or head) and redis.call('del', entry_key) == 1 then
+      redis.call('zrem', queue_key, token)
+      redis.call('del', key .. ':grant:' .. token)
+    end
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     local waiters = (head and '1') or (held and held.waiters) or '0'
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,

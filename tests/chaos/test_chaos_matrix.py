@@ -21,7 +21,7 @@ WAIT_REPLICAS = "wait_replicas=1&wait_timeout=100"
 
 BACKENDS = {
     "redis": lambda db: clusters.SingleRedis(),
-    "redis+handoff": lambda db: clusters.SingleRedis("handoff=server"),
+    "redis+client": lambda db: clusters.SingleRedis("handoff=client"),
     "sentinel": lambda db: clusters.SentinelRedis(),
     "sentinel+wait": lambda db: clusters.SentinelRedis(WAIT_REPLICAS),
     "redlock": lambda db: clusters.Redlock(),
@@ -30,7 +30,7 @@ BACKENDS = {
 }
 FAULTS_OF = {
     "redis": clusters.SingleRedis.faults,
-    "redis+handoff": clusters.SingleRedis.faults,
+    "redis+client": clusters.SingleRedis.faults,
     "sentinel": clusters.SentinelRedis.faults,
     # wait_replicas only changes what happens when the master's data is lost
     "sentinel+wait": frozenset({"pause-server", "restart-server", "failover"}),
@@ -59,10 +59,10 @@ SHORT = [
     ("redis", "kill-holder"),
     ("redis", "proxy-blackhole"),
     ("redis", "clock-skew"),
-    # the server hand-off: a waiter paused between its queueing try and its pop, a
-    # holder killed with waiters queued
-    ("redis+handoff", "pause-acquirer"),
-    ("redis+handoff", "kill-holder"),
+    # the server hand-off (the default): a waiter paused between its queueing try and
+    # its pop, a holder killed with waiters queued; the client hand-off (the opt-out)
+    ("redis", "pause-acquirer"),
+    ("redis+client", "kill-holder"),
     ("sentinel", "failover"),
     ("redlock", "restart-server"),
     ("etcd", "kill-leader"),

@@ -205,7 +205,7 @@ def test_renewal_keeps_the_lock_past_its_ttl(deployment: Deployment) -> None:
 
 def blocking_wait(backend: Any, asynchronous: bool) -> str:
     """The backend method a waiting lock blocks in: with the server hand-off
-    (``TASK_LOCKS_TEST_HANDOFF=server``) it is the pop of its grant."""
+    (Redis's default) it is the pop of its grant."""
     if backend.server_handoff:
         return "aawait_grant" if asynchronous else "await_grant"
     return "await_release" if asynchronous else "wait_release"
@@ -318,8 +318,11 @@ def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     # PostgreSQL's NOTIFY); Redis Cluster, Redlock, MySQL, SQLite and memory do not.
     silent = {"cluster", "redlock", "memory", "django-sqlite", "django-mysql"}
     assert ("release_notice" in capabilities) == (deployment.kind not in silent)
-    # Declared with the URL's opt-in only (TASK_LOCKS_TEST_HANDOFF=server on Redis).
-    assert ("server_handoff" in capabilities) == ("handoff=server" in deployment.url)
+    # Redis's default (not Redlock's; TASK_LOCKS_TEST_HANDOFF=client opts out).
+    redis_kinds = {"redis", "sentinel", "cluster"}
+    assert ("server_handoff" in capabilities) == (
+        deployment.kind in redis_kinds and "handoff=client" not in deployment.url
+    )
     lock = Lock("demanding", ttl=5, backend=deployment.url, require={"fencing", "consensus"})
     if "consensus" in capabilities:
         lock.acquire(timeout=0).release()

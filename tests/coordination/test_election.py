@@ -24,20 +24,26 @@ def unique(prefix: str = "e") -> str:
 
 
 def spy_backend(url: str, event: threading.Event, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The real backend for ``url``, whose waits also say that a candidate is waiting."""
+    """The real backend for ``url``, whose waits also say that a candidate is waiting
+    (Redis's default server hand-off waits in the pop of its grant)."""
     backend = get_backend(url)
-    wait, await_release = backend.wait_release, backend.await_release
+    sync_name, async_name = (
+        ("await_grant", "aawait_grant")
+        if backend.server_handoff
+        else ("wait_release", "await_release")
+    )
+    wait, await_release = getattr(backend, sync_name), getattr(backend, async_name)
 
-    def spied_wait(name: str, timeout: float) -> None:
+    def spied_wait(*args: Any) -> Any:
         event.set()
-        wait(name, timeout)
+        return wait(*args)
 
-    async def spied_await_release(name: str, timeout: float) -> None:
+    async def spied_await_release(*args: Any) -> Any:
         event.set()
-        await await_release(name, timeout)
+        return await await_release(*args)
 
-    monkeypatch.setattr(backend, "wait_release", spied_wait)
-    monkeypatch.setattr(backend, "await_release", spied_await_release)
+    monkeypatch.setattr(backend, sync_name, spied_wait)
+    monkeypatch.setattr(backend, async_name, spied_await_release)
     return backend
 
 

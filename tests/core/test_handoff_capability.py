@@ -1,7 +1,8 @@
 """The server hand-off is a declared capability: ``Capability.SERVER_HANDOFF`` and the
 ``ServerHandoff`` methods come together, on every backend class and on every backend a
 URL makes, so a lock never takes the hand-off path on a backend without it (or the
-other way round). Nothing here talks to a server: making a backend sends nothing."""
+other way round). On Redis the server hand-off is the default; ``handoff=client`` and
+``wait_replicas`` make the client hand-off. Nothing here talks to a server: making a backend sends nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from task_locks.backends import BUILTIN_SCHEMES, backend_class
 from task_locks.backends.base import Backend, Capability, ServerHandoff
 from task_locks.backends.redis import RedisBackend, RedisHandoffBackend
 from task_locks.errors import InvalidArgument, MissingCapability
+from task_locks.listing import describe_backend
 from task_locks.types import AcquireResult, Owner
 
 #: What a hand-off backend adds: every public name of ServerHandoff.
@@ -67,10 +69,16 @@ def test_a_backend_declares_the_handoff_exactly_when_it_implements_it(
         NOWHERE + "?handoff=server",
         "redis+cluster://127.0.0.1:1,127.0.0.1:2?handoff=server",
         "redis+cluster://127.0.0.1:1,127.0.0.1:2",
+        "redis+cluster://127.0.0.1:1,127.0.0.1:2?handoff=client",
+        "rediss://127.0.0.1:1/0",
+        "redis+sentinel://127.0.0.1:1/mymaster/0",
+        "redis+sentinel://127.0.0.1:1/mymaster/0?handoff=client",
+        NOWHERE + "?wait_replicas=1",
+        NOWHERE + "?wait_replicas=0",
     ],
 )
 def test_a_url_makes_a_backend_whose_capability_and_methods_agree(url: str) -> None:
-    wanted = "handoff=server" in url
+    wanted = "handoff=client" not in url and "wait_replicas=1" not in url
     for backend in (get_backend(url), RedisBackend(url)):
         assert isinstance(backend, ServerHandoff) == wanted
         assert (Capability.SERVER_HANDOFF in backend.capabilities) == wanted
@@ -103,9 +111,18 @@ def test_the_handoff_class_made_directly_follows_its_url() -> None:
         RedisHandoffBackend(NOWHERE + "?handoff=client")
 
 
-def test_require_server_handoff_is_met_only_by_the_opt_in() -> None:
-    Lock("demanding", ttl=5, backend=NOWHERE + "?handoff=server", require={"server_handoff"})
-    lock = Lock("demanding", ttl=5, backend=NOWHERE, require={"server_handoff"})
+def test_the_default_says_which_handoff_it_chose_and_why() -> None:
+    """``--help``, ``list`` and ``show`` print this (``describe_backend``)."""
+    assert get_backend(NOWHERE).handoff_mode.startswith("server")
+    assert "handoff=client" in get_backend(NOWHERE + "?handoff=client").handoff_mode
+    assert "wait_replicas" in get_backend(NOWHERE + "?wait_replicas=1").handoff_mode
+    assert "hand-off: server" in describe_backend(get_backend(NOWHERE))
+
+
+def test_require_server_handoff_is_met_by_the_default_not_the_opt_out() -> None:
+    Lock("demanding", ttl=5, backend=NOWHERE, require={"server_handoff"})
+    opted_out = NOWHERE + "?handoff=client"
+    lock = Lock("demanding", ttl=5, backend=opted_out, require={"server_handoff"})
     with pytest.raises(MissingCapability) as missing:
         lock.backend  # noqa: B018 - the property is what checks
     assert missing.value.missing == {Capability.SERVER_HANDOFF}

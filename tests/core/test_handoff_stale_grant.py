@@ -27,15 +27,20 @@ def handoff(url: str) -> str:
     return url + ("&" if "?" in url else "?") + "handoff=server"
 
 
+def client_handoff(url: str) -> str:
+    """The opt-out (the server hand-off is the default): a release wakes a waiter."""
+    return url + ("&" if "?" in url else "?") + "handoff=client"
+
+
 @pytest.mark.parametrize("operator_url", ["same", "plain"])
 def test_a_grant_force_released_before_its_pop_is_not_popped(
     redis_url: str, operator_url: str
 ) -> None:
-    """``plain``: the operator's URL lacks ``handoff=server`` (its force release is the
+    """``plain``: the operator's URL says ``handoff=client`` (its force release is the
     plain script); the grant must go all the same."""
     url = handoff(redis_url)
     backend = get_backend(url)
-    operator = backend if operator_url == "same" else get_backend(redis_url)
+    operator = backend if operator_url == "same" else get_backend(client_handoff(redis_url))
     assert backend.acquire("freed", "holder", 10_000, Owner()).acquired
     queued = backend.enqueue("freed", "w", 10_000, Owner(), 5_000)
     assert queued.fence is None  # held: w is queued, and its next step is the pop
@@ -93,7 +98,7 @@ def test_clients_of_both_modes_on_one_name_never_overlap(redis_url: str) -> None
                 if not critical_section_sync(client, counter, lease.fence):
                     faults.append(lease.fence)
 
-    urls = [redis_url, handoff(redis_url)] * 2
+    urls = [client_handoff(redis_url), handoff(redis_url)] * 2
     workers = [threading.Thread(target=work, args=(url,)) for url in urls]
     for worker in workers:
         worker.start()
@@ -114,7 +119,7 @@ def test_a_lock_taken_from_a_tombstone_is_not_handed_back_to_its_taker(redis_url
     lock stays held until its TTL, and everyone else is kept out that long."""
     url = handoff(redis_url)
     backend = get_backend(url)
-    plain = get_backend(redis_url)
+    plain = get_backend(client_handoff(redis_url))
     assert backend.acquire("tomb", "holder", 10_000, Owner()).acquired
     assert backend.enqueue("tomb", "w", 10_000, Owner(), 5_000).fence is None
     assert backend.enqueue("tomb", "later", 10_000, Owner(), 5_000).fence is None

@@ -54,8 +54,10 @@ def test_a_plain_url_to_a_cluster_node_names_counters_by_slot(
 
 
 def test_the_signal_is_written_only_when_someone_waited(redis_url: str) -> None:
+    """The client hand-off (``handoff=client``): a release pushes the signal a counted
+    waiter BLPOPs, and only then."""
     client = redis.Redis.from_url(redis_url)
-    backend = get_backend(redis_url)
+    backend = get_backend(redis_url + "?handoff=client")
     lease = Lock("layout:signal", ttl=30, backend=backend, renew=False).acquire(timeout=0)
     lease.release()
     assert not client.exists("task_locks:{layout:signal}:signal")
@@ -64,3 +66,15 @@ def test_the_signal_is_written_only_when_someone_waited(redis_url: str) -> None:
     lease.release()
     assert client.llen("task_locks:{layout:signal}:signal") == 1
     assert 0 < client.pttl("task_locks:{layout:signal}:signal") <= 5_000  # socket_timeout
+
+
+def test_the_server_handoff_leaves_nothing_of_a_try_that_did_not_wait(redis_url: str) -> None:
+    """The default hand-off: a try that cannot wait is not queued, so the release finds
+    nobody to grant or wake, and leaves only its tombstone."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    backend = get_backend(redis_url)
+    assert backend.server_handoff
+    lease = Lock("layout:tried", ttl=30, backend=backend, renew=False).acquire(timeout=0)
+    assert Lock("layout:tried", ttl=30, backend=backend).try_acquire() is None
+    lease.release()
+    assert client.keys("task_locks:{layout:tried}*") == ["task_locks:{layout:tried}"]

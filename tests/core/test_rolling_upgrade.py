@@ -15,11 +15,15 @@ The old client is the previous release's acquire and release scripts, as they we
 from __future__ import annotations
 
 import json
+import threading
+from typing import Any
 
 import pytest
 import redis
+from servers import wait_until
 
 from task_locks import Lock, LockHeld, get_backend
+from task_locks.backends.redis_scripts import record_fields
 
 # The previous release's ACQUIRE (KEYS: lock hash, fence counter; ARGV: token, ttl ms,
 # owner JSON, counter ttl ms) and RELEASE (KEYS: lock hash, signal, tombstone; ARGV:
@@ -118,3 +122,33 @@ def test_an_operator_on_the_new_release_frees_an_old_holder_it_saw(redis_url: st
     assert backend.holder("mixed-forced") is None
     with Lock("mixed-forced", ttl=5, backend=backend, renew=False).acquire(timeout=0) as lease:
         assert lease.fence > fence
+
+
+def test_the_default_hand_off_changed_under_a_running_fleet(redis_url: str) -> None:
+    """Clients of the previous default (the client hand-off, ``?handoff=client`` now) and
+    of this one (the server hand-off) on one name, with the keys both already use: each
+    kind's waiter gets the lock after the other kind's release, with a higher fence."""
+    raw = redis.Redis.from_url(redis_url)
+    old = Lock("switch", ttl=2, backend=redis_url + "?handoff=client", renew=False)
+    new = Lock("switch", ttl=2, backend=redis_url, renew=False)
+
+    def waiting(lock: Lock) -> bool:
+        if lock is new:  # queued in the server
+            return int(raw.zcard("task_locks:{switch}:queue")) == 1
+        fields = record_fields(raw.get("task_locks:{switch}"))  # counted in the record
+        return fields is not None and fields["waiters"] != "0"
+
+    for holder, waiter in ((old, new), (new, old)):
+        lease = holder.acquire(timeout=0)
+        got: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda w=waiter, out=got: out.update(lease=w.acquire(timeout=10))
+        )
+        thread.start()
+        wait_until(lambda w=waiter: waiting(w), 5, "the waiter to wait")
+        lease.release()
+        thread.join(15)
+        assert not thread.is_alive()
+        assert got["lease"].fence > lease.fence
+        got["lease"].release()
+    raw.close()

@@ -1,4 +1,5 @@
-"""Redis ``?handoff=server``: the release hands the lock to the first live waiter in the server.
+"""Redis's server hand-off (the default; ``?handoff=server`` names it): the release hands
+the lock to the first live waiter in the server.
 
 Against real Redis servers (and the chaoskit TCP proxy for a lost reply): exclusion across
 threads and processes, FIFO order with increasing fences, a killed waiter skipped, a
@@ -51,7 +52,9 @@ def entries(url: str, name: str) -> int:
 
 def test_the_url_option_is_checked(redis_url: str) -> None:
     assert get_backend(handoff(redis_url)).server_handoff
-    assert not get_backend(redis_url).server_handoff
+    assert get_backend(redis_url).server_handoff  # the default
+    assert not get_backend(redis_url + "?handoff=client").server_handoff
+    assert not get_backend(redis_url + "?wait_replicas=1").server_handoff
     with pytest.raises(LockError, match="handoff"):
         get_backend(redis_url + "?handoff=sometimes")
     with pytest.raises(LockError, match="wait_replicas"):

@@ -189,6 +189,25 @@ def test_last_lease_stopped_leaves_no_renewal_thread(
     lease.release()
 
 
+def test_a_lease_released_before_its_renewal_wakes_no_thread(redis_url: str) -> None:
+    """A busy acquire/release loop: each lease is due for renewal (and its deadline) long
+    after it is released, so neither the renewal lane's thread nor the deadline watch is
+    woken for it (a wake-up is a thread switch per cycle). Counted, not timed."""
+    lock = Lock("wakeups", ttl=30, backend=get_backend(redis_url))
+    lock.acquire(timeout=0).release()  # starts both threads, asleep until due
+
+    def wakeups() -> int:
+        lanes = watchdog.thread_renewer().lanes.all()
+        return watchdog.deadline_watch().wakeups + sum(lane.wakeups for lane in lanes)
+
+    before = wakeups()
+    for _ in range(100):
+        lock.acquire(timeout=0).release()
+    # Their own timers may fire once or twice meanwhile (an idle exit check); a wake-up
+    # per acquire would make 100 or more.
+    assert wakeups() - before <= 3
+
+
 def test_idle_renewal_thread_does_not_spin(redis_url: str) -> None:
     lease = Lock("idle:cpu", ttl=0.3, backend=redis_url).acquire(timeout=0)
     lease.release()

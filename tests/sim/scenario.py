@@ -70,8 +70,9 @@ from task_locks.types import slot_name
 from . import redlock_world
 from .world import Client, Net, Patches, Server, Sim, SimRedis, Violation, leasing_module
 
-#: redis / redis-handoff: ``Lock`` with the client / server hand-off; redis-mixed: both
-#: on one name (odd clients on the plain URL: their releases leave tombstones with the
+#: redis / redis-handoff: ``Lock`` with the client hand-off (``?handoff=client``) / the
+#: server hand-off (the default); redis-mixed: both on one name (odd clients on the
+#: client hand-off's URL: their releases leave tombstones with the
 #: server hand-off's waiters still queued); semaphore:
 #: ``Semaphore`` (its slots are locks); election: ``Election`` (its term is a fence);
 #: etcd: ``Lock`` on the etcd backend over the etcd model (:mod:`tests.sim.etcd_world`);
@@ -799,11 +800,12 @@ def _url(scenario: Scenario, client: int = 0) -> str:
     if scenario.protocol == "etcd":
         members = "sim-a:2379,sim-b:2379,sim-c:2379"  # three members, one store
         return f"etcd://{members}?timeout={scenario.socket_timeout}&prefix=sim/"
-    # An election's lock goes through the server hand-off (its queue and grants).
+    # An election's lock goes through the server hand-off (its queue and grants); the
+    # others name their mode, since the server hand-off is the default.
     handoff = scenario.protocol in ("redis-handoff", "election") or (
         scenario.protocol == "redis-mixed" and client % 2 == 0
     )
-    hand = "&handoff=server" if handoff else ""
+    hand = "&handoff=server" if handoff else "&handoff=client"
     return f"redis://sim:6379/0?socket_timeout={scenario.socket_timeout}{hand}"
 
 

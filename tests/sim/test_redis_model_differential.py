@@ -41,7 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 NAMES = ["a", "b%}"]
 TOKENS = ["t0", "t1", "t2"]
 OWNERS = [Owner(host="h", pid=1, thread="t"), Owner(host="hö", pid=2, task_id="x|y")]
-PLAIN = RedisBackend("redis://127.0.0.1:1/0?prefix=sim:")
+PLAIN = RedisBackend("redis://127.0.0.1:1/0?prefix=sim:&handoff=client")
 HANDOFF = RedisBackend("redis://127.0.0.1:1/0?prefix=sim:&handoff=server")
 FENCED_SOURCE = FENCED
 GUARD_MS = 30

@@ -30,8 +30,8 @@ KINDS = (
     "redis-asyncio",
     "sentinel-asyncio",
     "redlock-asyncio",
-    "redis+handoff",
-    "redis+handoff-asyncio",
+    "redis+client",
+    "redis+client-asyncio",
 )
 #: (kind, operation, fault) -> "holds" | "FAILS: ..." | "skipped: ..."; filled by the tests.
 RESULTS: dict[tuple[str, str, str], str] = {}

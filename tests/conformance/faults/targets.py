@@ -130,7 +130,7 @@ def _query(**options: object) -> str:
     return "&".join(f"{k}={v}" for k, v in options.items())
 
 
-#: ``TASK_LOCKS_TEST_HANDOFF=server`` runs the Redis targets with ``?handoff=server``.
+#: ``TASK_LOCKS_TEST_HANDOFF=client`` runs the Redis targets with ``?handoff=client``.
 HANDOFF = os.environ.get("TASK_LOCKS_TEST_HANDOFF", "")
 
 
@@ -150,7 +150,7 @@ def redis_single(hub: ProxyHub, handoff: str = "") -> Target:
     url, slow = _redis_urls(f"redis://127.0.0.1:{proxy.port}/0", prefix, mode=handoff)
     direct = server.url(prefix=prefix, **({"handoff": handoff} if handoff else {}))
     return Target(
-        "redis+handoff" if handoff == "server" else "redis",
+        "redis+client" if handoff == "client" else "redis",
         url,
         slow,
         [proxy],
@@ -433,15 +433,16 @@ def _asyncio(build: Callable[[ProxyHub], Target | None]) -> Callable[[ProxyHub],
     return build_asyncio
 
 
-def redis_handoff(hub: ProxyHub) -> Target:
-    """Redis with ``?handoff=server`` (the grant inside the release, its own scripts) in
-    every run, whatever ``TASK_LOCKS_TEST_HANDOFF`` says."""
-    return redis_single(hub, handoff="server")
+def redis_client_handoff(hub: ProxyHub) -> Target:
+    """Redis with ``?handoff=client`` (the opt-out: a release wakes a waiter, which
+    acquires again; its own scripts) in every run, whatever ``TASK_LOCKS_TEST_HANDOFF``
+    says."""
+    return redis_single(hub, handoff="client")
 
 
 BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis": redis_single,
-    "redis+handoff": redis_handoff,
+    "redis+client": redis_client_handoff,
     "redis+wait_replicas": redis_wait_replicas,
     "sentinel": redis_sentinel,
     "cluster": redis_cluster,
@@ -451,7 +452,7 @@ BUILDERS: dict[str, Callable[[ProxyHub], Target | None]] = {
     "redis-asyncio": _asyncio(redis_single),
     "sentinel-asyncio": _asyncio(redis_sentinel),
     "redlock-asyncio": _asyncio(redlock),
-    "redis+handoff-asyncio": _asyncio(redis_handoff),
+    "redis+client-asyncio": _asyncio(redis_client_handoff),
 }
 
 

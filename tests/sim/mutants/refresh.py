@@ -410,12 +410,12 @@ protocol: redis-mixed
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """  if not head or head == token then
-    redis.call('zrem', queue_key, token)
-    redis.call('del', entry_key, key .. ':grant:' .. token)
+            """    if (held or head) and redis.call('del', entry_key) == 1 then
+      redis.call('zrem', queue_key, token)
+      redis.call('del', key .. ':grant:' .. token)
+    end
 """,
-            """  if not head or head == token then
-""",
+            "",
         ),
         (
             "task_locks/backends/redis_scripts.py",
