@@ -619,8 +619,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _dead_holder(self, holder: Holder) -> None:
         log.warning(
-            "task %s[%s]: redelivered, and lock %r of this task id expired unrenewed (%s): "
-            "the run that held it is gone; running this delivery",
+            "task %s[%s]: redelivered or retried, and lock %r of this task id expired "
+            "unrenewed (%s): the run that held it is gone; running this delivery",
             self.name,
             self.request.id,
             holder.name,
@@ -750,7 +750,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             if request.retries and number == 1:
                 attempts.insert(1, RETRY_HANDOVER_WAIT)
                 return None
-            if watch and held.holder is not None and redelivered(request):
+            # A redelivery, or a retry whose previous attempt's acquire was applied with
+            # its reply lost (nobody renews that lock): watch the holder before refusing.
+            if watch and held.holder is not None and (redelivered(request) or request.retries):
                 raise _OwnCopy(held.holder, who)  # alive? (task_locks.celery.redelivery)
             self._refuse_copy(who)
         outcome = decide(
