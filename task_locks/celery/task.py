@@ -344,6 +344,19 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         mark = self._guard_name(name, task_id)
         return backend.checks_together(names if mark is None else [*names, mark])
 
+    def _checked_apart(self, exc: BaseException, name: str, task_id: str | None) -> bool:
+        """Whether the run-checked acquire failed with ``exc`` because its names turned
+        out to live apart: a ``redis://`` URL to a Redis Cluster node is known to be one
+        only once a script is refused CROSSSLOT (refused before it runs), after which
+        the backend no longer :meth:`checks_together` those names. The run then takes
+        the guard instead of failing."""
+        return (
+            task_id is not None
+            and isinstance(exc, LockError)
+            and not isinstance(exc, LockHeld)
+            and not self._run_checked(name, task_id)
+        )
+
     def _guard_name(self, name: str, task_id: str | None) -> str | None:
         """The run guard of ``task_id`` (:func:`task_id_lock_name`), if this task needs one.
 
@@ -450,23 +463,28 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
         guard: AnyLease | None = None
         # One lock per run where the backend checks the task id itself; else a guard.
         checked = task_id is not None and self._run_checked(name, task_id)
-        guard_name = None if checked else self._guard_name(name, task_id)
-        if guard_name is not None:
-            taken = yield from self._take(guard_name, None, guard=True)
-            if not isinstance(taken, LeaseBase):
-                return None if request.called_directly or task_id is None else taken
-            guard = taken
-        try:
-            lease = yield from self._take(
-                name, self._run_token(handed), guard=False, run_of=task_id if checked else None
-            )
-        except BaseException as exc:
-            if isinstance(exc, (LockHeld, BackendUnavailable)):
-                # Before the guard goes: while it holds, no copy of this message (same
-                # token) can have taken the queued lock over.
-                yield from self._free_refused(name, handed)
-            yield from self._release_guard(guard, task_id)
-            raise
+        while True:
+            guard_name = None if checked else self._guard_name(name, task_id)
+            if guard_name is not None:
+                taken = yield from self._take(guard_name, None, guard=True)
+                if not isinstance(taken, LeaseBase):
+                    return None if request.called_directly or task_id is None else taken
+                guard = taken
+            try:
+                lease = yield from self._take(
+                    name, self._run_token(handed), guard=False, run_of=task_id if checked else None
+                )
+            except BaseException as exc:
+                if checked and self._checked_apart(exc, name, task_id):
+                    checked = False  # refused unrun: take the guard, as a cluster URL does
+                    continue
+                if isinstance(exc, (LockHeld, BackendUnavailable)):
+                    # Before the guard goes: while it holds, no copy of this message (same
+                    # token) can have taken the queued lock over.
+                    yield from self._free_refused(name, handed)
+                yield from self._release_guard(guard, task_id)
+                raise
+            break
         if not isinstance(lease, LeaseBase):
             yield from self._free_refused(name, handed)
             yield from self._release_guard(guard, task_id)
@@ -610,8 +628,8 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
 
     def _dead_holder(self, holder: Holder) -> None:
         log.warning(
-            "task %s[%s]: redelivered, and lock %r of this task id expired unrenewed (%s): "
-            "the run that held it is gone; running this delivery",
+            "task %s[%s]: redelivered or retried, and lock %r of this task id expired "
+            "unrenewed (%s): the run that held it is gone; running this delivery",
             self.name,
             self.request.id,
             holder.name,
@@ -741,7 +759,9 @@ class SingletonTask(Task, LockedTask):  # type: ignore[misc]
             if request.retries and number == 1:
                 attempts.insert(1, RETRY_HANDOVER_WAIT)
                 return None
-            if watch and held.holder is not None and redelivered(request):
+            # A redelivery, or a retry whose previous attempt's acquire was applied with
+            # its reply lost (nobody renews that lock): watch the holder before refusing.
+            if watch and held.holder is not None and (redelivered(request) or request.retries):
                 raise _OwnCopy(held.holder, who)  # alive? (task_locks.celery.redelivery)
             self._refuse_copy(who)
         outcome = decide(

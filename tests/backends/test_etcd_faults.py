@@ -41,6 +41,7 @@ from servers import EtcdCluster, EtcdServer, wait_until
 
 from task_locks import BackendUnavailable, Lease, Lock, LockLost, NotOwned
 from task_locks.backends.etcd import EtcdBackend
+from task_locks.types import Owner, RunCheck
 
 #: The lock's TTL in every cell: etcd's floor with the test cluster's 500 ms elections.
 TTL = 1.0
@@ -321,6 +322,27 @@ def test_acquire_whose_reply_is_lost_is_retried_and_really_held(rig: Rig) -> Non
     assert rival.try_acquire() is None, "a second client acquired the lock at once"
     lease.release()
     assert rig.key("lost-reply") is None
+
+
+@pytest.mark.parametrize("fault", ["drop_reply", "reset"])
+def test_a_runs_take_over_whose_reply_is_lost_is_its_own_lock(rig: Rig, fault: str) -> None:
+    """A Celery run's acquire (its run check, taking the publish-time lock over under the
+    run's own token) is applied, its reply lost: the retry on the next endpoint finds
+    the run's own write and keeps it, never refused as a copy of itself."""
+    direct = rig.backend(proxied=False, timeout=2.0)
+    name = f"run-{fault}"
+    queued = direct.acquire(name, "publish-token", 30_000, Owner(task_id="t-1"))
+    assert queued.fence is not None
+    backend = rig.backend(proxied=True)
+    fired = aim_fault(backend, rig.proxy, "/kv/txn", fault)
+    run = RunCheck("t-1", (name,), take_over="publish-token")
+    result = backend.acquire_run(name, "run-token", 30_000, Owner(task_id="t-1"), run)
+    assert fired["fired"], "the fault never hit the acquire transaction"
+    assert result.fence == queued.fence, f"not the run's own lock: {result}"
+    assert rig.token_of(rig.key(name)) == "run-token"
+    copy = direct.acquire_run(name, "a-copy", 30_000, Owner(task_id="t-1"), run)
+    assert copy.fence is None and run.is_copy(copy), "a copy of the message ran too"
+    assert direct.release(name, "run-token")
 
 
 # -- the fault matrix ------------------------------------------------------------------------

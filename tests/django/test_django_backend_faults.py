@@ -35,7 +35,7 @@ from django.db import connections
 
 from django_app.backend import DjangoBackend
 from task_locks import BackendUnavailable, Owner
-from task_locks.types import RenewItem
+from task_locks.types import RenewItem, RunCheck
 
 NETWORKED = [alias for alias in ("pg", "mysql") if alias in settings.DATABASES]
 pytestmark = pytest.mark.skipif(not NETWORKED, reason="no PostgreSQL or MariaDB on 127.0.0.1")
@@ -229,6 +229,32 @@ def test_acquire(
     assert holder.owner.host == "faulty"
     contender = truth.acquire(name, "a-contender", 30_000, Owner())
     assert contender.fence is None, "two holders"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_runs_take_over(
+    faulty: tuple[DjangoBackend, Injector], truth: DjangoBackend, fault: str
+) -> None:
+    """A Celery run's acquire (its run check, and the take-over of the publish-time lock
+    under the run's own token) whose COMMIT is lost: the backend's retry with the same
+    token finds the run's own row and is granted, never refused as a copy of itself."""
+    backend, injector = faulty
+    name = f"run:{fault}"
+    queued = truth.acquire(name, "the-publish-time-token", 30_000, Owner(task_id="t-1"))
+    assert queued.fence is not None
+    run = RunCheck("t-1", (name,), take_over="the-publish-time-token")
+    injector.arm("COMMIT", fault)
+    owner = Owner(host="faulty", task_id="t-1")
+    outcome = _bounded(lambda: backend.acquire_run(name, TOKEN, 30_000, owner, run))
+    assert injector.fired.is_set()
+    injector.stop()
+    _assert_no_other_holder(truth, name)
+    assert not isinstance(outcome, BaseException), outcome
+    assert outcome.fence is not None, f"refused as a copy of itself: {outcome}"
+    holder = truth.holder(name)
+    assert holder is not None and (holder.token, holder.fence) == (TOKEN, outcome.fence)
+    copy = truth.acquire_run(name, "a-copy", 30_000, Owner(task_id="t-1"), run)
+    assert copy.fence is None and run.is_copy(copy), "a copy of the message ran too"
 
 
 def _held(truth: DjangoBackend, name: str, ttl_ms: int = 30_000) -> int:

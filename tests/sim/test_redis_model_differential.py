@@ -1,7 +1,7 @@
 """The simulator's Redis model against a real redis-server: same operations, same answers.
 
 Hypothesis draws sequences of the production scripts' calls, with the argument lists the
-backend itself shapes (``_acquire_args``, ``_enqueue_args``, ``_renew_commands``,
+backend itself shapes (``_acquire_args``, also with a Celery run's check for ACQUIRE_RUN, ``_enqueue_args``, ``_renew_commands``,
 ``_release_args``, ``_dequeue_args``; the fenced store's and Redlock's scripts too),
 resends of a release (what redis-py does after a lost reply), out-of-range TTLs, plain
 reads (TTL, PTTL, EXISTS, GET, HGETALL, TYPE, LRANGE, ZRANGE) and sleeps past TTLs. Each
@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
 import task_locks.backends.redlock  # noqa: F401  (registers its bump_fence script)
 from task_locks.backends.redis import SCRIPTS, RedisBackend
 from task_locks.fencing import FENCED
-from task_locks.types import Owner, RenewItem
+from task_locks.types import Owner, RenewItem, RunCheck
 
 from .redis_model import RedisModel, ReplyError
 
@@ -49,12 +49,29 @@ TTL_TOLERANCE = 60
 TIME_US_TOLERANCE = 200_000
 TIME_MS_TOLERANCE = 200
 
+#: Task ids a run check looks for: a look-alike prefix of another, and one whose JSON form
+#: escapes a quote, a backslash and a non-ASCII letter (matched as text by the script).
+RUN_IDS = ["x|y", "x|y2", 'q"\\\u00e9']
+RUN_OWNERS = [Owner(host="h", pid=3, task_id=task_id) for task_id in RUN_IDS]
+#: The names a run check also looks at (a semaphore's other slot, a task id's own name).
+RUN_OTHERS = ["b%}", "a#task:x|y"]
 ttls = st.sampled_from([60, 150, 400, 1200])
 names = st.sampled_from(NAMES)
 tokens = st.sampled_from(TOKENS)
 
 operations = st.one_of(
     st.tuples(st.just("acquire"), names, tokens, ttls, st.sampled_from([0, 1])),
+    st.tuples(
+        st.just("acquire_run"),
+        st.sampled_from([*NAMES, RUN_OTHERS[1]]),
+        tokens,
+        ttls,
+        st.sampled_from(range(len(RUN_OWNERS))),
+        st.sampled_from(range(len(RUN_IDS))),
+        st.sampled_from([(), (0,), (1,), (0, 1)]),
+        st.sampled_from([None, *TOKENS]),
+        st.sampled_from([None, *TOKENS]),
+    ),
     st.tuples(st.just("enqueue"), names, tokens, ttls, st.sampled_from([0, 100, 300])),
     st.tuples(st.just("renew"), st.lists(st.tuples(names, tokens, ttls), min_size=1, max_size=3)),
     st.tuples(st.just("release"), names, tokens, st.booleans()),
@@ -90,7 +107,7 @@ class Side:
     def note(self, name: str, reply: Any) -> None:
         if isinstance(reply, int) and reply > 1:
             self.seen[name] = reply
-        elif isinstance(reply, list) and len(reply) == 4 and reply[2]:
+        elif isinstance(reply, list) and len(reply) in (4, 5) and reply[2]:
             self.seen[name] = int(reply[2])
 
 
@@ -105,6 +122,13 @@ def _commands(op: tuple[Any, ...], side: Side, last: list[Any]) -> list[list[Any
     if kind == "acquire":
         _, name, token, ttl, which = op
         return [_script("acquire", PLAIN._acquire_args(name, token, ttl, OWNERS[which]))]
+    if kind == "acquire_run":
+        _, name, token, ttl, which, task, others, take_over, mark = op
+        also = tuple(RUN_OTHERS[i] for i in others if RUN_OTHERS[i] != name)
+        run = RunCheck(RUN_IDS[task], (name, *also), take_over=take_over, mark=mark)
+        return [
+            _script("acquire_run", PLAIN._acquire_args(name, token, ttl, RUN_OWNERS[which], run))
+        ]
     if kind == "enqueue":
         _, name, token, ttl, wait = op
         return [_script("enqueue", HANDOFF._enqueue_args(name, token, ttl, owner, wait))]
@@ -197,10 +221,10 @@ def same(a: Any, b: Any, ttl: bool = False) -> bool:
 
 def _reply_same(op: tuple[Any, ...], model: Any, real: Any) -> bool:
     if (
-        op[0] in ("acquire", "enqueue", "bad_ttl")
+        op[0] in ("acquire", "acquire_run", "enqueue", "bad_ttl")
         and isinstance(model, list)
         and isinstance(real, list)
-        and len(model) == 4
+        and len(model) in (4, 5)
     ):
         return same(model[0], real[0], ttl=True) and same(model[1:], real[1:])
     if op[0] == "scan":
@@ -275,6 +299,18 @@ def _server_us(client: redis.Redis) -> int:
     ],
 )
 @given(st.lists(operations, min_size=1, max_size=25))
+# A run check refused by another name (its index in the reply), by a look-alike id
+# (not a copy), through its take-over and mark tokens, and resent after a lost reply.
+@example(
+    ops=[
+        ("acquire_run", "b%}", "t0", 1200, 2, 2, (), None, None),
+        ("acquire_run", "a", "t1", 1200, 2, 2, (0, 1), None, None),
+        ("acquire_run", "a", "t1", 1200, 1, 1, (0,), None, None),
+        ("acquire_run", "a", "t2", 1200, 0, 0, (0,), "t1", "t0"),
+        ("acquire_run", "a", "t2", 1200, 0, 0, (0,), "t1", "t0"),
+        ("acquire_run", "a#task:x|y", "t0", 1200, 0, 0, (1,), None, None),
+    ]
+)
 def test_model_answers_as_redis_does(real: redis.Redis, ops: list[tuple[Any, ...]]) -> None:
     real.flushdb()
     clock = [_server_us(real)]
@@ -305,7 +341,7 @@ def test_model_answers_as_redis_does(real: redis.Redis, ops: list[tuple[Any, ...
                 _reject_if_ambiguous(model, began, clock[0])
                 raise AssertionError("\n".join(history))
         for side, batch_replies in zip(sides, replies, strict=True):
-            if op[0] in ("acquire", "enqueue"):
+            if op[0] in ("acquire", "acquire_run", "enqueue"):
                 side.note(op[1], batch_replies[0])
         model_keys, real_keys = model.snapshot(), real_keyspace(real)
         if not keyspaces_same(model_keys, real_keys):

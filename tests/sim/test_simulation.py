@@ -13,8 +13,8 @@ import time
 import pytest
 
 from . import scenario as sim
-from .redlock_world import MasterFault
 from .celery_world import CeleryOptions
+from .redlock_world import MasterFault
 from .scenario import Fault, Iteration, Scenario
 
 SHORT_SEEDS = int(os.environ.get("SIM_SHORT_SEEDS", "1200"))
