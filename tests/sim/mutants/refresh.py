@@ -695,8 +695,8 @@ acknowledged and the message lost.
     [
         (
             "task_locks/celery/task.py",
-            """            if watch and held.holder is not None and redelivered(request):""",
-            """            if False and watch and held.holder is not None and redelivered(request):""",
+            """            if watch and held.holder is not None and (redelivered(request) or request.retries):""",
+            """            if False and watch and held.holder is not None and (redelivered(request) or request.retries):""",
         )
     ],
 )
