@@ -78,7 +78,9 @@ class BackendUnavailable(LockError):
     ``server`` names the backend (URL without credentials). The outcome of the operation
     is unknown; a lock we might have taken expires by its TTL. ``timed_out``: the server
     did not answer within the socket timeout (paused, cut off), where a follow-up call
-    would only wait as long again; ``False`` when unknown.
+    would only wait as long again; ``False`` when unknown. ``unreachable``: the last try
+    could not even connect (refused, no route), where a follow-up call would fail the same
+    way; an earlier try may still have reached the server; ``False`` when unknown.
     """
 
     def __init__(
@@ -88,10 +90,12 @@ class BackendUnavailable(LockError):
         name: str | None = None,
         server: str | None = None,
         timed_out: bool = False,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message, name=name)
         self.server = server
         self.timed_out = timed_out
+        self.unreachable = unreachable
 
 
 class BackendMisconfigured(InvalidArgument):

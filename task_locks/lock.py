@@ -938,13 +938,17 @@ def _leaving_if_failed(
     Not after a call the server did not answer in time: a paused or cut-off server would
     keep the give-back waiting a whole socket timeout more, doubling how long an outage
     takes to report; the entry then expires, and a grant with its TTL, as a plain
-    acquire's lost reply does."""
+    acquire's lost reply does. Nor after one whose last try could not connect
+    (refused): the give-back would fail the same way, and whatever an earlier try queued
+    expires as above."""
     try:
         return (yield op)
     except GeneratorExit:
         raise
     except BaseException as exc:
-        if give_back and not (isinstance(exc, BackendUnavailable) and exc.timed_out):
+        if give_back and not (
+            isinstance(exc, BackendUnavailable) and (exc.timed_out or exc.unreachable)
+        ):
             yield from _give_back(attempt.name, attempt.token)
         raise
 

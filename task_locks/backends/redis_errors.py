@@ -103,6 +103,16 @@ def _hung_up(exc: Exception) -> bool:
     )
 
 
+def _not_connected(exc: Exception) -> bool:
+    """Whether redis-py's last try failed to make the connection (its "Error N connecting
+    to" message over the socket's ``OSError``)."""
+    return (
+        isinstance(exc, RedisConnectionError)
+        and isinstance(exc.__context__, OSError)
+        and " connecting to " in str(exc)
+    )
+
+
 UNAVAILABLE = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -168,5 +178,6 @@ def translate(
             name=name,
             server=server,
             timed_out=isinstance(exc, RedisTimeoutError),
+            unreachable=_not_connected(exc),
         )
     return LockError(f"{what}: Redis at {server} refused: {exc}", name=name)

@@ -35,6 +35,7 @@ declare ``Capability.RELEASE_NOTICE``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -444,10 +445,15 @@ class SimCutter:
 
 
 class SimRawConnection:
-    """What the backend uses of psycopg's connection: its socket and ``notifies()``."""
+    """What the backend uses of psycopg's connection: its socket, ``notifies()`` and
+    ``cursor()`` (the backend's single statements run on the driver's own cursor)."""
 
-    def __init__(self, wire: Wire) -> None:
+    def __init__(self, wire: Wire, wrapper: Any) -> None:
         self.wire = wire
+        self.wrapper = wrapper
+
+    def cursor(self) -> SimCursor:
+        return SimCursor(self.wrapper)
 
     def fileno(self) -> int:
         return self.wire.fileno
@@ -491,6 +497,10 @@ class Wrapper:
 
     vendor = "postgresql"
     connection: Any = None
+    #: Django's query-instrumentation hooks: none, so the backend uses the driver's cursor.
+    execute_wrappers: tuple[Any, ...] = ()
+    #: Django maps the driver's errors to its own here; the model raises Django's already.
+    wrap_database_errors = contextlib.nullcontext()
 
     def inc_thread_sharing(self) -> None:
         pass
@@ -528,7 +538,7 @@ class SimWrapper(Wrapper):
         if self.connection is None:
             wire = Wire(self.client, self.server, self.net, self.cutter)
             wire.connect(self.idle_timeout_us, self.connect_timeout)
-            self.connection = SimRawConnection(wire)
+            self.connection = SimRawConnection(wire, self)
 
     def send(self, sql: str, params: Any) -> Result:
         assert self.connection is not None
