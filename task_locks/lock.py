@@ -938,19 +938,26 @@ def _leaving_if_failed(
     Not after a call the server did not answer in time: a paused or cut-off server would
     keep the give-back waiting a whole socket timeout more, doubling how long an outage
     takes to report; the entry then expires, and a grant with its TTL, as a plain
-    acquire's lost reply does. Nor after one whose last try could not connect
-    (refused): the give-back would fail the same way, and whatever an earlier try queued
-    expires as above."""
+    acquire's lost reply does. Nor after one whose last try could not connect,
+    or that the server refused (:func:`_may_have_queued`)."""
     try:
         return (yield op)
     except GeneratorExit:
         raise
     except BaseException as exc:
-        if give_back and not (
-            isinstance(exc, BackendUnavailable) and (exc.timed_out or exc.unreachable)
-        ):
+        if give_back and _may_have_queued(exc):
             yield from _give_back(attempt.name, attempt.token)
         raise
+
+
+def _may_have_queued(exc: BaseException) -> bool:
+    """Whether the failed call may have left our entry queued with the server answering:
+    an interruption (not a lock error), or a connection lost mid-call. Not a refusal (the
+    server ran nothing: a password, an ACL, a wrong port), nor a call that timed out or
+    could not connect, where the give-back would only fail the same way."""
+    if not isinstance(exc, LockError):
+        return True
+    return isinstance(exc, BackendUnavailable) and not (exc.timed_out or exc.unreachable)
 
 
 class LockBase:
