@@ -54,7 +54,15 @@ def _misconfiguration(exc: Exception, server: str) -> str | None:
             f"TLS where Redis at {server} has none: the port answers plain Redis, so the URL "
             "must say redis://, not rediss://"
         )
-    if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
+    # Redis refuses a long command from a client that has not authenticated with this
+    # protocol error (and hangs up) before it would say NOAUTH: the hand-off's enqueue
+    # script call is such a command.
+    unauthenticated = "Protocol error: unauthenticated" in text
+    if (
+        isinstance(exc, AuthenticationError)
+        or text.startswith(("NOAUTH", "WRONGPASS"))
+        or unauthenticated
+    ):
         if not ("invalid username-password" in text or text.startswith("WRONGPASS")):
             # NOAUTH (redis-py drops the word): "Authentication required", "HELLO must be
             # called with the client already authenticated..."
