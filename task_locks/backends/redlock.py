@@ -508,9 +508,7 @@ class RedlockBackend(Backend, RunChecked):
         # longer one must not count that master then.
         late = {i for i, a in enumerate(answers) if not isinstance(a, AcquireResult)}
         if late:
-            before, shortest = self._straggling.get((name, token), (frozenset(), ttl_ms))
-            entry = (before | late, min(shortest, ttl_ms))
-            self._remember(self._straggling, (name, token), entry)
+            self._note_straggler(name, token, late, ttl_ms)
         if len(won) >= self.quorum and validity > 0:
             fence = max(a.fence or 0 for a in granted(answers))
             if self.fence_sync:
@@ -539,6 +537,13 @@ class RedlockBackend(Backend, RunChecked):
         result = self._refusal(refused, complete=len(won) + len(refused) == len(self.masters))
         self._note_holding(name, voters, result.holder_fence)
         return result
+
+    def _note_straggler(self, name: str, token: str, late: set[int], ttl_ms: int) -> None:
+        """Masters a call of ours setting ``ttl_ms`` may still reach: renewals with a
+        longer TTL do not count them (see ``_untrusted``)."""
+        with self._chain_lock:
+            before, shortest = self._straggling.get((name, token), (frozenset(), ttl_ms))
+        self._remember(self._straggling, (name, token), (before | late, min(shortest, ttl_ms)))
 
     def _remember(self, book: dict[Any, Any], key: Any, value: Any) -> None:
         """``book[key] = value``, the oldest entries forgotten past a bound."""
@@ -629,6 +634,13 @@ class RedlockBackend(Backend, RunChecked):
 
         answers = yield _Call("renew_many", (list(items),), enough)
         elapsed = time.monotonic() - started
+        # A renewal a master did not answer may land there later, even after a renewal
+        # with a longer TTL that a majority granted, cutting that master's copy back to
+        # this TTL from its arrival: like a straggling grant (seed 3234).
+        late = {i for i, a in enumerate(answers) if isinstance(a, _Silence | BaseException)}
+        if late:
+            for item in items:
+                self._note_straggler(item.name, item.token, late, item.ttl_ms)
         outcomes: list[bool | None] = []
         for index, item in enumerate(items):
             ttl = item.ttl_ms / 1000

@@ -218,6 +218,9 @@ class RedlockMaster(Server):
         self.spans: list[tuple[float, float]] = []
         #: client name -> when a call of it last went unanswered here (timeout, reset)
         self.unanswered: dict[str, float] = {}
+        #: client name -> its calls here still waiting for a reply (the backend may have
+        #: stopped waiting for them: node_timeout is shorter than the socket timeout)
+        self.calling: dict[str, int] = {}
 
     def now_us(self) -> int:
         return BASE_US + int(self.sim.now * self.rate * 1_000_000) + self.clock_offset_us
@@ -358,11 +361,16 @@ class MasterRedis(SimRedis):
         self.connection_pool = MasterPool(self)
 
     def _roundtrip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        name = self.client.name
+        calling = self.server.calling
+        calling[name] = calling.get(name, 0) + 1
         try:
             return super()._roundtrip(commands)
         except (rex.ConnectionError, rex.TimeoutError):
-            self.server.unanswered[self.client.name] = self.client.sim.now
+            self.server.unanswered[name] = self.client.sim.now
             raise
+        finally:
+            calling[name] -= 1
 
     def _connect(self) -> Conn:
         while self._idle:
@@ -883,6 +891,7 @@ def redlock_checker(base: type) -> type:
             span = 2 * self.world.node_timeout + 0.1
             guessed = mine > 0 and any(
                 m.unanswered.get(operator.name, -1.0) >= self.sim.now - span
+                or m.calling.get(operator.name, 0) > 0
                 for m in self.world.masters
             )
             if ok and by != operator.name and mine < self.quorum and not (took_part or guessed):
