@@ -313,6 +313,14 @@ class _Call:
     #: (name, token) whose calls must reach each master in order: a release must not
     #: overtake a straggling grant, or the grant would land after it and linger.
     chain: tuple[str, str] | None = None
+    #: Another chain this call also waits for, and that later calls of it wait for: a
+    #: Celery run's take-over of its publish-time lock waits for that token's fence bump,
+    #: or it could read the fence a master had before the bump.
+    after: tuple[str, str] | None = None
+
+    def keys(self, *prefix: Any) -> list[tuple[Any, ...]]:
+        """The chains' keys, each under ``prefix`` (which master, which event loop)."""
+        return [(*prefix, *chain) for chain in (self.chain, self.after) if chain is not None]
 
 
 _Plan = Generator[_Call, list[Any], T]
@@ -498,7 +506,10 @@ class RedlockBackend(Backend, RunChecked):
                 answered >= self.quorum or answered + undecided < self.quorum
             )
 
-        answers = yield _Call("grant", (name, token, ttl_ms, owner, run), enough, (name, token))
+        taken_over = (name, run.take_over) if run is not None and run.take_over else None
+        answers = yield _Call(
+            "grant", (name, token, ttl_ms, owner, run), enough, (name, token), taken_over
+        )
         elapsed = time.monotonic() - started
         validity = ttl - elapsed - self.clock_margin(ttl)
         voters = self._trusted(answers, unsettled)
@@ -741,9 +752,9 @@ class RedlockBackend(Backend, RunChecked):
     def _submit(self, index: int, call: _Call) -> Future[Any]:
         """Run ``call`` on master ``index`` in the pool, after its chained predecessor."""
         executor = self._executor()
-        if call.chain is None:
+        keys = call.keys(index)
+        if not keys:
             return executor.submit(self._call_master, self.masters[index], call)
-        key = (index, *call.chain)
         result: Future[Any] = Future()
 
         def run() -> None:
@@ -757,17 +768,31 @@ class RedlockBackend(Backend, RunChecked):
 
         def forget(done: Future[Any]) -> None:
             with self._chain_lock:
-                if self._chains.get(key) is done:
-                    del self._chains[key]
+                for key in keys:
+                    if self._chains.get(key) is done:
+                        del self._chains[key]
 
         with self._chain_lock:
-            previous = self._chains.get(key)
-            self._chains[key] = result
+            previous = {id(f): f for key in keys if (f := self._chains.get(key)) is not None}
+            for key in keys:
+                self._chains[key] = result
         result.add_done_callback(forget)
-        if previous is None:
+        waiting = len(previous)
+        if not waiting:
             start()
-        else:
-            previous.add_done_callback(start)
+            return result
+        count = threading.Lock()
+
+        def one_returned(_: object) -> None:
+            nonlocal waiting
+            with count:
+                waiting -= 1
+                last = waiting == 0
+            if last:
+                start()
+
+        for future in previous.values():
+            future.add_done_callback(one_returned)
         return result
 
     def _fan_out(self, call: _Call) -> list[Any]:
@@ -914,22 +939,24 @@ class RedlockBackend(Backend, RunChecked):
 
     def _astart(self, index: int, call: _Call) -> asyncio.Future[Any]:
         """The async twin of :meth:`_submit`: chained calls wait for their predecessor."""
-        if call.chain is None:
+        keys = call.keys(id(asyncio.get_running_loop()), index)
+        if not keys:
             return asyncio.ensure_future(self._acall_master(self.masters[index], call))
-        key = (id(asyncio.get_running_loop()), index, *call.chain)
-        previous = self._achains.get(key)
+        previous = {id(f): f for key in keys if (f := self._achains.get(key)) is not None}
 
         async def run() -> Any:
-            if previous is not None:
-                await asyncio.wait([previous])
+            if previous:
+                await asyncio.wait(previous.values())
             return await self._acall_master(self.masters[index], call)
 
         task = asyncio.ensure_future(run())
-        self._achains[key] = task
+        for key in keys:
+            self._achains[key] = task
 
         def forget(done: asyncio.Future[Any]) -> None:
-            if self._achains.get(key) is done:
-                del self._achains[key]
+            for key in keys:
+                if self._achains.get(key) is done:
+                    del self._achains[key]
 
         task.add_done_callback(forget)
         return task

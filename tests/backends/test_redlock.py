@@ -469,3 +469,44 @@ def test_a_late_undo_cannot_take_our_next_grant(masters_factory: MastersFactory)
             ours.close()
     finally:
         hub.close()
+
+
+def test_a_runs_take_over_keeps_the_fence_its_publish_time_lock_was_given(
+    masters_factory: MastersFactory,
+) -> None:
+    """The fence of a publish-time lock is the largest of the first majority's, written
+    back to every master (``fence_sync``); a master that granted later keeps its own until
+    that write lands. A Celery run taking the lock over must not read that master's own
+    fence first: before, the take-over reached it on another connection, ahead of the
+    write, and the run's lease had a fence the queued lock never had (seen in CI, about
+    one take-over in 400 on loopback). Here the write to master 2 is held in flight."""
+    from task_locks.backends.redis_scripts import SCRIPTS
+    from task_locks.types import Owner, RunCheck
+
+    masters = masters_factory(3)
+    hub = ProxyHub()
+    late = _hold_first(hub, masters[2].port, SCRIPTS.sha["bump_fence"])
+    try:
+        for server in masters.servers:  # (a held EVALSHA must not meet NOSCRIPT)
+            with redis.Redis(port=server.port) as direct:
+                direct.script_load(SCRIPTS.source["bump_fence"])
+        fast = [hub.proxy(masters[0].port), hub.proxy(masters[1].port)]
+        backend = RedlockBackend(
+            f"redlock://127.0.0.1:{fast[0].port},127.0.0.1:{fast[1].port},"
+            f"127.0.0.1:{late.port}"
+        )
+        late.latency(0.0, 0.1)  # master 2 grants 100 ms after the others: a larger fence
+        queued = backend.acquire("taken", "queued", 30_000, Owner(task_id="task-1"))
+        assert queued.acquired
+        late.latency(0.0)
+        for proxy in fast:  # now master 2 answers first
+            proxy.latency(0.1)
+        wait_until(lambda: late.held, 5, "the fence write to master 2 to be on its way")
+        run = RunCheck("task-1", ("taken",), take_over="queued")
+        owner = Owner(host="h", pid=1, thread="t", task_id="task-1", task_name="t.x")
+        taken = backend.acquire_run("taken", "run", 30_000, owner, run)
+        assert taken.acquired and taken.fence == queued.fence
+        assert backend.release("taken", "run")
+        backend.close()
+    finally:
+        hub.close()

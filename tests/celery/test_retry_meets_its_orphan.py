@@ -66,7 +66,7 @@ def test_a_retry_runs_once_its_previous_attempts_orphan_lock_expires(
     url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.5"
     ran: list[int] = []
 
-    @singleton_task(app=app, key=key, backend=url, ttl=TTL, **options)
+    @singleton_task(app=app, name=f"t.{uuid.uuid4().hex}", key=key, backend=url, ttl=TTL, **options)
     def task() -> None:
         ran.append(1)
 

@@ -50,15 +50,18 @@ def test_a_waiting_run_marks_its_task_id_and_a_copy_is_refused_at_once(
     key = f"marks-{uuid.uuid4().hex[:8]}"
     ran: list[str] = []
 
+    # A unique name: Celery warns (an error here) when a later app is given a task of the
+    # same name as one before it (tasks are shared with every app), this test's other run.
+    options: dict[str, Any] = {"name": f"t.{uuid.uuid4().hex}", "wait_timeout": 20}
     if is_async:
 
-        @singleton_task(app=app, key=key, backend=lock_url, on_conflict="wait", wait_timeout=20)
+        @singleton_task(app=app, key=key, backend=lock_url, on_conflict="wait", **options)
         async def task() -> None:
             ran.append("run")
 
     else:
 
-        @singleton_task(app=app, key=key, backend=lock_url, on_conflict="wait", wait_timeout=20)
+        @singleton_task(app=app, key=key, backend=lock_url, on_conflict="wait", **options)
         def task() -> None:
             ran.append("run")
 
@@ -84,7 +87,14 @@ def test_a_run_that_gets_its_lock_at_once_holds_one_lock(app: Celery, lock_url: 
     seen: list[list[str]] = []
     backend = get_backend(lock_url)
 
-    @singleton_task(app=app, key=key, backend=lock_url, on_conflict="wait", lock_on="run")
+    @singleton_task(
+        app=app,
+        name=f"t.{uuid.uuid4().hex}",
+        key=key,
+        backend=lock_url,
+        on_conflict="wait",
+        lock_on="run",
+    )
     def task() -> None:
         seen.append(sorted(h.name for h in backend.holders() if key in h.name))
 

@@ -71,13 +71,13 @@ def test_the_first_run_on_a_plain_url_to_a_cluster_node_runs(
     options = dict(options)
     if options.pop("is_async", False):
 
-        @singleton_task(app=app, key=key, backend=url, **options)
+        @singleton_task(app=app, name=f"t.{uuid.uuid4().hex}", key=key, backend=url, **options)
         async def task() -> None:
             ran.append(1)
 
     else:
 
-        @singleton_task(app=app, key=key, backend=url, **options)
+        @singleton_task(app=app, name=f"t.{uuid.uuid4().hex}", key=key, backend=url, **options)
         def task() -> None:
             ran.append(1)
 

@@ -319,7 +319,7 @@ def test_capabilities_are_declared_and_demanded(deployment: Deployment) -> None:
     silent = {"cluster", "redlock", "memory", "django-sqlite", "django-mysql"}
     assert ("release_notice" in capabilities) == (deployment.kind not in silent)
     # Redis's default (not Redlock's; TASK_LOCKS_TEST_HANDOFF=client opts out).
-    redis_kinds = {"redis", "sentinel", "cluster"}
+    redis_kinds = {"redis", "rediss", "redis-acl", "sentinel", "cluster"}
     assert ("server_handoff" in capabilities) == (
         deployment.kind in redis_kinds and "handoff=client" not in deployment.url
     )

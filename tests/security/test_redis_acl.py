@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -121,7 +122,9 @@ def test_celery_singleton_task(locker_url: str) -> None:
     app.conf.task_always_eager = True
     seen: list[int] = []
 
-    @singleton_task(app=app, key="acl-report", ttl=5, backend=locker_url)
+    @singleton_task(
+        app=app, name=f"t.{uuid.uuid4().hex}", key="acl-report", ttl=5, backend=locker_url
+    )
     def report() -> None:
         lease = current_lease()
         assert lease is not None

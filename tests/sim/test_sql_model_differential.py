@@ -46,7 +46,7 @@ from task_locks.errors import LockError
 from task_locks.types import Owner, RenewItem
 
 from .sql_model import PgModel, Result, Row, Session
-from .sql_world import Wrapper, prototype
+from .sql_world import SimCursor, Wrapper, prototype
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=["default", "pg"]),
@@ -81,11 +81,15 @@ operations = st.one_of(
 class _ModelRaw:
     """psycopg's connection as the backend uses it: a socket for the connection cutter
     (a real one of its own, which the cutter may shut down harmlessly), no notifications
-    (a wait here is never given time)."""
+    (a wait here is never given time), and the driver's cursor for single statements."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, wrapper: Wrapper) -> None:
         self.session = session
+        self.wrapper = wrapper
         self.sockets = socket.socketpair()
+
+    def cursor(self) -> SimCursor:
+        return SimCursor(self.wrapper)
 
     def fileno(self) -> int:
         return self.sockets[0].fileno()
@@ -105,7 +109,7 @@ class _ModelWrapper(Wrapper):
 
     def ensure_connection(self) -> None:
         if self.connection is None:
-            self.connection = _ModelRaw(self.model.connect())
+            self.connection = _ModelRaw(self.model.connect(), self)
 
     def send(self, sql: str, params: Any) -> Result:
         assert self.connection is not None
