@@ -97,9 +97,9 @@ def test_prune_keeps_the_retention_and_a_row_by_its_last_repeat(settings: Any) -
 
 @pytest.mark.django_db
 def test_the_celery_task_the_docs_schedule_prunes(settings: Any) -> None:
-    from celery import current_app
+    from celery import Celery
 
-    from django_app.tasks import PRUNE_TASK, prune_lock_events
+    from django_app.tasks import PRUNE_TASK
     from tests.test_readme import readme_blocks
 
     settings.TASK_LOCKS = {"BACKEND": "memory://retention", "EVENT_RETENTION_DAYS": 7}
@@ -109,9 +109,15 @@ def test_the_celery_task_the_docs_schedule_prunes(settings: Any) -> None:
     exec(block.code, namespace)
     entry = namespace["CELERY_BEAT_SCHEDULE"]["prune-lock-events"]
     assert entry["task"] == PRUNE_TASK and entry["schedule"].remaining_estimate(timezone.now())
-    assert PRUNE_TASK in current_app.tasks  # registered once the app module is imported
-    _aged(8), _aged(1)
-    assert prune_lock_events.apply().get() == 1
+    # A shared task: every Celery app has it once the module is imported. A fresh app, not
+    # ``current_app``: which app is current depends on the tests run before in this process.
+    app = Celery("retention", set_as_current=False)
+    try:
+        assert PRUNE_TASK in app.tasks
+        _aged(8), _aged(1)
+        assert app.tasks[PRUNE_TASK].apply().get() == 1
+    finally:
+        app.close()
     assert LockEvent.objects.count() == 1
 
 
