@@ -619,21 +619,19 @@ protocol: sql
 mutant(
     "celery_limit_redelivery_takes_a_second_permit",
     """
-Celery, limit > 1: no run guard named by the key and the task id, so a second delivery of
-a message still running (a visibility timeout, a broker's duplicate) finds a free permit
-and runs the same task id twice at once.
+Celery, limit > 1: the run check looks only at the slot being tried, not at every slot,
+so a second delivery of a message still running (a visibility timeout, a broker's
+duplicate) finds a free permit and runs the same task id twice at once. (Before one lock
+per run: no run guard named by the key and the task id, the same bug.)
+protocol: celery
 """,
     [
         (
-            "task_locks/celery/task.py",
-            """        if (
-            self.lock_limit == 1
-            and self.lock_on != "both"
-            and self.on_conflict in ("skip", "raise")
-        ):
-            return None""",
-            """        if self.lock_on != "both" and self.on_conflict in ("skip", "raise"):
-            return None""",
+            "task_locks/semaphore.py",
+            """        original holds another.\"\"\"
+        return self.slot_names""",
+            """        original holds another.\"\"\"
+        return ()""",
         )
     ],
 )
@@ -641,21 +639,40 @@ and runs the same task id twice at once.
 mutant(
     "celery_both_copy_takes_over_the_running_lock",
     """
-Celery, lock_on="both": no run guard, so a second delivery of a running message, which
-carries the same publish-time token, takes the run's lock over (same token, same fence)
-and runs beside it.
+Celery, lock_on="both": the run takes its publish-time lock over under that lock's own
+token, so a second delivery of the running message, which carries the same token, takes
+the run's lock over in turn (same token, same fence) and runs beside it. (Before one lock
+per run: no run guard, the same bug.)
+protocol: celery-both
 """,
     [
         (
-            "task_locks/celery/task.py",
-            """        if (
-            self.lock_limit == 1
-            and self.lock_on != "both"
-            and self.on_conflict in ("skip", "raise")
-        ):
-            return None""",
-            """        if self.lock_limit == 1 and self.on_conflict in ("skip", "raise"):
-            return None""",
+            "task_locks/_friends.py",
+            """    lock._token = None
+    lock._run = RunCheck(""",
+            """    lock._token = token
+    lock._run = RunCheck(""",
+        )
+    ],
+)
+
+mutant(
+    "etcd_retried_acquire_revokes_its_own_write",
+    """
+etcd's retried acquire: a failed create revoked the fresh lease before looking whose key
+it found, so a transaction retried after its lost reply, finding its own write on that
+lease, deleted our key and still answered 'acquired'.
+protocol: etcd
+""",
+    [
+        (
+            "task_locks/backends/etcd.py",
+            """            revision = int(kv.get("create_revision", 0))
+            if data.get("token") not in mine or _a_copy(data, ours, run):
+                self._revoke_quietly(name, lease)  # never attached: the key is not ours""",
+            """            revision = int(kv.get("create_revision", 0))
+            self._revoke_quietly(name, lease)
+            if data.get("token") not in mine or _a_copy(data, ours, run):""",
         )
     ],
 )
@@ -737,6 +754,27 @@ message.
             """        if False:
             try:
                 yield _DropQueued(self.resolved_lock_backend(), name, handed)""",
+        )
+    ],
+)
+
+mutant(
+    "redlock_late_renewal_cuts_a_longer_one_short",
+    """
+Redlock: a renewal a master did not answer in time (a majority granted it) still counts
+that master for a later renewal with a longer TTL; the late one lands there after it and
+cuts that master's copy back, while the lease counts it (seed 3234).
+protocol: redlock
+""",
+    [
+        (
+            "task_locks/backends/redlock.py",
+            """        if late:
+            for item in items:
+                self._note_straggler(item.name, item.token, late, item.ttl_ms)""",
+            """        if False:
+            for item in items:
+                self._note_straggler(item.name, item.token, late, item.ttl_ms)""",
         )
     ],
 )
