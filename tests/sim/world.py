@@ -136,6 +136,8 @@ class Client:
         self.lane: SimLane | None = None
         self.watch = SimWatch(self)
         self._runtime: SimRuntime | None = None
+        #: Resumes due while paused, by greenlet (see :meth:`_resume`).
+        self._deferred: dict[greenlet.greenlet, Any] | None = None
 
     # clocks ------------------------------------------------------------------------
     def monotonic(self) -> float:
@@ -182,13 +184,26 @@ class Client:
         if self.dead or task.dead:
             return
         if self.paused_until > self.sim.now:
-            self.sim.at(self.paused_until, lambda: self._resume(task, value))
+            # A paused process runs nothing; what became due meanwhile resumes each
+            # greenlet once when the pause ends, with the first value: a timeout and a
+            # wake-up both due during a pause are one return from a wait, as a thread's.
+            # (Each used to be resumed apart, the second reaching the greenlet wherever it
+            # parked next: a Celery worker slot took it for a delivery.)
+            if self._deferred is None:
+                self._deferred = {}
+                self.sim.at(self.paused_until, self._unpause)
+            self._deferred.setdefault(task, value)
             return
         previous, self.sim.active = self.sim.active, self
         try:
             task.switch(value)
         finally:
             self.sim.active = previous
+
+    def _unpause(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        for task, value in (deferred or {}).items():
+            self._resume(task, value)  # (deferred again if the pause was extended)
 
     def park(self) -> Any:
         """Give control back to the event loop until someone resumes this greenlet."""
