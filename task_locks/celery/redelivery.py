@@ -65,24 +65,41 @@ def redelivered(request: Any) -> bool:
     return bool(info.get("redelivered"))
 
 
-def renewed(before: Holder, now: Holder) -> bool:
+def expiry(holder: Holder) -> float | None:
+    """When ``holder`` expires on this process's monotonic clock (``None``: unknown).
+
+    Its ``expires_at`` is the wall clock at the read plus the server's remaining TTL, and
+    ``expires_in`` takes the wall clock off again at once, so a step of the wall clock
+    (NTP, a VM resumed) cancels out: two looks compared this way see a renewal only
+    where the server's expiry moved, never where this host's wall clock did."""
+    left = holder.expires_in
+    return None if left is None else time.monotonic() + left
+
+
+def renewed(before: Holder, now: Holder, *, before_expiry: float | None = None) -> bool:
+    """Whether ``now`` (a later look at the same lock as ``before``) shows a renewal: its
+    count moved on, or its expiry (``before_expiry`` on the monotonic clock, as
+    :func:`expiry` gave it when ``before`` was read) moved later by more than the slack."""
     if now.renewals > before.renewals:
         return True
+    if before_expiry is None:
+        before_expiry = expiry(before)
+    now_expiry = expiry(now)
     return (
-        before.expires_at is not None
-        and now.expires_at is not None
-        and now.expires_at > before.expires_at + SLACK
+        before_expiry is not None and now_expiry is not None and now_expiry > before_expiry + SLACK
     )
 
 
 def watch(backend: Backend, name: str, seen: Holder) -> Generator[Any, Any, bool]:
     """Watch ``seen`` (the holder a redelivered copy met) until it is renewed, released
-    or expired: ``True`` if it expired unrenewed (its process is gone: take the key)."""
-    left = seen.expires_in
-    if left is None:  # the backend cannot say when it expires: never guess it dead
+    or expired: ``True`` if it expired unrenewed (its process is gone: take the key).
+
+    Every time here is on the monotonic clock: a wall clock stepped forward while the
+    copy watches must not read as a renewal (the copy refused, the message lost)."""
+    expires = expiry(seen)
+    if expires is None:  # the backend cannot say when it expires: never guess it dead
         return False
-    expires = time.monotonic() + left
-    poll = min(POLL, max(0.01, left / 10))
+    poll = min(POLL, max(0.01, (expires - time.monotonic()) / 10))
     counted = False  # whether ``seen`` carries the holder's renewal count yet
     while True:
         now: Holder | None = yield HolderOf(backend, name)
@@ -92,11 +109,11 @@ def watch(backend: Backend, name: str, seen: Holder) -> Generator[Any, Any, bool
             # A refused acquire reports no renewal count: count from this first look, or a
             # run that renewed before its worker died would look renewed (alive) here.
             seen, counted = dataclasses.replace(seen, renewals=now.renewals), True
-        if renewed(seen, now):
+        if renewed(seen, now, before_expiry=expires):
             return False
         if time.monotonic() > expires + SLACK:  # still there past its expiry: not ours to judge
             return False
         yield Pause(poll)
 
 
-__all__ = ["POLL", "SLACK", "HolderOf", "Pause", "redelivered", "renewed", "watch"]
+__all__ = ["POLL", "SLACK", "HolderOf", "Pause", "expiry", "redelivered", "renewed", "watch"]

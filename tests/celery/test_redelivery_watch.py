@@ -52,6 +52,29 @@ def test_a_holder_is_dead_only_if_it_expires_unrenewed(meanwhile: str | None, de
     assert time.monotonic() - began < TTL_MS / 1000 + 0.5  # never longer than one TTL
 
 
+def test_a_wall_clock_step_while_watching_is_not_a_renewal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This host's wall clock jumps 1 s ahead while the copy watches an unrenewed holder
+    (NTP, a VM resumed). ``time.time`` is patched because a real clock step needs root
+    and would move every process's clock; the server's expiry does not move, so the
+    holder is still dead (before, its wall-clock expiry read as renewed: the copy was
+    refused and the message lost, simulation seed 7187)."""
+    backend = get_backend(f"memory://watch-{uuid.uuid4().hex}")
+    name = "t:k"
+    assert backend.acquire(name, "original", TTL_MS, Owner(task_id="same-id")).acquired
+    seen = backend.holder(name)
+    assert seen is not None
+    real_time, step = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: real_time() + step[0])
+    timer = threading.Timer(0.15, lambda: step.__setitem__(0, 1.0))
+    timer.start()
+    try:
+        assert drive(watch(backend, name, seen)) is True
+    finally:
+        timer.join()
+
+
 @pytest.mark.parametrize(
     ("meanwhile", "runs"),
     [(None, True), ("renew", False), ("release", False)],

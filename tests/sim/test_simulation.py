@@ -740,10 +740,47 @@ CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE = Scenario(
 )
 
 
+#: Found by the long run (``generate(7187)``, shrunk): a worker running a ``lock_on="both"``
+#: message is killed; RabbitMQ redelivers it to client3 at once, whose copy meets its own
+#: task id and watches the dead run's lock. client3's wall clock jumps 1 s ahead 300 ms
+#: before that lock expires: the watch read the holder's wall-clock expiry as moved on (a
+#: renewal: alive), refused the copy, and the message was lost. The watch now keeps its
+#: times on the monotonic clock.
+CELERY_REDELIVERY_WATCH_WALL_JUMP = Scenario(
+    seed=7187,
+    protocol="celery-both",
+    programs=(
+        (Iteration("job", 2.0, 0.01, 8.0, 0, None, None, True, 0.0),),
+        (Iteration("job", 2.0, 0.0, 2.0, 0, None, None, True, 0.0),),
+        (),
+        (),
+    ),
+    rates=(1.001, 1.001, 1.001, 1.0001),
+    faults=(Fault("kill", 2, 1.1216365916314885), Fault("wall_jump", 3, 2.5126298679661137, 1.0)),
+    delay=(0.001, 0.05),
+    socket_timeout=1.0,
+    celery=CeleryOptions(
+        lock_on="both",
+        ttl=2.0,
+        on_lost="ignore",
+        acks_late=True,
+        ignore_result=False,
+        wait_timeout=3.0,
+        max_retries=5,
+        lock_unavailable="retry",
+        broker="rabbitmq",
+        visibility_timeout=3.0,
+        publishers=2,
+        concurrency=2,
+    ),
+)
+
+
 @pytest.mark.parametrize(
     "scenario",
     [
         CELERY_DEAD_RUN_RENEWED_BEFORE_IT_DIED,
+        CELERY_REDELIVERY_WATCH_WALL_JUMP,
         CELERY_DEAD_HOLDER_MET_AGAIN_AFTER_ITS_WATCH,
         CELERY_FAILED_TAKE_OVER_KEEPS_THE_PUBLISH_LOCK,
         CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE,
@@ -751,7 +788,8 @@ CELERY_PEER_CHECK_FAILS_AFTER_THE_ACQUIRE = Scenario(
     ids=lambda s: f"seed{s.seed}",
 )
 def test_the_celery_findings(scenario: Scenario) -> None:
-    """A message whose whole worker died is run by its redelivery (the first two); a
+    """A message whose whole worker died is run by its redelivery (the first two, and the
+    wall-clock jump); a
     'both' run that could not take its publish-time lock over frees it; a peer check that
     fails after the acquire gives the lock back (the last)."""
     violation, story = sim.story(scenario)
