@@ -736,6 +736,9 @@ class Broker:
             if delivery.worker is worker and self.options.broker == "rabbitmq":
                 self.restore(delivery, "its worker's connection closed")
         self.idle = deque(entry for entry in self.idle if entry[0] is not worker)
+        for delivery in self.in_transit:
+            if delivery.worker is worker:  # acked early, never reached its slot: at most once
+                self.world.checker.acked_then_killed.add(delivery.message.task_id)
         self.in_transit = [d for d in self.in_transit if d.worker is not worker]
         self.world.maybe_done()
 
@@ -1133,6 +1136,8 @@ class CeleryChecker(Checker):
         self.snapshots: dict[int, tuple[int, int, int]] = {}
         #: when an old library first took a peer key (fault "peer"), if it did
         self.peer_taken_at: float | None = None
+        #: task ids of deliveries acked early whose worker died before they reached a slot
+        self.acked_then_killed: set[str] = set()
 
     def track(self, name: str, token: str | None, fence_text: str | None, who: str) -> None:
         if who.startswith("operator") and self.current.get(name) not in (None, token):
@@ -1367,7 +1372,7 @@ class CeleryChecker(Checker):
         world = self.world
         if not world.done:
             return  # cut off with work in flight (faults slowed it past the run's end)
-        killed: set[str] = set()
+        killed: set[str] = set(self.acked_then_killed)  # (seed 48095: its worker was paused)
         options = world.options
         for run in world.runs:
             if run.client.dead and not run.ended and run.delivery.acked:
