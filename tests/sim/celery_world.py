@@ -998,6 +998,8 @@ class CeleryWorld:
             return
         except LockError as exc:
             sim.say(client.name, f"publish of {task_id} failed: {type(exc).__name__}")
+            if isinstance(exc, BackendUnavailable):
+                self.checker.unanswered_publishes.add((step.name, task_id))
             return
         if len(self.broker.messages) == before:
             sim.say(client.name, f"publish of {task_id} dropped: {handle.id} is queued")
@@ -1136,6 +1138,8 @@ class CeleryChecker(Checker):
         self.snapshots: dict[int, tuple[int, int, int]] = {}
         #: when an old library first took a peer key (fault "peer"), if it did
         self.peer_taken_at: float | None = None
+        #: (key, task id) of publishes whose lock call got no answer (BackendUnavailable)
+        self.unanswered_publishes: set[tuple[str, str]] = set()
         #: task ids of deliveries acked early whose worker died before they reached a slot
         self.acked_then_killed: set[str] = set()
 
@@ -1327,6 +1331,11 @@ class CeleryChecker(Checker):
         less than a run-lock TTL ago: its release may be on its way)."""
         if holder is None or holder not in self.task_ids:
             return  # the key's holder is no message (a run's retry, an old lock...)
+        if (key, holder) in self.unanswered_publishes:
+            # Open finding (seed 32867): a publish whose acquire was applied with its reply
+            # lost sent nothing, and its lock keeps the key until enqueue_ttl
+            # (docs/celery.md, "Locking at publish").
+            return
         ended = self.ready_at.get(holder)
         running = any(
             not run.ended and not run.client.dead
