@@ -135,7 +135,7 @@ end
 # Releases. ``token`` '' is an operator's release of whoever holds it, and then ``fence``
 # ('' or the fence seen) names the holder. A release that finds nothing of its own
 # answers 2 when this very call already released (a resend: the record, tombstone or the
-# next holder's, names its release id), else 0. ``bury`` leaves the tombstone, wakes one
+# next holder's, names its release id among its last two), else 0. ``bury`` leaves the tombstone, wakes one
 # waiter if someone waits and, for an operator, drops a grant its holder has not popped
 # yet (a hand-off waiter paused before its pop would take it later as the lock).
 _RELEASE = """
@@ -145,8 +145,18 @@ local function names_holder(held, token, fence)
   return fence == '' or held.fence == fence
 end
 local function not_released(held, release_id)
-  if held and held.rid == release_id then return 2 end
+  if held and held.rid ~= '' then
+    local last, before = string.match(held.rid, '^([^,]*),?(.*)$$')
+    if last == release_id or before == release_id then return 2 end
+  end
   return 0
+end
+-- The release ids a record keeps: this release's and the one before it, so a resend of
+-- either (its reply lost) still answers 2 after one more holder came and went.
+local function with_release(release_id, rid)
+  local last = string.match(rid or '', '^([^,]*)')
+  if last and last ~= '' and last ~= release_id then return release_id .. ',' .. last end
+  return release_id
 end
 -- An operator's release tells the holder's process at once (``<fence>|<key>`` on the
 -- release-notice channel, '' for none): PUBLISH stores nothing, and pcall keeps a release
@@ -163,7 +173,8 @@ local function bury(key, signal_key, held, token, release_id, tombstone_ttl, sig
     redis.call('pexpire', signal_key, signal_ttl)
     waiters = waiters - 1
   end
-  redis.call('set', key, 'r' .. waiters .. '|' .. release_id, 'px', tombstone_ttl)
+  redis.call('set', key, 'r' .. waiters .. '|' .. with_release(release_id, held.rid),
+    'px', tombstone_ttl)
   if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
 end
 """
@@ -204,7 +215,7 @@ local function hand_on(key, counter_key, queue_key, signal_key, held, token, rel
     if head then
       if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
       grant(key, counter_key, counter_ttl, head, entry, tonumber(held.fence),
-        tostring(waiters - 1), release_id)
+        tostring(waiters - 1), with_release(release_id, held.rid))
       return
     end
   end

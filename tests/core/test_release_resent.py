@@ -147,3 +147,31 @@ def test_a_resend_that_arrives_after_the_next_acquire_still_reports_released(
     release[-3] = "fedcba9876543210"  # a new call of the same token
     assert server.eval(SCRIPTS.source["release"], *release) == 0
     assert backend.holder("overtaken").token == "second"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("handoff", ["client", "server"])
+def test_a_resend_after_another_holder_came_and_went_still_reports_released(
+    redis_server: RedisServer, server: redis.Redis, handoff: str
+) -> None:
+    """The release ids of the last two releases stay in the record: a resend that arrives
+    after the next holder has taken the lock and released it too (its reply lost while
+    the lock was busy: simulation seed 50773) still answers 'released', where it said
+    'not ours'. A third release in between is past what the record keeps."""
+    url = f"redis://127.0.0.1:{redis_server.port}/0?handoff={handoff}"
+    backend = get_backend(url)
+    script = SCRIPTS.source["release_handoff" if handoff == "server" else "release"]
+    args = backend._release_args("came-and-went", "first")  # as the backend sends it
+    at = 1 + int(args[0]) + 2  # after the keys, the token and the fence: the release id
+    args[at] = "1111111111111111"
+
+    def send() -> int:  # the first holder's release, sent again
+        return int(server.eval(script, *args))
+
+    assert backend.acquire("came-and-went", "first", 30_000, Owner()).acquired
+    assert send() == 1
+    assert backend.acquire("came-and-went", "second", 30_000, Owner()).acquired
+    assert backend.release("came-and-went", "second") is True
+    assert send() == 2  # the resend
+    assert backend.acquire("came-and-went", "third", 30_000, Owner()).acquired
+    assert backend.release("came-and-went", "third") is True
+    assert send() == 0  # two releases later: forgotten

@@ -157,7 +157,7 @@ the record is not looked at).
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """  if held and held.rid == release_id then return 2 end""",
+            """    if last == release_id or before == release_id then return 2 end""",
             """""",
         )
     ],
