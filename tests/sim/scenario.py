@@ -671,6 +671,11 @@ class Checker:
         grant = self.grants.get((lease.name, lease.token))
         if grant is not None and grant.epoch != self.server.epoch:
             return  # the server restarted since: its tombstone of the release is gone too
+        if grant is not None and grant.fence != lease.fence:
+            # The token was granted again after this lease's grant: a failover to a lagging
+            # replica brought its old queue entry back, and a release handed the lock on to
+            # it (seed 71019). The release removed that grant, which no lease knew of.
+            return
         by = self.removed_by.get((lease.token, lease.fence))
         if by == "restart":
             return  # the server lost that grant (the token may hold a later one now)
