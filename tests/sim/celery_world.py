@@ -1394,6 +1394,19 @@ class CeleryChecker(Checker):
                 # lock it took over: a publish of the same task id takes the key meanwhile,
                 # and both messages are then refused as copies of each other.
                 killed.add(run.task_id)
+            if (
+                run.delivery.outcome == "IGNORED"
+                and run.delivery.redelivered
+                and any(
+                    r.client.name in self.sim.posthumous
+                    for r in world.runs
+                    if r.task_id == run.task_id and r.client.dead
+                )
+            ):
+                # A redelivered copy whose watch saw its own task id's lock released
+                # before its expiry took the original for alive (it finished); that
+                # release was a killed worker's request still on the network (seed 79078).
+                killed.add(run.task_id)
             if run.taken_away:
                 # A copy refused while the server lost the lock it watched (a restart
                 # without persistence, a failover: documented) or an operator freed it.

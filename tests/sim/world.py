@@ -77,6 +77,8 @@ class Sim:
         self.story: list[str] = []
         self.steps = 0
         self.stop_at = float("inf")
+        #: Clients a request of which reached a server after they were killed.
+        self.posthumous: set[str] = set()
         #: Told of each renewal call sent (its leases), and of each lease whose local
         #: deadline passed (before the lease hears of it): the checker's hooks.
         self.on_renew: Callable[[list[Any]], None] = lambda leases: None
@@ -833,6 +835,8 @@ class Conn:
                     self._reply_fault = (fault, amount, n)
                     continue
             else:
+                if self.client.dead:  # a killed process's request still on the network
+                    self.client.sim.posthumous.add(self.client.name)
                 reply = server.execute(self, command)
             self._send_reply(reply, fault, amount, n)
 
