@@ -1342,7 +1342,9 @@ class CeleryChecker(Checker):
             for run in self.world.runs
             if run.task_id == holder
         )
-        queued = any(d.message.task_id == holder for d in self.world.broker.queue)
+        broker = self.world.broker
+        # Queued, or unacked with its worker gone: the broker puts it back (seed 58571).
+        queued = any(d.message.task_id == holder for d in (*broker.queue, *broker.unacked))
         if running or queued or ended is None:
             return
         latest = max(self.task_ids[holder], key=lambda message: message.number)
