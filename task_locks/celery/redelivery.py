@@ -65,28 +65,44 @@ def redelivered(request: Any) -> bool:
     return bool(info.get("redelivered"))
 
 
-def expiry(holder: Holder) -> float | None:
-    """When ``holder`` expires on this process's monotonic clock (``None``: unknown).
+class Expiry(NamedTuple):
+    """When a holder expires as read at one look: on this process's monotonic clock and
+    on its wall clock (where the backend reports it: the read's wall clock plus the
+    server's remaining TTL, or the server's own expiry)."""
 
-    Its ``expires_at`` is the wall clock at the read plus the server's remaining TTL, and
-    ``expires_in`` takes the wall clock off again at once, so a step of the wall clock
-    (NTP, a VM resumed) cancels out: two looks compared this way see a renewal only
-    where the server's expiry moved, never where this host's wall clock did."""
+    monotonic: float
+    wall: float
+
+    def later_than(self, before: Expiry) -> bool:
+        """Moved later, by more than the slack, on *both* clocks: a renewal moves both,
+        a step of one clock (NTP, a VM resumed or migrated) moves only its own."""
+        return self.monotonic > before.monotonic + SLACK and self.wall > before.wall + SLACK
+
+    def passed(self) -> bool:
+        """Past, by more than the slack, on both clocks (a step of one cannot say so)."""
+        return time.monotonic() > self.monotonic + SLACK and time.time() > self.wall + SLACK
+
+
+def expiry(holder: Holder) -> Expiry | None:
+    """When ``holder`` expires, read now (``None``: the backend cannot say)."""
     left = holder.expires_in
-    return None if left is None else time.monotonic() + left
+    if left is None or holder.expires_at is None:
+        return None
+    return Expiry(time.monotonic() + left, holder.expires_at)
 
 
-def renewed(before: Holder, now: Holder, *, before_expiry: float | None = None) -> bool:
+def renewed(before: Holder, now: Holder, *, before_expiry: Expiry | None = None) -> bool:
     """Whether ``now`` (a later look at the same lock as ``before``) shows a renewal: its
-    count moved on, or its expiry (``before_expiry`` on the monotonic clock, as
-    :func:`expiry` gave it when ``before`` was read) moved later by more than the slack."""
+    count moved on, or its expiry moved later (``before_expiry``: as :func:`expiry` read
+    ``before``'s when it came)."""
     if now.renewals > before.renewals:
         return True
-    if before_expiry is None:
-        before_expiry = expiry(before)
+    before_expiry = before_expiry or expiry(before)
     now_expiry = expiry(now)
     return (
-        before_expiry is not None and now_expiry is not None and now_expiry > before_expiry + SLACK
+        before_expiry is not None
+        and now_expiry is not None
+        and now_expiry.later_than(before_expiry)
     )
 
 
@@ -94,26 +110,37 @@ def watch(backend: Backend, name: str, seen: Holder) -> Generator[Any, Any, bool
     """Watch ``seen`` (the holder a redelivered copy met) until it is renewed, released
     or expired: ``True`` if it expired unrenewed (its process is gone: take the key).
 
-    Every time here is on the monotonic clock: a wall clock stepped forward while the
-    copy watches must not read as a renewal (the copy refused, the message lost)."""
+    A renewal is an expiry moved on both clocks (:class:`Expiry`): a step of either clock
+    while the copy watches must not read as one (the copy refused, the message lost)."""
     expires = expiry(seen)
     if expires is None:  # the backend cannot say when it expires: never guess it dead
         return False
-    poll = min(POLL, max(0.01, (expires - time.monotonic()) / 10))
+    poll = min(POLL, max(0.01, (expires.monotonic - time.monotonic()) / 10))
     counted = False  # whether ``seen`` carries the holder's renewal count yet
     while True:
         now: Holder | None = yield HolderOf(backend, name)
         if now is None or now.fence != seen.fence:
-            return time.monotonic() >= expires - SLACK  # gone: expired, or released early
+            # Gone: expired, or released early (the original finished).
+            return time.monotonic() >= expires.monotonic - SLACK
         if not counted:
             # A refused acquire reports no renewal count: count from this first look, or a
             # run that renewed before its worker died would look renewed (alive) here.
             seen, counted = dataclasses.replace(seen, renewals=now.renewals), True
         if renewed(seen, now, before_expiry=expires):
             return False
-        if time.monotonic() > expires + SLACK:  # still there past its expiry: not ours to judge
+        if expires.passed():  # still there past its expiry: not ours to judge
             return False
         yield Pause(poll)
 
 
-__all__ = ["POLL", "SLACK", "HolderOf", "Pause", "expiry", "redelivered", "renewed", "watch"]
+__all__ = [
+    "POLL",
+    "SLACK",
+    "Expiry",
+    "HolderOf",
+    "Pause",
+    "expiry",
+    "redelivered",
+    "renewed",
+    "watch",
+]

@@ -52,21 +52,23 @@ def test_a_holder_is_dead_only_if_it_expires_unrenewed(meanwhile: str | None, de
     assert time.monotonic() - began < TTL_MS / 1000 + 0.5  # never longer than one TTL
 
 
-def test_a_wall_clock_step_while_watching_is_not_a_renewal(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("clock", ["time", "monotonic"])
+def test_a_clock_step_while_watching_is_not_a_renewal(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, clock: str
 ) -> None:
-    """This host's wall clock jumps 1 s ahead while the copy watches an unrenewed holder
-    (NTP, a VM resumed). ``time.time`` is patched because a real clock step needs root
-    and would move every process's clock; the server's expiry does not move, so the
-    holder is still dead (before, its wall-clock expiry read as renewed: the copy was
-    refused and the message lost, simulation seed 7187)."""
-    backend = get_backend(f"memory://watch-{uuid.uuid4().hex}")
-    name = "t:k"
+    """This host's wall clock (NTP) or monotonic clock (a VM migrated) jumps 1 s ahead
+    while the copy watches an unrenewed holder. The clock is patched because a real step
+    needs root and would move every process's clock; the server's expiry does not move,
+    so the holder is still dead. Before, the step read as a renewal and the copy was
+    refused, the message lost (simulation seeds 7187, wall clock, and 108010, monotonic).
+    On a real Redis: its expiry is the server's, whatever this process's clocks say."""
+    backend = get_backend(redis_url)
+    name = f"watch-{uuid.uuid4().hex}"
     assert backend.acquire(name, "original", TTL_MS, Owner(task_id="same-id")).acquired
     seen = backend.holder(name)
     assert seen is not None
-    real_time, step = time.time, [0.0]
-    monkeypatch.setattr(time, "time", lambda: real_time() + step[0])
+    real, step = getattr(time, clock), [0.0]
+    monkeypatch.setattr(time, clock, lambda: real() + step[0])
     timer = threading.Timer(0.15, lambda: step.__setitem__(0, 1.0))
     timer.start()
     try:
