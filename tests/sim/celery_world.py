@@ -629,6 +629,8 @@ class Broker:
         self.queue: deque[Delivery] = deque()
         self.messages: list[Message] = []
         self.unacked: list[Delivery] = []
+        #: deliveries waiting for their ETA (a retry's countdown)
+        self.delayed: list[Delivery] = []
         self.idle: deque[tuple[Worker, greenlet.greenlet]] = deque()
         self.waiting_eta = 0
         #: acked early, on their way to a worker slot
@@ -659,6 +661,7 @@ class Broker:
             delivery = Delivery(msg, redelivered=False)
             if delay > 0:
                 self.waiting_eta += 1
+                self.delayed.append(delivery)
                 self.sim.at(self.sim.now + delay, lambda d=delivery: self._due(d))
             else:
                 self._enqueue(delivery)
@@ -667,6 +670,7 @@ class Broker:
 
     def _due(self, delivery: Delivery) -> None:
         self.waiting_eta -= 1
+        self.delayed.remove(delivery)
         self._enqueue(delivery)
 
     def _enqueue(self, delivery: Delivery) -> None:
@@ -1343,8 +1347,10 @@ class CeleryChecker(Checker):
             if run.task_id == holder
         )
         broker = self.world.broker
-        # Queued, or unacked with its worker gone: the broker puts it back (seed 58571).
-        queued = any(d.message.task_id == holder for d in (*broker.queue, *broker.unacked))
+        # Queued, waiting for its ETA (a retry: seed 315455), or unacked with its worker
+        # gone: the broker puts it back (seed 58571).
+        pending = (*broker.queue, *broker.delayed, *broker.unacked)
+        queued = any(d.message.task_id == holder for d in pending)
         if running or queued or ended is None:
             return
         latest = max(self.task_ids[holder], key=lambda message: message.number)
