@@ -775,6 +775,9 @@ class Run:
     clock: int = 0
     #: it ended FAILURE with BackendUnavailable: the lock the service did not answer for
     unanswered: str | None = None
+    #: ... and its client was cut off from the server when it ended (nothing it sends,
+    #: the free of its publish-time lock included, gets through)
+    cut_off: bool = False
     key: str = ""
     at: float = 0.0  # when the worker took it
     #: its locks were taken away while it ran (restart, failover, force release), or the
@@ -846,6 +849,7 @@ class Worker:
         run.ended = True
         if state == "FAILURE" and isinstance(result, BackendUnavailable):
             run.unanswered = result.name or ""
+            run.cut_off = checker.net.cut(self.client, sim.now)
         server = checker.server
         run.taken_away = (run.epoch, run.forced, run.clock) != (
             server.epoch,
@@ -1358,7 +1362,8 @@ class CeleryChecker(Checker):
             return  # the server lost or was given back locks since (a failover's replica)
         options = self.world.options
         if any(
-            r.unanswered is not None and (options.lock_on == "enqueue" or r.unanswered != r.key)
+            r.unanswered is not None
+            and (options.lock_on == "enqueue" or r.unanswered != r.key or r.cut_off)
             for r in self.world.runs
             if r.delivery.message is latest
         ):
@@ -1367,6 +1372,8 @@ class CeleryChecker(Checker):
             # a "both" run whose guard gets none (seed 306, with the fix for the take-over);
             # either leaves the publish-time lock until enqueue_ttl. (Freeing it after the
             # guard failed raced another delivery of the message taking the token over.)
+            # So does a "both" run that failed cut off from the server: its free of that
+            # lock cannot get through either (seed 399827).
             return
         if {r.delivery.outcome for r in self.world.runs if r.delivery.message is latest} == {
             "IGNORED"
