@@ -775,8 +775,8 @@ class Run:
     clock: int = 0
     #: it ended FAILURE with BackendUnavailable: the lock the service did not answer for
     unanswered: str | None = None
-    #: ... and its client was cut off from the server when it ended (nothing it sends,
-    #: the free of its publish-time lock included, gets through)
+    #: ... and its client was cut off from the server while it ran (what it sent then,
+    #: the free of its publish-time lock included, did not get through)
     cut_off: bool = False
     key: str = ""
     at: float = 0.0  # when the worker took it
@@ -849,7 +849,8 @@ class Worker:
         run.ended = True
         if state == "FAILURE" and isinstance(result, BackendUnavailable):
             run.unanswered = result.name or ""
-            run.cut_off = checker.net.cut(self.client, sim.now)
+            spans = checker.net.partitions.get(self.client.index) or ()
+            run.cut_off = any(a <= sim.now and b > run.at for a, b in spans)
         server = checker.server
         run.taken_away = (run.epoch, run.forced, run.clock) != (
             server.epoch,
@@ -1373,7 +1374,7 @@ class CeleryChecker(Checker):
             # either leaves the publish-time lock until enqueue_ttl. (Freeing it after the
             # guard failed raced another delivery of the message taking the token over.)
             # So does a "both" run that failed cut off from the server: its free of that
-            # lock cannot get through either (seed 399827).
+            # lock did not get through either (seeds 399827, 276203).
             return
         if {r.delivery.outcome for r in self.world.runs if r.delivery.message is latest} == {
             "IGNORED"
