@@ -1358,6 +1358,13 @@ class CeleryChecker(Checker):
         queued = any(d.message.task_id == holder for d in pending)
         if running or queued or ended is None:
             return
+        if holder in self.acked_then_killed or any(
+            r.client.dead and not r.ended and r.delivery.acked
+            for r in self.world.runs
+            if r.task_id == holder
+        ):
+            return  # a message of it was lost (acked early, then its worker killed): its key
+            # stays until enqueue_ttl (docs/celery.md, "Locking at publish"; seed 265595)
         latest = max(self.task_ids[holder], key=lambda message: message.number)
         if self.snapshots.get(latest.number) != self._snapshot():
             return  # the server lost or was given back locks since (a failover's replica)
