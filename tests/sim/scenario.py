@@ -452,6 +452,8 @@ class Checker:
                 self.expiry[name] = self._expiry_sim(key) if token is not None else None
                 if token is not None:  # held again (on the promoted replica)
                     self.removed_by.pop((token, int(fields["fence"])), None)
+                    # nor passed on (a Celery take-over the replica had not seen: seed 124547)
+                    self.passed_on.pop((token, int(fields["fence"])), None)
                     self.forced.discard(token)
                     # an old grant (of the epoch before): a lease from it is exempt
                     fence = int(fields["fence"])
