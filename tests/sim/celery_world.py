@@ -82,7 +82,7 @@ import task_locks.celery.signals
 import task_locks.celery.task
 import task_locks.peers  # noqa: F401
 from task_locks.celery import SingletonTask
-from task_locks.errors import BackendUnavailable, LockHeld, LockLost
+from task_locks.errors import BackendUnavailable, LockError, LockHeld, LockLost
 
 from .world import Client, Event, Sim, _Raise
 
@@ -585,6 +585,35 @@ def _install(patched: Patched) -> None:
     patched.set(publish, "dt", SimDatetimeModule())
     patched.set(interrupt, "_greenlet", _greenlet)
     patched.set(interrupt, "_throw_green", _throw_green)
+    if task_module._DropQueued is not _WatchedDrop:
+        _WatchedDrop.original = task_module._DropQueued
+    patched.set(task_module, "_DropQueued", _WatchedDrop)
+
+
+class _WatchedDrop:
+    """The task's free of its publish-time lock, telling the checker of one that failed
+    (its request or reply lost: the lock keeps the key until enqueue_ttl)."""
+
+    original: Any = None  # the task module's own, set when the patch is installed
+
+    def __init__(self, backend: Any, name: str, token: str) -> None:
+        self.drop = self.original(backend, name, token)
+
+    def run(self) -> bool:
+        try:
+            return self.drop.run()
+        except LockError:
+            assert _world is not None
+            _world.checker.unfreed.add(self.drop.token)
+            raise
+
+    async def arun(self) -> bool:
+        try:
+            return await self.drop.arun()
+        except LockError:
+            assert _world is not None
+            _world.checker.unfreed.add(self.drop.token)
+            raise
 
 
 # -- the broker -------------------------------------------------------------------------
@@ -1035,6 +1064,14 @@ class CeleryWorld:
             self.sim.stop_at = min(self.sim.stop_at, self.sim.now + 1.0)
 
 
+def latest_token(messages: list[Message]) -> str | None:
+    """The publish-time token of the newest of ``messages``."""
+    from task_locks.celery._common import TOKEN_HEADER
+
+    newest = max(messages, key=lambda message: message.number)
+    return newest.headers.get(TOKEN_HEADER)  # type: ignore[no-any-return]
+
+
 def _forget_runs() -> None:
     """Drop what process-wide state kept of a run's greenlets: Celery's task and request
     stacks (keyed by greenlet) and the live-lease registry still name the runs that were
@@ -1147,6 +1184,8 @@ class CeleryChecker(Checker):
         self.snapshots: dict[int, tuple[int, int, int]] = {}
         #: when an old library first took a peer key (fault "peer"), if it did
         self.peer_taken_at: float | None = None
+        #: publish-time tokens a run's free of its publish-time lock got no answer for
+        self.unfreed: set[str] = set()
         #: (key, task id) of publishes whose lock call got no answer (BackendUnavailable)
         self.unanswered_publishes: set[tuple[str, str]] = set()
         #: task ids of deliveries acked early whose worker died before they reached a slot
@@ -1358,6 +1397,8 @@ class CeleryChecker(Checker):
         queued = any(d.message.task_id == holder for d in pending)
         if running or queued or ended is None:
             return
+        if latest_token(self.task_ids[holder]) in self.unfreed:
+            return  # a run's free of the publish-time lock got no answer (seed 417491)
         if holder in self.acked_then_killed or any(
             r.client.dead and not r.ended and r.delivery.acked
             for r in self.world.runs
