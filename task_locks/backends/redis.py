@@ -141,6 +141,11 @@ def _wants_server_handoff(url: str) -> bool:
         return False
 
 
+def _clocks() -> tuple[float, float]:
+    """Now, on the wall clock (epoch s) and on the monotonic clock."""
+    return time.time(), time.monotonic()
+
+
 class _RedisNotices:
     """Release notices of one Redis database: a SUBSCRIBE on a client of its own.
 
@@ -535,17 +540,20 @@ class RedisBackend(Backend, RunChecked):
     def _nap(timeout: float) -> float:
         return max(0.0, min(timeout, BLOCK_TICK))
 
-    def _holder(self, key: Any, record: Any, pttl: Any, sent: float) -> Holder | None:
-        """The holder from its record and PTTL; ``sent``: when the request left (epoch s).
+    def _holder(self, key: Any, record: Any, pttl: Any, sent: tuple[float, float]) -> Holder | None:
+        """The holder from its record and PTTL; ``sent``: when the request left (epoch s,
+        and on the monotonic clock).
 
         The expiry counts from the send, not from the reply's arrival: a reply that was
         delayed must not show a lock as living longer than it does. A lock whose expiry
-        has passed by the time the reply arrived is no holder.
+        has passed by the time the reply arrived (on the monotonic clock: a wall clock
+        stepped meanwhile says nothing of it) is no holder.
         """
         data = record_fields(record)
         if isinstance(pttl, Exception):
             return None
-        if not data or pttl == -2 or (pttl >= 0 and sent + pttl / 1000 <= time.time()):
+        wall, mono = sent
+        if not data or pttl == -2 or (pttl >= 0 and mono + pttl / 1000 <= time.monotonic()):
             return None
         acquired = data.get("acquired")
         return Holder(
@@ -553,7 +561,7 @@ class RedisBackend(Backend, RunChecked):
             fence=int(data.get("fence") or 0),
             owner=Owner.from_json(data.get("owner")),
             acquired_at=int(acquired) / 1000 if acquired else None,
-            expires_at=sent + pttl / 1000 if pttl >= 0 else None,
+            expires_at=wall + pttl / 1000 if pttl >= 0 else None,
             renewals=int(data.get("renewals") or 0),
             token=data.get("token", ""),
         )
@@ -572,7 +580,7 @@ class RedisBackend(Backend, RunChecked):
         return [key for i, key in enumerate(keys) if isinstance(replies[2 * i], ResponseError)]
 
     def _holders(
-        self, keys: list[Any], replies: list[Any], legacy: dict[Any, Any], sent: float
+        self, keys: list[Any], replies: list[Any], legacy: dict[Any, Any], sent: tuple[float, float]
     ) -> list[Holder]:
         found = (
             self._holder(k, legacy.get(k, replies[2 * i]), replies[2 * i + 1], sent)
@@ -869,7 +877,7 @@ class RedisBackend(Backend, RunChecked):
         try:
             client = self.client
             keys = self._lock_keys(client.scan_iter(match=self._match(prefix), count=1000))
-            sent = time.time()
+            sent = _clocks()
             replies = self._pipeline(client, self._read_commands(keys)) if keys else []
             old = self._legacy(keys, replies)
             legacy = (
@@ -883,7 +891,7 @@ class RedisBackend(Backend, RunChecked):
 
     def holder(self, name: str) -> Holder | None:
         key = self._key(name)
-        sent = time.time()
+        sent = _clocks()
         try:
             record, pttl = self._pipeline(self.client, self._read_commands([key]))
             if isinstance(record, ResponseError):
@@ -1067,10 +1075,10 @@ class RedisBackend(Backend, RunChecked):
     async def aholders(self, prefix: str = "") -> list[Holder]:
         client = self._async_client()
 
-        async def run() -> tuple[list[Any], list[Any], dict[Any, Any], float]:
+        async def run() -> tuple[list[Any], list[Any], dict[Any, Any], tuple[float, float]]:
             match = self._match(prefix)
             keys = self._lock_keys([k async for k in client.scan_iter(match=match, count=1000)])
-            sent = time.time()
+            sent = _clocks()
             if not keys:
                 return keys, [], {}, sent
             replies = await self._apipeline(client, self._read_commands(keys))
@@ -1084,7 +1092,7 @@ class RedisBackend(Backend, RunChecked):
     async def aholder(self, name: str) -> Holder | None:
         client = self._async_client()
         key = self._key(name)
-        sent = time.time()
+        sent = _clocks()
 
         async def run() -> list[Any]:
             replies = await self._apipeline(client, self._read_commands([key]))

@@ -13,7 +13,7 @@ import redis.connection
 from servers import wait_until
 
 from task_locks import NotOwned, get_backend, owner_context
-from task_locks.types import RenewItem
+from task_locks.types import Owner, RenewItem
 
 from .support import SyncDriver, holder_token
 
@@ -125,3 +125,27 @@ def test_prefix_option_namespaces_locks(redis_url: str) -> None:
     assert [h.name for h in one.holders()] == ["shared"]
     first.release()
     second.release()
+
+
+def test_a_wall_clock_step_during_a_holder_read_keeps_the_holder(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wall clock jumps 30 s ahead while ``holder()`` waits for its reply (patched:
+    a real step needs root and moves every process's clock). The lock is live on the
+    server; it used to be reported gone ("expired by the time the reply came", judged on
+    the wall clock), and a redelivered Celery copy took its run for finished and was
+    refused: the message lost (simulation seed 157943)."""
+    backend = get_backend(redis_url)
+    name = f"wall-step-{os.getpid()}-{time.monotonic_ns()}"
+    assert backend.acquire(name, "tok", 5_000, Owner()).acquired
+    real, reads = time.time, [0]
+
+    def stepping() -> float:  # the first read is the send; every later one is after the step
+        reads[0] += 1
+        return real() + (30.0 if reads[0] > 1 else 0.0)
+
+    monkeypatch.setattr(time, "time", stepping)
+    found = backend.holder(name)
+    monkeypatch.undo()
+    assert found is not None and found.token == "tok"
+    assert backend.release(name, "tok")
