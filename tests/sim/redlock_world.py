@@ -889,9 +889,13 @@ def redlock_checker(base: type) -> type:
             took_part = (token, operator.name) in self.while_held
             # A master that did not answer the call may have held it: the backend guesses.
             span = 2 * self.world.node_timeout + 0.1
+            # So may one in its restart quarantine during the call, whatever it answered
+            # (seed 127206).
             guessed = mine > 0 and any(
                 m.unanswered.get(operator.name, -1.0) >= self.sim.now - span
                 or m.calling.get(operator.name, 0) > 0
+                or m.restarted_at <= self.sim.now
+                and m.quarantine_until(self.world.restart_delay) >= self.sim.now - span
                 for m in self.world.masters
             )
             if ok and by != operator.name and mine < self.quorum and not (took_part or guessed):
