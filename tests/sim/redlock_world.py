@@ -894,8 +894,10 @@ def redlock_checker(base: type) -> type:
             guessed = mine > 0 and any(
                 m.unanswered.get(operator.name, -1.0) >= self.sim.now - span
                 or m.calling.get(operator.name, 0) > 0
-                or m.restarted_at <= self.sim.now
-                and m.quarantine_until(self.world.restart_delay) >= self.sim.now - span
+                or (
+                    m.restarted_at <= self.sim.now
+                    and m.quarantine_until(self.world.restart_delay) >= self.sim.now - span
+                )
                 for m in self.world.masters
             )
             if ok and by != operator.name and mine < self.quorum and not (took_part or guessed):
