@@ -505,7 +505,12 @@ class Checker:
         if token is not None:
             fence = int(fence_text or 0)
             last = self.last_fence.get(name)
-            if last is not None and fence <= last and not taken_over:
+            # A restart that brings a grant back as it was (etcd renews every lease when a
+            # leader is promoted, one that expired meanwhile too: seed 485681) grants
+            # nothing new.
+            grant = self.grants.get((name, token))
+            back = who == "restart" and grant is not None and grant.fence == fence
+            if last is not None and fence <= last and not taken_over and not back:
                 self.fail(f"{name!r}: fence {fence} granted after fence {last}")
             self.last_fence[name] = fence
             self.order += 1
