@@ -87,6 +87,11 @@ local function read_record(key)
   return {token = token, fence = fence, renewals = renewals, acquired = acquired,
     waiters = waiters, rid = rid, owner = owner}
 end
+-- The newest release id a record names: a new holder keeps only that one (a release
+-- keeps two, see with_release), so a live lock's record stays as small as it was.
+local function last_release(rid)
+  return string.match(rid or '', '^([^,]*)') or ''
+end
 local function write_record(key, held, ttl)
   redis.call('set', key, 'h' .. held.token .. '|' .. held.fence .. '|' .. held.renewals
     .. '|' .. held.acquired .. '|' .. held.waiters .. '|' .. held.rid .. '|' .. held.owner,
@@ -154,8 +159,8 @@ end
 -- The release ids a record keeps: this release's and the one before it, so a resend of
 -- either (its reply lost) still answers 2 after one more holder came and went.
 local function with_release(release_id, rid)
-  local last = string.match(rid or '', '^([^,]*)')
-  if last and last ~= '' and last ~= release_id then return release_id .. ',' .. last end
+  local last = last_release(rid)
+  if last ~= '' and last ~= release_id then return release_id .. ',' .. last end
   return release_id
 end
 -- An operator's release tells the holder's process at once (``<fence>|<key>`` on the
@@ -260,7 +265,7 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and held.rid or '', owner = owner}, ttl)
+  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '', owner = owner}, ttl)
 return tonumber(fence)
 """,
 )
@@ -325,7 +330,7 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and held.rid or '', owner = owner}, ttl)
+  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '', owner = owner}, ttl)
 return tonumber(fence)
 """,
 )
@@ -449,7 +454,7 @@ if not held or not held.token then
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     local waiters = (head and '1') or (held and held.waiters) or '0'
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-      waiters = waiters, rid = held and held.rid or '', owner = owner}, ttl)
+      waiters = waiters, rid = held and last_release(held.rid) or '', owner = owner}, ttl)
     return tonumber(fence)
   end
   grant(key, counter_key, counter_ttl, head, entry, nil, '1', '')

@@ -21,6 +21,7 @@ from servers import RedisServer
 
 from task_locks import AsyncLock, Lock, NotOwned, get_backend
 from task_locks.backends.redis import SCRIPTS
+from task_locks.backends.redis_scripts import record_fields
 from task_locks.types import Owner
 
 SOCKET_TIMEOUT = 0.5
@@ -173,5 +174,7 @@ def test_a_resend_after_another_holder_came_and_went_still_reports_released(
     assert backend.release("came-and-went", "second") is True
     assert send() == 2  # the resend
     assert backend.acquire("came-and-went", "third", 30_000, Owner()).acquired
+    live = record_fields(server.get("task_locks:{came-and-went}"))
+    assert live is not None and "," not in live["rid"]  # a live lock keeps just the newest
     assert backend.release("came-and-went", "third") is True
     assert send() == 0  # two releases later: forgotten
