@@ -140,9 +140,10 @@ end
 # Releases. ``token`` '' is an operator's release of whoever holds it, and then ``fence``
 # ('' or the fence seen) names the holder. A release that finds nothing of its own
 # answers 2 when this very call already released (a resend: the record, tombstone or the
-# next holder's, names its release id among its last two), else 0. ``bury`` leaves the tombstone, wakes one
-# waiter if someone waits and, for an operator, drops a grant its holder has not popped
-# yet (a hand-off waiter paused before its pop would take it later as the lock).
+# next holder's, names its release id among its last two), else 0. ``bury`` leaves the
+# tombstone, wakes one waiter if someone waits and, for an operator, drops a grant its
+# holder has not popped yet (a hand-off waiter paused before its pop would take it later
+# as the lock).
 _RELEASE = """
 local function names_holder(held, token, fence)
   if not held or not held.token then return false end
@@ -265,7 +266,8 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '', owner = owner}, ttl)
+  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '',
+  owner = owner}, ttl)
 return tonumber(fence)
 """,
 )
@@ -330,7 +332,8 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '', owner = owner}, ttl)
+  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '',
+  owner = owner}, ttl)
 return tonumber(fence)
 """,
 )
@@ -454,7 +457,8 @@ if not held or not held.token then
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     local waiters = (head and '1') or (held and held.waiters) or '0'
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-      waiters = waiters, rid = held and last_release(held.rid) or '', owner = owner}, ttl)
+      waiters = waiters, rid = held and last_release(held.rid) or '',
+      owner = owner}, ttl)
     return tonumber(fence)
   end
   grant(key, counter_key, counter_ttl, head, entry, nil, '1', '')

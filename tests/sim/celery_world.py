@@ -804,9 +804,6 @@ class Run:
     clock: int = 0
     #: it ended FAILURE with BackendUnavailable: the lock the service did not answer for
     unanswered: str | None = None
-    #: ... and its client was cut off from the server while it ran (what it sent then,
-    #: the free of its publish-time lock included, did not get through)
-    cut_off: bool = False
     key: str = ""
     at: float = 0.0  # when the worker took it
     #: its locks were taken away while it ran (restart, failover, force release), or the
@@ -878,8 +875,6 @@ class Worker:
         run.ended = True
         if state == "FAILURE" and isinstance(result, BackendUnavailable):
             run.unanswered = result.name or ""
-            spans = checker.net.partitions.get(self.client.index) or ()
-            run.cut_off = any(a <= sim.now and b > run.at for a, b in spans)
         server = checker.server
         run.taken_away = (run.epoch, run.forced, run.clock) != (
             server.epoch,
@@ -1401,7 +1396,7 @@ class CeleryChecker(Checker):
         if running or queued or ended is None:
             return
         if latest_token(self.task_ids[holder]) in self.unfreed:
-            return  # a run's free of the publish-time lock got no answer (seed 417491)
+            return  # a run's free of the publish-time lock got no answer (399827, 417491)
         if holder in self.acked_then_killed or any(
             r.client.dead and not r.ended and r.delivery.acked
             for r in self.world.runs
@@ -1415,7 +1410,7 @@ class CeleryChecker(Checker):
         options = self.world.options
         if any(
             r.unanswered is not None
-            and (options.lock_on == "enqueue" or r.unanswered != r.key or r.cut_off)
+            and (options.lock_on == "enqueue" or r.unanswered != r.key)
             for r in self.world.runs
             if r.delivery.message is latest
         ):
@@ -1424,8 +1419,7 @@ class CeleryChecker(Checker):
             # a "both" run whose guard gets none (seed 306, with the fix for the take-over);
             # either leaves the publish-time lock until enqueue_ttl. (Freeing it after the
             # guard failed raced another delivery of the message taking the token over.)
-            # So does a "both" run that failed cut off from the server: its free of that
-            # lock did not get through either (seeds 399827, 276203).
+            # A "both" run whose free of that lock got no answer: ``unfreed``, above.
             return
         if {r.delivery.outcome for r in self.world.runs if r.delivery.message is latest} == {
             "IGNORED"
