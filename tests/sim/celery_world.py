@@ -1409,8 +1409,7 @@ class CeleryChecker(Checker):
             return  # the server lost or was given back locks since (a failover's replica)
         options = self.world.options
         if any(
-            r.unanswered is not None
-            and (options.lock_on == "enqueue" or r.unanswered != r.key)
+            r.unanswered is not None and (options.lock_on == "enqueue" or r.unanswered != r.key)
             for r in self.world.runs
             if r.delivery.message is latest
         ):
