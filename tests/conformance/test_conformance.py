@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import wait_until
 
 from task_locks import (
     AsyncLock,
@@ -282,7 +283,8 @@ def test_force_release_takes_the_lock_away(deployment: Deployment) -> None:
     # first (etcd's watch can beat the holder() read above: seen on main, 1 run in 3).
     with pytest.raises(LockLost):
         lease.renew()
-    assert lost == [lease]
+    # on_lost runs on the callback thread, never on the caller's or a lane's.
+    wait_until(lambda: lost == [lease], timeout=5, what="on_lost for the forced lease")
     successor = Lock("forced", ttl=30, backend=deployment.url).acquire(timeout=0)
     assert successor.fence > lease.fence
     successor.release()
