@@ -584,6 +584,12 @@ def sql_checker(base: type) -> type:
                 present[name] = grant
                 row = self._row(key)
                 if row is None:
+                    if there is not None and there.token == self.current[name]:
+                        # The row is there but no longer live: a renewal that waited for
+                        # the row lock set its expiry from its own (older) now(), already
+                        # past at commit (seeds 544711, 656455). It expired; nobody
+                        # removed it.
+                        self.removed_by.setdefault((there.token, there.fence), "expiry")
                     self.track(name, None, None, who)
                     continue
                 token, fence = row.token, str(row.fence)
