@@ -793,7 +793,8 @@ class _Attempt:
     ``held_token``: acquire under this token instead of a fresh one. It may hold the lock
     already (Celery's publish-time lock, taken over by its run), so a try that failed
     with no reply may have found the lock ours: it is never given back
-    (:attr:`may_give_back`).
+    (:attr:`may_give_back`). ``fresh_token``: a new token the caller chose (it frees the
+    lock itself should the acquire's outcome be unknown); given back like any new one.
     """
 
     def __init__(
@@ -806,12 +807,13 @@ class _Attempt:
         mine: tuple[LeaseBase, str] | None,
         *,
         held_token: str | None,
+        fresh_token: str | None = None,
         run: RunCheck | None = None,
     ) -> None:
         self.name, self.ttl, self.backend, self.clock = name, ttl, backend, clock
         self.timeout, self.mine, self.run = timeout, mine, run
         self.ttl_ms = max(1, int(ttl * 1000))
-        self.token = held_token or secrets.token_hex(16)
+        self.token = held_token or fresh_token or secrets.token_hex(16)
         self.may_give_back = held_token is None and (run is None or run.take_over is None)
         self.owner = current_owner()
         self.start = clock.monotonic()
@@ -971,6 +973,9 @@ class LockBase:
     #: holds the lock gets it back with the same fence (a Celery run taking over its
     #: publish-time lock in one server-side step); subclasses' ``acquire`` keep working.
     _token: str | None = None
+    #: Private: acquire under this new token, which the caller knows (a Celery publish
+    #: frees what an acquire with no answer may have taken: ``Releaser.free_later``).
+    _fresh_token: str | None = None
     #: Private: a Celery run's check, sent with each acquire (``_plan.Acquire.run``).
     _run: RunCheck | None = None
 
@@ -1059,6 +1064,7 @@ class LockBase:
             timeout,
             mine,
             held_token=self._token,
+            fresh_token=self._fresh_token,
             run=self._run,
         )
         # The server hand-off's queue does not carry a run check: each try sends it.

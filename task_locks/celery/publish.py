@@ -17,7 +17,9 @@ wraps that one function on the app's ``amqp`` object instead:
   by acquiring under the same token: one server-side step that keeps the fence and
   resets TTL and owner, so the key is never free between the two.
   A message that is never consumed frees the key after the TTL; a revoked or expired
-  one frees it when a worker drops it (``task_revoked``).
+  one frees it when a worker drops it (``task_revoked``). A publish whose acquire got no
+  answer sends nothing, and frees the key its acquire may have taken (token-checked, in
+  the background, tried again until the TTL: :meth:`~.releaser.Releaser.free_later`).
 - if the key is taken, nothing is published: ``DuplicateTask`` (a ``LockHeld``) is
   raised with the holder's ``AsyncResult`` as ``existing``. ``delay``/``apply_async``
   (hence canvas and beat, for tasks the publisher has registered) return that handle
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from .. import events
-from ..errors import LockError, LockHeld
+from ..errors import BackendUnavailable, LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
 from ._common import (
@@ -134,12 +137,20 @@ def guarded_publish(
     key = task.lock_name(*args, **kwargs)
     if releaser.pending(key):  # a run of this key here just ended: let its release land
         releaser.flush_key(key)
-    lock = Lock(key, ttl=_enqueue_ttl(task, headers), backend=task.lock_backend, renew=False)
+    ttl = _enqueue_ttl(task, headers)
+    lock = Lock(key, ttl=ttl, backend=task.lock_backend, renew=False)
+    lock._fresh_token = token = secrets.token_hex(16)  # known here should the reply be lost
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:
             with events.context(policy="", detail=f"publish {task.name}"):  # one `duplicate`
                 lease = lock.acquire(timeout=timeout)
+        except BackendUnavailable as exc:
+            if not exc.unreachable:
+                # The acquire may have taken the key with nothing published: free it
+                # (token-checked) in the background, or it would hold until the TTL.
+                releaser.free_later(lock.backend, key, token, ttl)
+            raise
         except LockHeld as held:
             events.emit(
                 events.Duplicate(

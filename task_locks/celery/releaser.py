@@ -38,6 +38,13 @@ A child killed while a run holds its lock never got to defer its release: the wo
 process recovers that lock as before (:mod:`task_locks.celery.request`). A child killed
 in the few milliseconds between a run's end and the release going out leaves that lock
 to its TTL (renewal stopped when the run ended).
+
+The same thread frees publish-time locks that no message carries
+(:meth:`Releaser.free_later`): a publish whose acquire got no answer may have taken the
+key with nothing published. That lock would keep the key for ``enqueue_ttl`` (an hour by
+default), dropping every publish of it as a duplicate of a message that was never sent.
+The free is token-checked, under a token no message carries (so it can never free a
+run's lock), and tried again, backing off, until it is answered or the lock's TTL is over.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ FLUSH_TIMEOUT: Final = 5.0
 #: thread sends it: the longest a finished run's key stays taken, plus the release's
 #: round trip (and the thread's wait for a CPU).
 RELEASE_DELAY: Final = 0.005
+#: Seconds before the second try of an unanswered :meth:`Releaser.free_later`; each
+#: later try waits twice as long as the one before, up to :data:`RETRY_MAX`.
+RETRY_FIRST: Final = 0.1
+RETRY_MAX: Final = 30.0
 
 OnError = Callable[[Lease, LockError], None]
 
@@ -70,18 +81,55 @@ OnError = Callable[[Lease, LockError], None]
 class _Pending(DeferredRelease):
     """One deferred release: the lease, who hears of its failure, when it is due."""
 
-    __slots__ = ("due", "key", "lease", "on_error", "owner")
+    __slots__ = ("backend", "due", "key", "lease", "on_error", "owner")
+
+    #: A flush waits for its answer (see :attr:`_Orphan.holds_flush`).
+    holds_flush = True
 
     def __init__(self, owner: Releaser, key: str, lease: Lease, on_error: OnError) -> None:
         super().__init__(lease.name, lease.token)
         self.owner = owner
         self.key = key
         self.lease = lease
+        self.backend = lease.backend
         self.on_error = on_error
         self.due = time.monotonic() + RELEASE_DELAY
 
     def answer(self, outcome: bool | LockError) -> None:
         self.owner._answered(self, outcome)
+
+
+class _Orphan(DeferredRelease):
+    """One try of a :meth:`Releaser.free_later`: a lock no lease here holds."""
+
+    __slots__ = ("backend", "delay", "due", "key", "owner", "until")
+
+    def __init__(
+        self,
+        owner: Releaser,
+        backend: Backend,
+        key: str,
+        token: str,
+        until: float,
+        delay: float = 0.0,
+    ) -> None:
+        super().__init__(key, token)
+        self.owner = owner
+        self.backend = backend
+        self.key = key
+        self.until = until
+        self.delay = delay  # how long this try waited after the one before
+        self.due = time.monotonic() + delay
+
+    @property
+    def holds_flush(self) -> bool:
+        """Only the first try holds a flush up: a flush before a publish of the key sends
+        it, and waits for its answer, so the publish is not refused by this process's
+        leftover; a server that does not answer is not waited for again."""
+        return self.delay == 0
+
+    def answer(self, outcome: bool | LockError) -> None:
+        self.owner._orphan_answered(self, outcome)
 
 
 class Releaser:
@@ -99,11 +147,11 @@ class Releaser:
         self._work = threading.Condition(self._lock)
         self._done = threading.Condition(self._lock)
         #: Deferred and not yet claimed by a sender (claimed ones leave lazily).
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending | _Orphan] = []
         #: key -> releases of it not yet answered (queued or in flight).
         self._pending: dict[str, int] = {}
         #: Every release not yet answered (queued or in flight).
-        self._open: set[_Pending] = set()
+        self._open: set[_Pending | _Orphan] = set()
         self._thread: threading.Thread | None = None
         #: When the thread wakes on its own (``inf``: it waits for work).
         self._wake_at = math.inf
@@ -123,11 +171,7 @@ class Releaser:
             self._open.add(item)
             self._pending[key] = self._pending.get(key, 0) + 1
             self._submitted += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="task-locks-releaser", daemon=True
-                )
-                self._thread.start()
+            self._start()
         try:
             rides = lease.backend.defer_release(item)
         except Exception:  # a backend's hook must not lose the release
@@ -139,13 +183,38 @@ class Releaser:
             if item.due < self._wake_at:
                 self._work.notify()
 
+    def free_later(self, backend: Backend, name: str, token: str, ttl: float) -> None:
+        """Free ``name`` if ``token`` holds it, from the releaser's thread, trying again
+        (backing off) while the server does not answer, for at most ``ttl`` seconds (the
+        lock's TTL: it is free by then anyway). For a lock that no lease and no message
+        carries; its outcome is logged."""
+        item = _Orphan(self, backend, name, token, time.monotonic() + ttl)
+        with self._lock:
+            self._queue.append(item)
+            self._open.add(item)
+            self._pending[name] = self._pending.get(name, 0) + 1
+            self._start()
+            self._work.notify()
+
+    def _start(self) -> None:
+        """Start the thread if it is not running (``_lock`` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="task-locks-releaser", daemon=True
+            )
+            self._thread.start()
+
     def pending(self, key: str) -> bool:
         """Whether a release of ``key`` deferred in this process is not answered yet."""
         return key in self._pending
 
     def flush_key(self, key: str, timeout: float = FLUSH_TIMEOUT) -> bool:
         """Send ``key``'s pending releases now; wait (up to ``timeout``) for their answers."""
-        return self._flush(lambda item: item.key == key, lambda: key not in self._pending, timeout)
+
+        def which(item: _Pending | _Orphan) -> bool:
+            return item.key == key
+
+        return self._flush(which, lambda: not self._holding(which), timeout)
 
     def flush(self, timeout: float = FLUSH_TIMEOUT, *, keep: Backend | None = None) -> bool:
         """Send every pending release now; wait (up to ``timeout``) for their answers.
@@ -154,17 +223,24 @@ class Releaser:
         to ride it.
         """
 
-        def which(item: _Pending) -> bool:
-            return item.lease.backend is not keep
+        def which(item: _Pending | _Orphan) -> bool:
+            return item.backend is not keep
 
-        return self._flush(which, lambda: not any(map(which, self._open)), timeout)
+        return self._flush(which, lambda: not self._holding(which), timeout)
+
+    def _holding(self, which: Callable[[_Pending | _Orphan], bool]) -> bool:
+        """Whether an unanswered release that ``which`` picks holds a flush up."""
+        return any(item.holds_flush and which(item) for item in self._open)
 
     def idle(self) -> bool:
         """Whether every release deferred in this process has been answered."""
         return not self._open
 
     def _flush(
-        self, which: Callable[[_Pending], bool], done: Callable[[], bool], timeout: float
+        self,
+        which: Callable[[_Pending | _Orphan], bool],
+        done: Callable[[], bool],
+        timeout: float,
     ) -> bool:
         with self._lock:
             mine = [item for item in self._queue if which(item) and item.claim()]
@@ -197,14 +273,38 @@ class Releaser:
         except Exception:
             log.exception("settling the release of lock %r failed", lease.name)
         finally:
-            with self._lock:
-                self._open.discard(item)
-                left = self._pending.get(item.key, 1) - 1
-                if left > 0:
-                    self._pending[item.key] = left
-                else:
-                    self._pending.pop(item.key, None)
-                self._done.notify_all()
+            self._settled(item)
+
+    def _orphan_answered(self, item: _Orphan, outcome: bool | LockError) -> None:
+        """Settle one try of a :meth:`free_later`, or queue the next."""
+        if isinstance(outcome, BackendUnavailable):
+            delay = min(RETRY_MAX, item.delay * 2 or RETRY_FIRST)
+            if time.monotonic() + delay < item.until:
+                log.info("freeing lock %r got no answer (%s); trying again", item.name, outcome)
+                again = _Orphan(self, item.backend, item.key, item.token, item.until, delay)
+                with self._lock:
+                    self._open.discard(item)
+                    self._open.add(again)
+                    self._queue.append(again)
+                    if again.due < self._wake_at:
+                        self._work.notify()
+                    self._done.notify_all()  # a flush no longer waits for this one
+                return
+        if isinstance(outcome, LockError):
+            log.warning("freeing lock %r: %s; it expires by its TTL", item.name, outcome)
+        else:
+            log.debug("freeing lock %r: %s", item.name, "freed" if outcome else "already free")
+        self._settled(item)
+
+    def _settled(self, item: _Pending | _Orphan) -> None:
+        with self._lock:
+            self._open.discard(item)
+            left = self._pending.get(item.key, 1) - 1
+            if left > 0:
+                self._pending[item.key] = left
+            else:
+                self._pending.pop(item.key, None)
+            self._done.notify_all()
 
     def _run(self) -> None:
         seen = -1
@@ -238,11 +338,11 @@ class Releaser:
                 _send(item)
 
 
-def _send(item: _Pending) -> None:
+def _send(item: _Pending | _Orphan) -> None:
     """Send one claimed release with its own round trip and settle it."""
     outcome: bool | LockError
     try:
-        outcome = item.lease.backend.release(item.name, item.token)
+        outcome = item.backend.release(item.name, item.token)
     except LockError as exc:
         outcome = exc
     except Exception as exc:  # the thread must outlive any one release
@@ -258,4 +358,4 @@ def _send(item: _Pending) -> None:
 releaser: Final = Releaser()
 atexit.register(releaser.flush)
 
-__all__ = ["FLUSH_TIMEOUT", "RELEASE_DELAY", "Releaser", "releaser"]
+__all__ = ["FLUSH_TIMEOUT", "RELEASE_DELAY", "RETRY_FIRST", "RETRY_MAX", "Releaser", "releaser"]

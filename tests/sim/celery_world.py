@@ -1032,8 +1032,6 @@ class CeleryWorld:
             return
         except LockError as exc:
             sim.say(client.name, f"publish of {task_id} failed: {type(exc).__name__}")
-            if isinstance(exc, BackendUnavailable):
-                self.checker.unanswered_publishes.add((step.name, task_id))
             return
         if len(self.broker.messages) == before:
             sim.say(client.name, f"publish of {task_id} dropped: {handle.id} is queued")
@@ -1184,8 +1182,6 @@ class CeleryChecker(Checker):
         self.publish_began: dict[int, float] = {}
         #: publish-time tokens a run's free of its publish-time lock got no answer for
         self.unfreed: set[str] = set()
-        #: (key, task id) of publishes whose lock call got no answer (BackendUnavailable)
-        self.unanswered_publishes: set[tuple[str, str]] = set()
         #: task ids of deliveries acked early whose worker died before they reached a slot
         self.acked_then_killed: set[str] = set()
 
@@ -1377,11 +1373,6 @@ class CeleryChecker(Checker):
         less than a run-lock TTL ago: its release may be on its way)."""
         if holder is None or holder not in self.task_ids:
             return  # the key's holder is no message (a run's retry, an old lock...)
-        if (key, holder) in self.unanswered_publishes:
-            # Open finding (seed 32867): a publish whose acquire was applied with its reply
-            # lost sent nothing, and its lock keeps the key until enqueue_ttl
-            # (docs/celery.md, "Locking at publish").
-            return
         ended = self.ready_at.get(holder)
         running = any(
             not run.ended and not run.client.dead

@@ -1,0 +1,86 @@
+"""A publish whose acquire got no answer leaves no lock behind (seed 32867 of the simulation).
+
+The fault is real: the chaoskit TCP proxy lets the publish's acquire reach a real
+redis-server, which takes the key under the publish's token, then drops the reply, and
+redis-py times out. Nothing is published (the publish raises ``BackendUnavailable``), yet
+the server holds the key for ``enqueue_ttl`` (here a minute; an hour by default), and every
+publish of it would be dropped as a duplicate of a message that was never sent. The
+publisher's releaser frees it (token-checked), trying again while its own tries get no
+answer either.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+from chaoskit.proxy import Proxy, ProxyHub
+from servers import RedisServer, wait_until
+
+from task_locks import BackendUnavailable, get_backend
+from task_locks.backends.redis import SCRIPTS
+from task_locks.celery import releaser as releaser_module
+from task_locks.celery import singleton_task
+
+ENQUEUE_TTL = 60.0
+
+
+@pytest.fixture
+def link(redis_server: RedisServer) -> Iterator[Proxy]:
+    """A proxy in front of the shared (flushed) Redis, with our scripts loaded (a
+    NOSCRIPT refusal would take the fault instead of the script)."""
+    client = redis.Redis(port=redis_server.port)
+    for source in SCRIPTS.source.values():
+        client.script_load(source)
+    client.close()
+    hub = ProxyHub()
+    yield hub.proxy(redis_server.port)
+    hub.close()
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("publish-unanswered", broker="memory://", set_as_current=False)
+    yield app
+    app.close()
+
+
+@pytest.mark.parametrize("lock_on", ["enqueue", "both"])
+def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
+    app: Celery,
+    link: Proxy,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    lock_on: str,
+) -> None:
+    monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
+    key = f"unanswered-{uuid.uuid4().hex[:8]}"
+    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.3"
+    direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
+
+    @singleton_task(
+        app=app,
+        name=f"t.{uuid.uuid4().hex}",
+        key=key,
+        backend=url,
+        lock_on=lock_on,
+        enqueue_ttl=ENQUEUE_TTL,
+        on_conflict="raise",
+    )
+    def task() -> None:
+        pass
+
+    get_backend(url).holder("warm-up")  # the pooled connection is open: the fault is the publish's
+    link.fault("drop_reply")
+    try:
+        with pytest.raises(BackendUnavailable):
+            task.apply_async(task_id="lost-reply")
+    finally:
+        link.heal()
+    wait_until(lambda: direct.holder(key) is None, timeout=10, what="the orphan's free")
+    assert task.apply_async(task_id="next").id == "next"  # published, not a duplicate
+    holder = direct.holder(key)
+    assert holder is not None and holder.owner.task_id == "next"
