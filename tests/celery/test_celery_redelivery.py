@@ -166,9 +166,10 @@ def test_a_hard_time_limit_frees_the_lock_within_seconds(
     assert time.monotonic() - began < 8  # the body sleeps 20 s
 
 
-@pytest.mark.parametrize("broker", ["redis", "amqp"])
 @pytest.mark.parametrize(
-    "recycle", ["--max-tasks-per-child=1", "--max-memory-per-child=1"], ids=["tasks", "memory"]
+    ("recycle", "broker"),
+    [("--max-tasks-per-child=1", "redis"), ("--max-memory-per-child=1", "amqp")],
+    ids=["tasks-redis", "memory-amqp"],  # each recycle and each broker once: 14 s a case
 )
 def test_a_recycled_child_sends_its_runs_release_before_it_exits(
     cluster: Any, recycle: str, broker: str, key: str, intervals: Any

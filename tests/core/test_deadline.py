@@ -259,7 +259,7 @@ def test_run_kills_a_program_that_ignores_sigterm_at_the_deadline(
 
 def test_a_stalled_server_costs_no_lease_on_another(driver: SyncDriver, redis_factory: Any) -> None:
     stalled, healthy = redis_factory(), redis_factory()
-    ttl = 4.0
+    ttl = 2.0
     doomed = driver.acquire("doomed", backend=stalled.url(), ttl=ttl)
     kept = driver.acquire("kept", backend=healthy.url(), ttl=ttl)
     stalled.pause()  # SIGSTOP
@@ -268,7 +268,7 @@ def test_a_stalled_server_costs_no_lease_on_another(driver: SyncDriver, redis_fa
         while time.monotonic() < end:
             assert kept.held, f"lost while another server stalled: {kept.lost_reason}"
             time.sleep(0.05)
-        assert kept.renewals >= 8
+        assert kept.renewals >= 7  # one per third of a TTL: about 9
         assert doomed.lost.is_set()
     finally:
         stalled.resume()
