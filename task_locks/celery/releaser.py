@@ -58,7 +58,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from ..backends.base import Backend, DeferredRelease
+from ..backends.base import Backend, DeferredRelease, ServerHandoff
 from ..errors import BackendUnavailable, LockError
 from ..lock import Lease
 
@@ -95,6 +95,9 @@ class _Pending(DeferredRelease):
         self.on_error = on_error
         self.due = time.monotonic() + RELEASE_DELAY
 
+    def send(self) -> bool:
+        return self.backend.release(self.name, self.token)
+
     def answer(self, outcome: bool | LockError) -> None:
         self.owner._answered(self, outcome)
 
@@ -127,6 +130,13 @@ class _Orphan(DeferredRelease):
         it, and waits for its answer, so the publish is not refused by this process's
         leftover; a server that does not answer is not waited for again."""
         return self.delay == 0
+
+    def send(self) -> bool:
+        """Under the server hand-off the acquire (``on_conflict="wait"``) may have left a
+        queue entry: leave the queue, which gives back a grant too."""
+        if isinstance(self.backend, ServerHandoff):
+            return self.backend.dequeue(self.name, self.token)
+        return self.backend.release(self.name, self.token)
 
     def answer(self, outcome: bool | LockError) -> None:
         self.owner._orphan_answered(self, outcome)
@@ -342,7 +352,7 @@ def _send(item: _Pending | _Orphan) -> None:
     """Send one claimed release with its own round trip and settle it."""
     outcome: bool | LockError
     try:
-        outcome = item.backend.release(item.name, item.token)
+        outcome = item.send()
     except LockError as exc:
         outcome = exc
     except Exception as exc:  # the thread must outlive any one release

@@ -48,13 +48,16 @@ def app() -> Iterator[Celery]:
     app.close()
 
 
-@pytest.mark.parametrize("lock_on", ["enqueue", "both"])
+@pytest.mark.parametrize(
+    ("lock_on", "on_conflict"), [("enqueue", "raise"), ("both", "raise"), ("both", "wait")]
+)
 def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
     app: Celery,
     link: Proxy,
     redis_server: RedisServer,
     monkeypatch: pytest.MonkeyPatch,
     lock_on: str,
+    on_conflict: str,
 ) -> None:
     monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
     key = f"unanswered-{uuid.uuid4().hex[:8]}"
@@ -68,7 +71,8 @@ def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
         backend=url,
         lock_on=lock_on,
         enqueue_ttl=ENQUEUE_TTL,
-        on_conflict="raise",
+        on_conflict=on_conflict,
+        wait_timeout=1,
     )
     def task() -> None:
         pass
