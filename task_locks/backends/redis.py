@@ -47,7 +47,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -351,7 +351,16 @@ class RedisBackend(Backend, RunChecked):
         client = self._async.get(loop)
         if client is None:
             client = self._async[loop] = self._clients.make(ASYNC)
+            client.task_locks_closer = _close_with_loop(
+                client, functools.partial(self._forget_async, weakref.ref(loop), client)
+            )
         return client
+
+    def _forget_async(self, loop: weakref.ref[asyncio.AbstractEventLoop], client: Any) -> None:
+        """Drop ``client`` as its loop's, unless another took its place."""
+        running = loop()
+        if running is not None and self._async.get(running) is client:
+            del self._async[running]
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -1104,12 +1113,41 @@ class RedisBackend(Backend, RunChecked):
         return self._holder(key, record, pttl, sent)
 
     async def aclose(self) -> None:
-        """Close this event loop's client (call it before the loop ends)."""
+        """Close this event loop's client now. Not needed before a loop that
+        ``asyncio.run`` made ends: the client is closed then (:func:`_close_with_loop`)."""
         client = self._async.pop(asyncio.get_running_loop(), None)
         if client is not None:
-            for sentinel in getattr(client, "task_locks_sentinels", ()):
-                await sentinel.aclose()
-            await client.aclose()
+            await _aclose_client(client)
+
+
+async def _aclose_client(client: Any) -> None:
+    for sentinel in getattr(client, "task_locks_sentinels", ()):
+        await sentinel.aclose()
+    await client.aclose()
+
+
+def _close_with_loop(client: Any, forget: Callable[[], None]) -> AsyncIterator[None]:
+    """An async generator, started and parked, that closes ``client`` when its event loop
+    shuts down: ``asyncio.run`` (like any loop's ``shutdown_asyncgens``) closes every
+    async generator still open, while the loop still runs. Without it, each loop's
+    connections would stay open until the garbage collector found the sockets
+    (``ResourceWarning: unclosed``). The client keeps the generator (the loop holds it
+    weakly); ``forget`` drops the client from the backend's per-loop map first."""
+
+    async def closer() -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            forget()
+            await _aclose_client(client)
+
+    generator = closer()
+    step: Any = generator.__anext__()  # the loop's hook registers it here
+    try:
+        step.send(None)  # runs to the ``yield`` at once: nothing is awaited before it
+    except StopIteration:
+        pass
+    return generator
 
 
 class RedisHandoffBackend(RedisBackend, ServerHandoff):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -12,7 +13,7 @@ import redis
 import redis.connection
 from servers import wait_until
 
-from task_locks import NotOwned, get_backend, owner_context
+from task_locks import AsyncSemaphore, NotOwned, get_backend, owner_context
 from task_locks.types import Owner, RenewItem
 
 from .support import SyncDriver, holder_token
@@ -149,3 +150,33 @@ def test_a_wall_clock_step_during_a_holder_read_keeps_the_holder(
     monkeypatch.undo()
     assert found is not None and found.token == "tok"
     assert backend.release(name, "tok")
+
+
+def test_a_loop_that_asyncio_run_ends_leaves_no_connection_open(redis_url: str) -> None:
+    """Each event loop has its own client; ``asyncio.run`` ending the loop closes it too,
+    with no ``backend.aclose()`` from the user. Before, every loop's connections stayed
+    open (the server counted them) until a garbage collection found the sockets:
+    ``ResourceWarning: unclosed <socket ...>``."""
+    url = f"{redis_url}?prefix=loop-sockets:"  # a backend of its own: no other test's clients
+    admin = redis.Redis.from_url(redis_url)
+
+    async def main() -> None:
+        semaphore = AsyncSemaphore("loop-sockets", limit=2, ttl=5, backend=url, timeout=10)
+
+        async def work() -> None:
+            async with semaphore:
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(*(work() for _ in range(6)))  # several pooled connections
+
+    def connected() -> int:
+        return len(admin.client_list())
+
+    try:
+        asyncio.run(main())  # what stays open for good (the release notices' listener)
+        settled = connected()
+        for _ in range(3):
+            asyncio.run(main())
+        wait_until(lambda: connected() <= settled, 5, "each loop's connections to close")
+    finally:
+        admin.close()
