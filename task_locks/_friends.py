@@ -78,6 +78,14 @@ def acquire_under(lock: _Lock, token: str | None) -> _Lock:
     return lock
 
 
+def acquire_fresh(lock: _Lock, token: str) -> _Lock:
+    """Make ``lock``'s acquires use the new ``token``, which the caller keeps: a Celery
+    publish frees what an acquire with no answer may have taken under it
+    (:meth:`~task_locks.celery.releaser.Releaser.free_later`). A lock made per call."""
+    lock._fresh_token = token
+    return lock
+
+
 def acquire_as_run(
     lock: _Lock,
     token: str | None,
@@ -111,4 +119,4 @@ if TYPE_CHECKING:
         return lease, alease
 
 
-__all__ = ["FriendLease", "acquire_as_run", "acquire_under", "current_lease_var"]
+__all__ = ["FriendLease", "acquire_as_run", "acquire_fresh", "acquire_under", "current_lease_var"]

@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -350,17 +351,11 @@ class RedisBackend(Backend, RunChecked):
         loop = asyncio.get_running_loop()
         client = self._async.get(loop)
         if client is None:
+            for ended in [other for other in self._async if other.is_closed()]:
+                _disarm(self._async.pop(ended))  # closed without shutdown_asyncgens
             client = self._async[loop] = self._clients.make(ASYNC)
-            client.task_locks_closer = _close_with_loop(
-                client, functools.partial(self._forget_async, weakref.ref(loop), client)
-            )
+            client.task_locks_closer = _close_with_loop(client)
         return client
-
-    def _forget_async(self, loop: weakref.ref[asyncio.AbstractEventLoop], client: Any) -> None:
-        """Drop ``client`` as its loop's, unless another took its place."""
-        running = loop()
-        if running is not None and self._async.get(running) is client:
-            del self._async[running]
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -1117,6 +1112,7 @@ class RedisBackend(Backend, RunChecked):
         ``asyncio.run`` made ends: the client is closed then (:func:`_close_with_loop`)."""
         client = self._async.pop(asyncio.get_running_loop(), None)
         if client is not None:
+            _disarm(client)
             await _aclose_client(client)
 
 
@@ -1126,20 +1122,30 @@ async def _aclose_client(client: Any) -> None:
     await client.aclose()
 
 
-def _close_with_loop(client: Any, forget: Callable[[], None]) -> AsyncIterator[None]:
-    """An async generator, started and parked, that closes ``client`` when its event loop
-    shuts down: ``asyncio.run`` (like any loop's ``shutdown_asyncgens``) closes every
-    async generator still open, while the loop still runs. Without it, each loop's
-    connections would stay open until the garbage collector found the sockets
-    (``ResourceWarning: unclosed``). The client keeps the generator (the loop holds it
-    weakly); ``forget`` drops the client from the backend's per-loop map first."""
+def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
+    """An async generator, started and parked, that closes ``client``'s idle connections
+    when its event loop shuts down: ``asyncio.run`` (like any loop's
+    ``shutdown_asyncgens``) closes every async generator still open, while the loop
+    still runs. Without it, each loop's connections would stay open until the garbage
+    collector found the sockets (``ResourceWarning: unclosed``).
+
+    Only idle connections: other generators are finalized beside this one, and one may
+    be releasing a lock on a connection of this client; its connection is left to the
+    collector, as before. The client keeps the generator (the loop holds it weakly) and
+    drops it once done, so nothing keeps the loop alive. ``None`` where the loop has no
+    async generator hooks: nothing would ever close the generator."""
+    if sys.get_asyncgen_hooks().firstiter is None:
+        return None
 
     async def closer() -> AsyncIterator[None]:
         try:
             yield
         finally:
-            forget()
-            await _aclose_client(client)
+            if client.task_locks_closer is not None:  # not disarmed
+                client.task_locks_closer = None
+                for sentinel in getattr(client, "task_locks_sentinels", ()):
+                    await sentinel.connection_pool.disconnect(inuse_connections=False)
+                await client.connection_pool.disconnect(inuse_connections=False)
 
     generator = closer()
     step: Any = generator.__anext__()  # the loop's hook registers it here
@@ -1148,6 +1154,20 @@ def _close_with_loop(client: Any, forget: Callable[[], None]) -> AsyncIterator[N
     except StopIteration:
         pass
     return generator
+
+
+def _disarm(client: Any) -> None:
+    """Finish ``client``'s closer without closing anything (its loop is closed, or
+    ``aclose`` closes the client itself): a closer left parked would be finalized on its
+    loop when collected, closed or not."""
+    closer = getattr(client, "task_locks_closer", None)
+    client.task_locks_closer = None
+    if closer is not None:
+        step: Any = closer.aclose()
+        try:
+            step.send(None)  # the ``finally`` sees it disarmed: nothing is awaited
+        except StopIteration:
+            pass
 
 
 class RedisHandoffBackend(RedisBackend, ServerHandoff):

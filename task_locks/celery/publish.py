@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from .. import events
+from .._friends import acquire_fresh
 from ..errors import BackendUnavailable, LockError, LockHeld
 from ..lock import Lock
 from ..owner import owner_context
@@ -138,18 +139,18 @@ def guarded_publish(
     if releaser.pending(key):  # a run of this key here just ended: let its release land
         releaser.flush_key(key)
     ttl = _enqueue_ttl(task, headers)
-    lock = Lock(key, ttl=ttl, backend=task.lock_backend, renew=False)
-    lock._fresh_token = token = secrets.token_hex(16)  # known here should the reply be lost
+    token = secrets.token_hex(16)  # known here should the acquire's reply be lost
+    lock = acquire_fresh(Lock(key, ttl=ttl, backend=task.lock_backend, renew=False), token)
     timeout = task.wait_timeout if task.on_conflict == "wait" else 0
     with owner_context(task_id=task_id, task_name=task.name, worker=None, command=None):
         try:
             with events.context(policy="", detail=f"publish {task.name}"):  # one `duplicate`
                 lease = lock.acquire(timeout=timeout)
-        except BackendUnavailable as exc:
-            if not exc.unreachable:
-                # The acquire may have taken the key with nothing published: free it
-                # (token-checked) in the background, or it would hold until the TTL.
-                releaser.free_later(lock.backend, key, token, ttl)
+        except BackendUnavailable:
+            # The acquire may have taken the key with nothing published (also where the
+            # last try could not connect: an earlier one may have got through): free it,
+            # token-checked, in the background, or it would hold until the TTL.
+            releaser.free_later(lock.backend, key, token, ttl)
             raise
         except LockHeld as held:
             events.emit(

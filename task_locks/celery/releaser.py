@@ -105,7 +105,7 @@ class _Pending(DeferredRelease):
 class _Orphan(DeferredRelease):
     """One try of a :meth:`Releaser.free_later`: a lock no lease here holds."""
 
-    __slots__ = ("backend", "delay", "due", "key", "owner", "until")
+    __slots__ = ("backend", "delay", "due", "holds_flush", "key", "owner", "until")
 
     def __init__(
         self,
@@ -123,13 +123,11 @@ class _Orphan(DeferredRelease):
         self.until = until
         self.delay = delay  # how long this try waited after the one before
         self.due = time.monotonic() + delay
-
-    @property
-    def holds_flush(self) -> bool:
-        """Only the first try holds a flush up: a flush before a publish of the key sends
-        it, and waits for its answer, so the publish is not refused by this process's
-        leftover; a server that does not answer is not waited for again."""
-        return self.delay == 0
+        #: Only the first try holds a flush up (and is sent by any flush): a flush
+        #: before a publish of the key waits for its answer, so the publish is not
+        #: refused by this process's leftover. Later tries are the thread's, with their
+        #: backoff; only a flush of their own key sends them sooner.
+        self.holds_flush = True
 
     def send(self) -> bool:
         """Under the server hand-off the acquire (``on_conflict="wait"``) may have left a
@@ -234,7 +232,7 @@ class Releaser:
         """
 
         def which(item: _Pending | _Orphan) -> bool:
-            return item.backend is not keep
+            return item.holds_flush and item.backend is not keep
 
         return self._flush(which, lambda: not self._holding(which), timeout)
 
@@ -243,8 +241,9 @@ class Releaser:
         return any(item.holds_flush and which(item) for item in self._open)
 
     def idle(self) -> bool:
-        """Whether every release deferred in this process has been answered."""
-        return not self._open
+        """Whether every release deferred in this process has been answered (a
+        :meth:`free_later` still trying again, in the thread, does not count)."""
+        return not any(item.holds_flush for item in self._open)
 
     def _flush(
         self,
@@ -292,6 +291,7 @@ class Releaser:
             if time.monotonic() + delay < item.until:
                 log.info("freeing lock %r got no answer (%s); trying again", item.name, outcome)
                 again = _Orphan(self, item.backend, item.key, item.token, item.until, delay)
+                again.holds_flush = False
                 with self._lock:
                     self._open.discard(item)
                     self._open.add(again)
@@ -344,8 +344,8 @@ class Releaser:
                     seen = self._submitted
                     self._wake_at = now + RELEASE_DELAY
                     self._work.wait(RELEASE_DELAY)
-            for item in due:
-                _send(item)
+            for item in sorted(due, key=lambda item: isinstance(item, _Orphan)):
+                _send(item)  # runs' releases first: an orphan's server may not answer
 
 
 def _send(item: _Pending | _Orphan) -> None:

@@ -11,6 +11,7 @@ answer either.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from celery import Celery
 from chaoskit.proxy import Proxy, ProxyHub
 from servers import RedisServer, wait_until
 
-from task_locks import BackendUnavailable, get_backend
+from task_locks import BackendUnavailable, Lock, get_backend
 from task_locks.backends.redis import SCRIPTS
 from task_locks.celery import releaser as releaser_module
 from task_locks.celery import singleton_task
@@ -88,3 +89,30 @@ def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
     assert task.apply_async(task_id="next").id == "next"  # published, not a duplicate
     holder = direct.holder(key)
     assert holder is not None and holder.owner.task_id == "next"
+
+
+def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flushes(
+    link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker flushes the releaser before every task: a free still trying against a
+    silent server must not cost each of them a socket timeout (only its first try holds
+    a flush up), and it lands once the server answers."""
+    monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
+    key = f"silent-{uuid.uuid4().hex[:8]}"
+    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.3"
+    direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
+    lease = Lock(key, ttl=60, backend=direct.url, renew=False).acquire(timeout=0)
+    releaser = releaser_module.Releaser()
+    link.blackhole()
+    try:
+        releaser.free_later(get_backend(url), key, lease.token, 60)
+        wait_until(releaser.idle, 5, "the first try to get no answer")
+        began = time.monotonic()
+        assert releaser.flush(timeout=5)
+        assert time.monotonic() - began < 0.2  # a retry is the thread's, not the flush's
+        assert releaser.pending(key)  # still trying
+        assert direct.holder(key) is not None
+    finally:
+        link.heal()
+    wait_until(lambda: direct.holder(key) is None, 10, "the free to land")
+    wait_until(lambda: not releaser.pending(key), 5, "the free to be settled")
