@@ -44,7 +44,10 @@ The same thread frees publish-time locks that no message carries
 key with nothing published. That lock would keep the key for ``enqueue_ttl`` (an hour by
 default), dropping every publish of it as a duplicate of a message that was never sent.
 The free is token-checked, under a token no message carries (so it can never free a
-run's lock), and tried again, backing off, until it is answered or the lock's TTL is over.
+run's lock), and tried again, backing off: while the server does not answer (until the
+lock's TTL is over), and for :data:`LATE_WINDOW` whatever it answers, as the acquire it
+undoes may still be on its way and land after a free (a request held up in the network,
+a copy redis-py resent). One that lands later still holds the key until the TTL.
 """
 
 from __future__ import annotations
@@ -70,10 +73,14 @@ FLUSH_TIMEOUT: Final = 5.0
 #: thread sends it: the longest a finished run's key stays taken, plus the release's
 #: round trip (and the thread's wait for a CPU).
 RELEASE_DELAY: Final = 0.005
-#: Seconds before the second try of an unanswered :meth:`Releaser.free_later`; each
-#: later try waits twice as long as the one before, up to :data:`RETRY_MAX`.
+#: Seconds before the second try of a :meth:`Releaser.free_later`; each later try waits
+#: twice as long as the one before, up to :data:`RETRY_MAX`.
 RETRY_FIRST: Final = 0.1
-RETRY_MAX: Final = 30.0
+RETRY_MAX: Final = 10.0
+#: Seconds a :meth:`Releaser.free_later` keeps freeing after the server answered: the
+#: acquire it undoes may still be on its way (a request held up in the network, or a
+#: copy that redis-py resent), and land after the first free.
+LATE_WINDOW: Final = 60.0
 
 OnError = Callable[[Lease, LockError], None]
 
@@ -105,7 +112,7 @@ class _Pending(DeferredRelease):
 class _Orphan(DeferredRelease):
     """One try of a :meth:`Releaser.free_later`: a lock no lease here holds."""
 
-    __slots__ = ("backend", "delay", "due", "holds_flush", "key", "owner", "until")
+    __slots__ = ("backend", "delay", "due", "holds_flush", "key", "owner", "until", "watch")
 
     def __init__(
         self,
@@ -115,12 +122,15 @@ class _Orphan(DeferredRelease):
         token: str,
         until: float,
         delay: float = 0.0,
+        watch: float | None = None,
     ) -> None:
         super().__init__(key, token)
         self.owner = owner
         self.backend = backend
         self.key = key
-        self.until = until
+        self.until = until  # the lock's TTL is over: nothing left to free
+        #: Until then, tries go on whatever the answer (:data:`LATE_WINDOW`).
+        self.watch = min(until, time.monotonic() + LATE_WINDOW) if watch is None else watch
         self.delay = delay  # how long this try waited after the one before
         self.due = time.monotonic() + delay
         #: Only the first try holds a flush up (and is sent by any flush): a flush
@@ -285,21 +295,30 @@ class Releaser:
             self._settled(item)
 
     def _orphan_answered(self, item: _Orphan, outcome: bool | LockError) -> None:
-        """Settle one try of a :meth:`free_later`, or queue the next."""
-        if isinstance(outcome, BackendUnavailable):
-            delay = min(RETRY_MAX, item.delay * 2 or RETRY_FIRST)
-            if time.monotonic() + delay < item.until:
+        """Settle one try of a :meth:`free_later`, or queue the next: while the server
+        does not answer (until the lock's TTL is over), and whatever it answers during
+        :data:`LATE_WINDOW` (the acquire being undone may land after a free)."""
+        unanswered = isinstance(outcome, BackendUnavailable)
+        delay = min(RETRY_MAX, item.delay * 2 or RETRY_FIRST)
+        if time.monotonic() + delay < (item.until if unanswered else item.watch):
+            if unanswered:
                 log.info("freeing lock %r got no answer (%s); trying again", item.name, outcome)
-                again = _Orphan(self, item.backend, item.key, item.token, item.until, delay)
-                again.holds_flush = False
-                with self._lock:
-                    self._open.discard(item)
-                    self._open.add(again)
-                    self._queue.append(again)
-                    if again.due < self._wake_at:
-                        self._work.notify()
-                    self._done.notify_all()  # a flush no longer waits for this one
-                return
+            else:
+                log.debug(
+                    "freeing lock %r: %s; again, should the acquire land late",
+                    item.name,
+                    "freed" if outcome else "not held",
+                )
+            again = _Orphan(self, item.backend, item.key, item.token, item.until, delay, item.watch)
+            again.holds_flush = False
+            with self._lock:
+                self._open.discard(item)
+                self._open.add(again)
+                self._queue.append(again)
+                if again.due < self._wake_at:
+                    self._work.notify()
+                self._done.notify_all()  # a flush no longer waits for this one
+            return
         if isinstance(outcome, LockError):
             log.warning("freeing lock %r: %s; it expires by its TTL", item.name, outcome)
         else:
@@ -368,4 +387,12 @@ def _send(item: _Pending | _Orphan) -> None:
 releaser: Final = Releaser()
 atexit.register(releaser.flush)
 
-__all__ = ["FLUSH_TIMEOUT", "RELEASE_DELAY", "RETRY_FIRST", "RETRY_MAX", "Releaser", "releaser"]
+__all__ = [
+    "FLUSH_TIMEOUT",
+    "LATE_WINDOW",
+    "RELEASE_DELAY",
+    "RETRY_FIRST",
+    "RETRY_MAX",
+    "Releaser",
+    "releaser",
+]

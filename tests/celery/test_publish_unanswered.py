@@ -98,6 +98,7 @@ def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flush
     silent server must not cost each of them a socket timeout (only its first try holds
     a flush up), and it lands once the server answers."""
     monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
+    monkeypatch.setattr(releaser_module, "LATE_WINDOW", 1.0)
     key = f"silent-{uuid.uuid4().hex[:8]}"
     url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=1.5"
     direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
@@ -116,3 +117,34 @@ def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flush
         link.heal()
     wait_until(lambda: direct.holder(key) is None, 10, "the free to land")
     wait_until(lambda: not releaser.pending(key), 5, "the free to be settled")
+
+
+def test_an_acquire_that_lands_after_the_first_free_is_freed_too(
+    app: Celery, link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish's acquire is held up in the network past its socket timeout: the
+    first free finds nothing, then the acquire lands and takes the key (seed 542975 of
+    the simulation). The free goes on for ``LATE_WINDOW`` whatever it is told."""
+    monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
+    key = f"late-{uuid.uuid4().hex[:8]}"
+    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.3"
+    direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
+
+    @singleton_task(
+        app=app,
+        name=f"t.{uuid.uuid4().hex}",
+        key=key,
+        backend=url,
+        lock_on="enqueue",
+        enqueue_ttl=ENQUEUE_TTL,
+        on_conflict="raise",
+    )
+    def task() -> None:
+        pass
+
+    get_backend(url).holder("warm-up")
+    link.hold_next_request(1.0)
+    with pytest.raises(BackendUnavailable):
+        task.apply_async(task_id="late")
+    wait_until(lambda: direct.holder(key) is not None, 5, "the held-up acquire to land")
+    wait_until(lambda: direct.holder(key) is None, 10, "the free after it")

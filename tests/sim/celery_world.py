@@ -1032,6 +1032,8 @@ class CeleryWorld:
             return
         except LockError as exc:
             sim.say(client.name, f"publish of {task_id} failed: {type(exc).__name__}")
+            if isinstance(exc, BackendUnavailable):
+                self.checker.unanswered_publishes[(step.name, task_id)] = client
             return
         if len(self.broker.messages) == before:
             sim.say(client.name, f"publish of {task_id} dropped: {handle.id} is queued")
@@ -1182,6 +1184,8 @@ class CeleryChecker(Checker):
         self.publish_began: dict[int, float] = {}
         #: publish-time tokens a run's free of its publish-time lock got no answer for
         self.unfreed: set[str] = set()
+        #: (key, task id) -> the publisher, for publishes whose lock call got no answer
+        self.unanswered_publishes: dict[tuple[str, str], Client] = {}
         #: task ids of deliveries acked early whose worker died before they reached a slot
         self.acked_then_killed: set[str] = set()
 
@@ -1373,6 +1377,11 @@ class CeleryChecker(Checker):
         less than a run-lock TTL ago: its release may be on its way)."""
         if holder is None or holder not in self.task_ids:
             return  # the key's holder is no message (a run's retry, an old lock...)
+        publisher = self.unanswered_publishes.get((key, holder))
+        if publisher is not None and self.world.releaser_of(publisher).pending(key):
+            # A publish of that task id got no answer, and its process is still freeing
+            # what its acquire may have taken (which may land late: seed 542975).
+            return
         ended = self.ready_at.get(holder)
         running = any(
             not run.ended and not run.client.dead
