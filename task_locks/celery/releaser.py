@@ -204,8 +204,9 @@ class Releaser:
     def free_later(self, backend: Backend, name: str, token: str, ttl: float) -> None:
         """Free ``name`` if ``token`` holds it, from the releaser's thread, trying again
         (backing off) while the server does not answer, for at most ``ttl`` seconds (the
-        lock's TTL: it is free by then anyway). For a lock that no lease and no message
-        carries; its outcome is logged."""
+        lock's TTL: it is free by then anyway), and for :data:`LATE_WINDOW` whatever it
+        answers. For a lock that no lease and no message carries; its outcome is logged.
+        :meth:`pending` says ``True`` for ``name`` meanwhile."""
         item = _Orphan(self, backend, name, token, time.monotonic() + ttl)
         with self._lock:
             self._queue.append(item)
