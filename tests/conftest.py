@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from chaoskit.proxy import Proxy, ProxyHub
 
 # The conformance deployments' servers, for every directory (one set per session).
 from deployments import (  # noqa: F401
@@ -24,6 +25,7 @@ from servers import RedisServer
 
 import task_locks
 from task_locks import config
+from task_locks.backends.redis import SCRIPTS
 
 #: Fixtures of the event stream and metrics (seen, metric, only_logging_stays).
 pytest_plugins = ["event_fixtures"]
@@ -96,3 +98,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     report.outcome = "failed"
     report.longrepr = f"skipped under CI=true, where every server must be there: {reason}"
+
+
+@pytest.fixture
+def scripted_link(redis_server: RedisServer, redis_url: str) -> Iterator[Proxy]:
+    """A proxy in front of the shared (flushed) Redis, with our scripts already loaded: a
+    first EVALSHA refused with NOSCRIPT would take the fault instead of the call."""
+    client = redis.Redis(port=redis_server.port)
+    for source in SCRIPTS.source.values():
+        client.script_load(source)
+    client.close()
+    hub = ProxyHub()
+    yield hub.proxy(redis_server.port)
+    hub.close()

@@ -14,32 +14,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-import redis
 from celery import Celery
-from chaoskit.proxy import Proxy, ProxyHub
+from chaoskit.proxy import Proxy
 from servers import RedisServer, wait_until
 
 from task_locks import BackendUnavailable, Lock, get_backend
-from task_locks.backends.redis import SCRIPTS
 from task_locks.celery import releaser as releaser_module
 from task_locks.celery import singleton_task
 
 ENQUEUE_TTL = 60.0
-
-
-@pytest.fixture
-def link(redis_server: RedisServer) -> Iterator[Proxy]:
-    """A proxy in front of the shared (flushed) Redis, with our scripts loaded (a
-    NOSCRIPT refusal would take the fault instead of the script)."""
-    client = redis.Redis(port=redis_server.port)
-    for source in SCRIPTS.source.values():
-        client.script_load(source)
-    client.close()
-    hub = ProxyHub()
-    yield hub.proxy(redis_server.port)
-    hub.close()
 
 
 @pytest.fixture
@@ -49,21 +35,8 @@ def app() -> Iterator[Celery]:
     app.close()
 
 
-@pytest.mark.parametrize(
-    ("lock_on", "on_conflict"), [("enqueue", "raise"), ("both", "raise"), ("both", "wait")]
-)
-def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
-    app: Celery,
-    link: Proxy,
-    redis_server: RedisServer,
-    monkeypatch: pytest.MonkeyPatch,
-    lock_on: str,
-    on_conflict: str,
-) -> None:
-    monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
-    key = f"unanswered-{uuid.uuid4().hex[:8]}"
-    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.3"
-    direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
+def publishing_task(app: Celery, key: str, url: str, *, lock_on: str, on_conflict: str) -> Any:
+    """A task that locks ``key`` when published, through ``url``; its body does nothing."""
 
     @singleton_task(
         app=app,
@@ -78,13 +51,34 @@ def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
     def task() -> None:
         pass
 
+    return task
+
+
+@pytest.mark.parametrize(
+    ("lock_on", "on_conflict"), [("enqueue", "raise"), ("both", "raise"), ("both", "wait")]
+)
+def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
+    app: Celery,
+    scripted_link: Proxy,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    lock_on: str,
+    on_conflict: str,
+) -> None:
+    monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
+    key = f"unanswered-{uuid.uuid4().hex[:8]}"
+    url = f"redis://127.0.0.1:{scripted_link.port}/0?socket_timeout=0.3"
+    direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
+
+    task = publishing_task(app, key, url, lock_on=lock_on, on_conflict=on_conflict)
+
     get_backend(url).holder("warm-up")  # the pooled connection is open: the fault is the publish's
-    link.fault("drop_reply")
+    scripted_link.fault("drop_reply")
     try:
         with pytest.raises(BackendUnavailable):
             task.apply_async(task_id="lost-reply")
     finally:
-        link.heal()
+        scripted_link.heal()
     wait_until(lambda: direct.holder(key) is None, timeout=10, what="the orphan's free")
     assert task.apply_async(task_id="next").id == "next"  # published, not a duplicate
     holder = direct.holder(key)
@@ -92,7 +86,7 @@ def test_a_publish_whose_acquire_got_no_answer_frees_the_key(
 
 
 def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flushes(
-    link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    scripted_link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker flushes the releaser before every task: a free still trying against a
     silent server must not cost each of them a socket timeout (only its first try holds
@@ -100,11 +94,11 @@ def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flush
     monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
     monkeypatch.setattr(releaser_module, "LATE_WINDOW", 1.0)
     key = f"silent-{uuid.uuid4().hex[:8]}"
-    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=1.5"
+    url = f"redis://127.0.0.1:{scripted_link.port}/0?socket_timeout=1.5"
     direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
     lease = Lock(key, ttl=60, backend=direct.url, renew=False).acquire(timeout=0)
     releaser = releaser_module.Releaser()
-    link.blackhole()
+    scripted_link.blackhole()
     try:
         releaser.free_later(get_backend(url), key, lease.token, 60)
         wait_until(releaser.idle, 10, "the first try to get no answer")
@@ -114,36 +108,26 @@ def test_a_free_the_server_does_not_answer_is_retried_by_the_thread_not_by_flush
         assert releaser.pending(key)  # still trying
         assert direct.holder(key) is not None
     finally:
-        link.heal()
+        scripted_link.heal()
     wait_until(lambda: direct.holder(key) is None, 10, "the free to land")
     wait_until(lambda: not releaser.pending(key), 5, "the free to be settled")
 
 
 def test_an_acquire_that_lands_after_the_first_free_is_freed_too(
-    app: Celery, link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    app: Celery, scripted_link: Proxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The publish's acquire is held up in the network past its socket timeout: the
     first free finds nothing, then the acquire lands and takes the key (seed 542975 of
     the simulation). The free goes on for ``LATE_WINDOW`` whatever it is told."""
     monkeypatch.setattr(releaser_module, "RETRY_FIRST", 0.05)
     key = f"late-{uuid.uuid4().hex[:8]}"
-    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.3"
+    url = f"redis://127.0.0.1:{scripted_link.port}/0?socket_timeout=0.3"
     direct = get_backend(f"redis://127.0.0.1:{redis_server.port}/0")
 
-    @singleton_task(
-        app=app,
-        name=f"t.{uuid.uuid4().hex}",
-        key=key,
-        backend=url,
-        lock_on="enqueue",
-        enqueue_ttl=ENQUEUE_TTL,
-        on_conflict="raise",
-    )
-    def task() -> None:
-        pass
+    task = publishing_task(app, key, url, lock_on="enqueue", on_conflict="raise")
 
     get_backend(url).holder("warm-up")
-    link.hold_next_request(1.0)
+    scripted_link.hold_next_request(1.0)
     with pytest.raises(BackendUnavailable):
         task.apply_async(task_id="late")
     wait_until(lambda: direct.holder(key) is not None, 5, "the held-up acquire to land")

@@ -17,30 +17,14 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 from celery import Celery
-from chaoskit.proxy import Proxy, ProxyHub
-from servers import RedisServer
+from chaoskit.proxy import Proxy
 
 import task_locks.celery.task as celery_task
 from task_locks import get_backend
-from task_locks.backends.redis import SCRIPTS
 from task_locks.celery import singleton_task
 
 TTL = 2.0
-
-
-@pytest.fixture
-def link(redis_server: RedisServer, redis_url: str) -> Iterator[Proxy]:
-    """A proxy in front of the shared (flushed) Redis, with our scripts loaded (a
-    NOSCRIPT refusal would take the fault instead of the script)."""
-    client = redis.Redis(port=redis_server.port)
-    for source in SCRIPTS.source.values():
-        client.script_load(source)
-    client.close()
-    hub = ProxyHub()
-    yield hub.proxy(redis_server.port)
-    hub.close()
 
 
 @pytest.fixture
@@ -54,7 +38,7 @@ def app() -> Iterator[Celery]:
 @pytest.mark.parametrize("options", [{}, {"limit": 2}, {"on_conflict": "wait"}])
 def test_a_retry_runs_once_its_previous_attempts_orphan_lock_expires(
     app: Celery,
-    link: Proxy,
+    scripted_link: Proxy,
     redis_url: str,
     monkeypatch: pytest.MonkeyPatch,
     options: dict[str, object],
@@ -63,7 +47,7 @@ def test_a_retry_runs_once_its_previous_attempts_orphan_lock_expires(
     # be told from a running copy by watching it, not by outwaiting it.
     monkeypatch.setattr(celery_task, "RETRY_HANDOVER_WAIT", 0.2)
     key = f"orphan-{uuid.uuid4().hex[:8]}"
-    url = f"redis://127.0.0.1:{link.port}/0?socket_timeout=0.5"
+    url = f"redis://127.0.0.1:{scripted_link.port}/0?socket_timeout=0.5"
     ran: list[int] = []
 
     @singleton_task(app=app, name=f"t.{uuid.uuid4().hex}", key=key, backend=url, ttl=TTL, **options)
@@ -72,11 +56,11 @@ def test_a_retry_runs_once_its_previous_attempts_orphan_lock_expires(
 
     get_backend(url).holder("warm-up")  # the pooled connection is open: the fault is the run's
     task_id = str(uuid.uuid4())
-    link.fault("reset_mid_call")
+    scripted_link.fault("reset_mid_call")
     try:
         first = task.apply(task_id=task_id)
     finally:
-        link.heal()
+        scripted_link.heal()
     assert first.state == "FAILURE" and ran == [], first.result
     direct = get_backend(redis_url)
     orphans = [h for h in direct.holders() if key in h.name]
