@@ -178,7 +178,7 @@ def test_bad_timeouts_are_refused_before_any_server(all_urls: list[str], timeout
 
 
 @EXAMPLES
-@given(timeout=st.floats(min_value=0, max_value=0.3))
+@given(timeout=st.floats(min_value=0, max_value=0.15))
 def test_a_held_lock_is_refused_within_the_timeout(url: str, timeout: float) -> None:
     name = "timeout-property"
     holder = Lock(name, ttl=30, backend=url, renew=False).acquire(timeout=0)
