@@ -19,7 +19,7 @@ This file only orchestrates; each step lives in a module of its own: installing 
 peers (``peers.py``), measuring (``measure.py``), checking the targets (``targets.py``)
 and writing the reports (``report.py``).
 
-    .venv/bin/python bench/run.py            # full run (< 10 min)
+    .venv/bin/python bench/run.py            # full run (about 25 min)
     .venv/bin/python bench/run.py --quick    # about a minute: smaller counts, fewer cells
     .venv/bin/python bench/run.py --smoke --no-peers --out /tmp/x   # the test's few seconds
 """
