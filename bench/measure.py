@@ -753,7 +753,9 @@ def measure_all(
         skipped = {"status": "not measured: --only-locks"}
         renewal: list[dict[str, Any]] = []
         footprint: dict[str, dict[str, Any]] = {}
-        hooked = {k: dict(skipped) for k in ("celery", "celery_profile", "backends")}
+        hooked = {
+            k: dict(skipped) for k in ("celery", "celery_profile", "celery_footprint", "backends")
+        }
         hooked["coordination"] = dict(skipped)
         if not locks_only:
             log(f"renewal: {plan.leases} leases")

@@ -468,8 +468,8 @@ class RedisBackend(Backend, RunChecked):
             keys = [key, self._counter(name), key + ":queue", key + ":signal"]
             return [4, *keys, token, fence_arg, release_id, self.tombstone_ms,
                     self.fence_ttl_ms, self.signal_ms, *notice]  # fmt: skip
-        return [2, key, key + ":signal", token, fence_arg, release_id, self.tombstone_ms,
-                self.signal_ms, *notice]  # fmt: skip
+        return [3, key, key + ":signal", key + ":queue", token, fence_arg, release_id,
+                self.tombstone_ms, self.signal_ms, *notice]  # fmt: skip
 
     @property
     def _release_script(self) -> str:

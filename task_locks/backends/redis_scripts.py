@@ -13,7 +13,10 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
   (60 s by default), so that a release redis-py resends after losing the first reply
   finds its own id and answers "released". ``<waiters>`` counts the tries refused since
   the last wake-up: a release wakes one waiter while it is above 0 (and counts it down),
-  and never writes a signal when nobody waits. The release id of a held record is that
+  and never writes a signal when nobody waits. It is never below the number of live
+  server hand-off waiters queued (a grant counts one down, a release only once the queue
+  is drained or gone, a record made anew counts the queue), so a record that counts none
+  tells its taker that no place in line of its own needs dropping. The release id of a held record is that
   of the release that freed the lock for this holder (its tombstone's) or handed it on
   (server hand-off), so a resend arriving after the next acquire still finds it.
 - ``<prefix>fence`` the **fence counter**, one for the database, shared by every lock;
@@ -92,6 +95,12 @@ end
 local function last_release(rid)
   return string.match(rid or '', '^([^,]*)') or ''
 end
+-- The waiters a record taken over from ``held`` counts: a record made anew (none was
+-- there, its holder's expired) counts whoever is still in the server hand-off's queue.
+local function waiters_of(key, held)
+  if held then return held.waiters end
+  return tostring(redis.call('zcard', key .. ':queue'))
+end
 local function write_record(key, held, ttl)
   redis.call('set', key, 'h' .. held.token .. '|' .. held.fence .. '|' .. held.renewals
     .. '|' .. held.acquired .. '|' .. held.waiters .. '|' .. held.rid .. '|' .. held.owner,
@@ -143,7 +152,8 @@ end
 # next holder's, names its release id among its last two), else 0. ``bury`` leaves the
 # tombstone, wakes one waiter if someone waits and, for an operator, drops a grant its
 # holder has not popped yet (a hand-off waiter paused before its pop would take it later
-# as the lock).
+# as the lock). A signal wakes a client hand-off waiter; while ``queue_key`` (the server
+# hand-off's queue, false once drained) exists, its waiters stay counted.
 _RELEASE = """
 local function names_holder(held, token, fence)
   if not held or not held.token then return false end
@@ -172,12 +182,13 @@ local function announce(channel, key, held, token)
     redis.pcall('publish', channel, held.fence .. '|' .. key)
   end
 end
-local function bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+local function bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl,
+    queue_key)
   local waiters = tonumber(held.waiters) or 0
   if waiters > 0 then
     redis.call('rpush', signal_key, '1')
     redis.call('pexpire', signal_key, signal_ttl)
-    waiters = waiters - 1
+    if not queue_key or redis.call('exists', queue_key) == 0 then waiters = waiters - 1 end
   end
   redis.call('set', key, 'r' .. waiters .. '|' .. with_release(release_id, held.rid),
     'px', tombstone_ttl)
@@ -225,7 +236,8 @@ local function hand_on(key, counter_key, queue_key, signal_key, held, token, rel
       return
     end
   end
-  bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+  -- The queue is drained here, or the record counts no waiter: nobody stays uncounted.
+  bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl, false)
 end
 """
 
@@ -266,7 +278,7 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '',
+  waiters = waiters_of(key, held), rid = held and last_release(held.rid) or '',
   owner = owner}, ttl)
 return tonumber(fence)
 """,
@@ -332,7 +344,7 @@ if held and held.token then
 end
 local fence, now_ms = next_fence(counter_key, counter_ttl)
 write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
-  waiters = held and held.waiters or '0', rid = held and last_release(held.rid) or '',
+  waiters = waiters_of(key, held), rid = held and last_release(held.rid) or '',
   owner = owner}, ttl)
 return tonumber(fence)
 """,
@@ -368,6 +380,7 @@ return renewed
 
 # KEYS[1] - the lock's record
 # KEYS[2] - the signal list
+# KEYS[3] - the server hand-off's wait queue (a name may have waiters of both kinds)
 # ARGV[1] - token, or '' to release whoever holds it (operator override)
 # ARGV[2] - fence, or '': with a fence, only a holder with this fence is released, so an
 #           operator's force release cannot free a holder that came after the one they saw
@@ -383,6 +396,7 @@ RELEASE = _lua(
     """
 local key = KEYS[1]
 local signal_key = KEYS[2]
+local queue_key = KEYS[3] or false
 local token = ARGV[1]
 local fence = ARGV[2]
 local release_id = ARGV[3]
@@ -391,7 +405,7 @@ local signal_ttl = ARGV[5]
 local channel = ARGV[6] or ''
 local held = read_record(key)
 if not names_holder(held, token, fence) then return not_released(held, release_id) end
-bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl)
+bury(key, signal_key, held, token, release_id, tombstone_ttl, signal_ttl, queue_key)
 announce(channel, key, held, token)
 return 1
 """,
@@ -447,21 +461,25 @@ if not held or not held.token then
   local head, entry = false, false
   if not held then head, entry = pop_live(key, queue_key) end
   if not head or head == token then
-    -- Our own place in line goes with the lock, if we have a live one: a member whose
-    -- entry expired is dropped by any pop, and a queue found empty holds none of ours.
-    -- An uncontended try pays one DEL for this (nothing for a new name).
-    if (held or head) and redis.call('del', entry_key) == 1 then
+    -- Our own place in line goes with the lock, if we may have a live one: a tombstone
+    -- counting no waiter means none is queued (a member whose entry expired is dropped
+    -- by any pop), and a queue found empty holds none of ours. So an uncontended try
+    -- pays nothing for this; one after a wait pays a DEL.
+    if (head or (held and held.waiters ~= '0')) and redis.call('del', entry_key) == 1 then
       redis.call('zrem', queue_key, token)
       redis.call('del', key .. ':grant:' .. token)
     end
     local fence, now_ms = next_fence(counter_key, counter_ttl)
-    local waiters = (head and '1') or (held and held.waiters) or '0'
+    -- A record made anew (its holder's expired) counts whoever is still queued.
+    local waiters = (held and held.waiters) or '0'
+    if head then waiters = tostring(redis.call('zcard', queue_key)) end
     write_record(key, {token = token, fence = fence, renewals = '0', acquired = now_ms,
       waiters = waiters, rid = held and last_release(held.rid) or '',
       owner = owner}, ttl)
     return tonumber(fence)
   end
-  grant(key, counter_key, counter_ttl, head, entry, nil, '1', '')
+  grant(key, counter_key, counter_ttl, head, entry, nil,
+    tostring(redis.call('zcard', queue_key)), '')
   held = read_record(key)
 end
 local queued = false

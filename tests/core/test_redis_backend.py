@@ -26,6 +26,8 @@ def listing(driver: SyncDriver, url: str, prefix: str) -> list:
 
 
 def test_holders_lists_live_locks_by_prefix_with_owner(driver: SyncDriver, redis_url: str) -> None:
+    with redis.Redis.from_url(redis_url) as client:
+        client.config_resetstat()  # the server is shared: other tests may have sent KEYS
     with owner_context(task_id="t-42", task_name="reports.build", worker="w1@host"):
         reports = [driver.acquire(f"report:{i}", backend=redis_url, ttl=5) for i in range(3)]
     other = driver.acquire("sync:1", backend=redis_url, ttl=5)

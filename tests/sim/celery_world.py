@@ -292,7 +292,15 @@ def _the_app() -> Any:
         from celery import Celery
 
         _app = Celery("sim", broker="memory://", backend="cache+memory://", set_as_current=False)
-        _app.conf.update(task_serializer="json", result_serializer="json", task_acks_late=False)
+        # No producer pool: a schedule that ends with a publisher inside apply_async never
+        # gives its producer back, and a bounded pool shared by every schedule of the process
+        # then blocks a later publish for real (about one in 5,000 Celery schedules leaks).
+        _app.conf.update(
+            task_serializer="json",
+            result_serializer="json",
+            task_acks_late=False,
+            broker_pool_limit=0,
+        )
         # Countdowns (retries) count from the publishing client's wall clock.
         _app.now = lambda: real_dt.datetime.fromtimestamp(  # type: ignore[method-assign]
             _wall(), tz=real_dt.UTC

@@ -40,7 +40,9 @@ def explore(seeds: int, start: int, jobs: int, protocol: str | None) -> int:
     began = time.perf_counter()
     failing: list[int] = []
     steps = done = 0
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+    # A fresh process every ten chunks: the simulator's memory grows with the schedules a
+    # process has run (about 110 KB each), so a million seeds would not fit otherwise.
+    with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=10) as pool:
         for found, n_steps, n_seeds, _ in pool.imap_unordered(_chunk, bounds):
             failing += found
             steps += n_steps

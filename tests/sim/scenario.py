@@ -469,6 +469,7 @@ class Checker:
             fields = self._fields(model.get_value(key))
             token = fields.get("token")
             self.track(name, token, fields.get("fence") if token is not None else None, who)
+            self._counted(key)
         if not model.data.keys() <= model.expires.keys():
             for key in model.data:
                 if key not in model.expires:
@@ -564,6 +565,31 @@ class Checker:
 
     def _alive(self, key: Any) -> bool:
         return bool(self.server.model._alive(key))
+
+    def _counted(self, key: str) -> None:
+        """A lock's record (held or a tombstone) counts at least its live server hand-off
+        waiters: its taker drops no place in line of its own when it counts none, and one
+        left would be granted the lock later, with nobody to pop the grant."""
+        model = self.server.model
+        data, expires, now = model.data, model.expires, model.now_ms()
+
+        def live(k: str) -> bool:  # no lazy expiry here: the checker must not change state
+            when = expires.get(k)
+            return k in data and (when is None or now <= when)
+
+        queue = key + ":queue"
+        if not live(queue) or not live(key) or type(data[key]) is not str:
+            return
+        if expires.get(key) == now:  # PTTL 0: a refusal counts nobody, it expires this ms
+            return
+        raw = data[key]
+        waiters = raw[1:].split("|", 1)[0] if raw[:1] == "r" else self._fields(raw).get("waiters")
+        queued = [member for member in data[queue] if live(f"{key}:wait:{member}")]
+        if len(queued) > int(waiters or 0):
+            self.fail(
+                f"{key!r} counts {waiters} waiters, but {len(queued)} are queued: "
+                + ", ".join(sorted(queued))
+            )
 
     def _expiry_sim(self, key: Any) -> float | None:
         when = self.server.model.expires.get(key)

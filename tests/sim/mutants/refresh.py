@@ -319,11 +319,9 @@ on a lock that has been free most of its wait (the liveness check, on fair sched
             """  if waiters > 0 then
     redis.call('rpush', signal_key, '1')
     redis.call('pexpire', signal_key, signal_ttl)
-    waiters = waiters - 1
-  end""",
+    if not queue_key""",
             """  if waiters > 0 then
-    waiters = waiters - 1
-  end""",
+    if not queue_key""",
         )
     ],
 )
@@ -410,7 +408,7 @@ protocol: redis-mixed
     [
         (
             "task_locks/backends/redis_scripts.py",
-            """    if (held or head) and redis.call('del', entry_key) == 1 then
+            """    if (head or (held and held.waiters ~= '0')) and redis.call('del', entry_key) == 1 then
       redis.call('zrem', queue_key, token)
       redis.call('del', key .. ':grant:' .. token)
     end
@@ -775,6 +773,49 @@ protocol: redlock
             """        if False:
             for item in items:
                 self._note_straggler(item.name, item.token, late, item.ttl_ms)""",
+        )
+    ],
+)
+
+mutant(
+    "record_made_anew_counts_no_waiters",
+    """
+Server hand-off: an acquire that makes a lock's record anew (its holder's expired) counts
+no waiters while some are still queued. A later taker then trusts a tombstone counting
+none and leaves its own place in line, which a release grants the lock to after it, with
+nobody to pop the grant (the uncontended cycle skips that DEL only on this count).
+protocol: redis-handoff
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """  if held then return held.waiters end
+  return tostring(redis.call('zcard', key .. ':queue'))""",
+            """  if held then return held.waiters end
+  return '0'""",
+        ),
+        (
+            "task_locks/backends/redis_scripts.py",
+            """    if head then waiters = tostring(redis.call('zcard', queue_key)) end
+""",
+            "",
+        ),
+    ],
+)
+
+mutant(
+    "client_release_uncounts_a_queued_waiter",
+    """
+A name with waiters of both hand-offs: a release that wakes a client hand-off waiter
+counts one waiter down while server hand-off waiters are still queued, so the count falls
+below the queue (see record_made_anew_counts_no_waiters for what that costs).
+protocol: redis-mixed
+""",
+    [
+        (
+            "task_locks/backends/redis_scripts.py",
+            """    if not queue_key or redis.call('exists', queue_key) == 0 then waiters = waiters - 1 end""",
+            """    waiters = waiters - 1""",
         )
     ],
 )
