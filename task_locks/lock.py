@@ -1119,6 +1119,33 @@ class LockBase:
         return lease
 
     def _pop(self, key: object) -> Any:
+        """The lease of the ``with`` block being left in this thread or task.
+
+        A block may be left in another one than it was entered in: an async generator
+        left suspended inside ``async with`` is closed at loop shutdown in a task of its
+        own (``shutdown_asyncgens``, which ``asyncio.run`` calls), a generator may be
+        resumed from another thread. Its lease is then the one this lock object has out
+        in a thread or task that has ended, or its only one; if that cannot be told, an
+        error says so and nothing is released."""
+        if key not in self._leases:
+            others = list(self._leases)
+            if len(others) > 1:
+                alive = {thread.ident for thread in threading.enumerate()}
+                others = [
+                    other
+                    for other in others
+                    if (other.done() if isinstance(other, asyncio.Future) else other not in alive)
+                ]
+            if len(others) != 1:
+                raise LockError(
+                    f"lock {self.name!r}: a with block was left in another thread or task "
+                    "than it entered, and this lock object has several leases out, so which "
+                    "one to release is unknown: none is (enter and leave a with block in one "
+                    "thread or task; close an async generator holding a lock before its "
+                    "loop ends)",
+                    name=self.name,
+                )
+            key = others[0]
         stack = self._leases[key]
         lease = stack.pop()
         if not stack:

@@ -1129,11 +1129,13 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
     still runs. Without it, each loop's connections would stay open until the garbage
     collector found the sockets (``ResourceWarning: unclosed``).
 
-    Only idle connections: other generators are finalized beside this one, and one may
-    be releasing a lock on a connection of this client; its connection is left to the
-    collector, as before. The client keeps the generator (the loop holds it weakly) and
-    drops it once done, so nothing keeps the loop alive. ``None`` where the loop has no
-    async generator hooks: nothing would ever close the generator."""
+    Other generators are finalized beside this one, and one may be releasing a lock on
+    a connection of this client (an ``async with`` left open in a generator): the closer
+    lets them start, waits up to ``CLOSE_WAIT`` seconds for the connections in use to
+    come back, then closes the idle ones (one still in use after that is left to the
+    collector). The client keeps the generator (the loop holds it weakly) and drops it
+    once done, so nothing keeps the loop alive. ``None`` where the loop has no async
+    generator hooks: nothing would ever close the generator."""
     if sys.get_asyncgen_hooks().firstiter is None:
         return None
 
@@ -1143,9 +1145,11 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
         finally:
             if client.task_locks_closer is not None:  # not disarmed
                 client.task_locks_closer = None
-                for sentinel in getattr(client, "task_locks_sentinels", ()):
-                    await sentinel.connection_pool.disconnect(inuse_connections=False)
-                await client.connection_pool.disconnect(inuse_connections=False)
+                pools = [s.connection_pool for s in getattr(client, "task_locks_sentinels", ())]
+                pools.append(client.connection_pool)
+                await _until_idle(pools)
+                for pool in pools:
+                    await pool.disconnect(inuse_connections=False)
 
     generator = closer()
     step: Any = generator.__anext__()  # the loop's hook registers it here
@@ -1154,6 +1158,23 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
     except StopIteration:
         pass
     return generator
+
+
+#: How long a closing loop's client waits for its connections in use (a lock released
+#: by another generator the loop is finalizing) before it closes the idle ones.
+CLOSE_WAIT = 1.0
+
+
+async def _until_idle(pools: list[Any]) -> None:
+    """Return once no connection of ``pools`` is in use, or after ``CLOSE_WAIT``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLOSE_WAIT
+    for _ in range(3):  # the generators finalized beside this one start first
+        await asyncio.sleep(0)
+    while loop.time() < deadline and any(
+        getattr(pool, "_in_use_connections", None) for pool in pools
+    ):
+        await asyncio.sleep(0.005)
 
 
 def _disarm(client: Any) -> None:

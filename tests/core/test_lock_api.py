@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 
-from task_locks import Lock, LockHeld, LockLost, configure, get_backend
+from task_locks import (
+    AsyncLock,
+    Lock,
+    LockError,
+    LockHeld,
+    LockLost,
+    Semaphore,
+    configure,
+    get_backend,
+)
 from task_locks.owner import owner_context
 from task_locks.types import Owner
 
@@ -114,3 +127,80 @@ def test_the_owner_json_shortcut_for_task_ids_writes_what_json_does(
     assert holder is not None and holder.owner.task_id == "t-1"
     assert holder.owner.worker == "w@h" and holder.owner.pid == os.getpid()
     lease.release()
+
+
+def test_an_async_generator_dropped_inside_async_with_releases_its_lock(redis_url: str) -> None:
+    """A generator left inside ``async with`` is closed in a task of its own: by the loop's
+    finalizer hook once dropped, by ``shutdown_asyncgens`` (which ``asyncio.run`` calls)
+    if still referenced when the loop ends. Either way the block is left in another task
+    than it entered, and the lock must still be released."""
+    lock = AsyncLock("agen", ttl=30, backend=redis_url)
+
+    async def rows() -> AsyncIterator[int]:
+        async with lock:
+            yield 1
+            yield 2
+
+    async def dropped() -> None:
+        stream = rows()
+        assert await anext(stream) == 1
+        assert holder_token(redis_url, "agen") is not None
+        del stream  # a cut stream: its aclose() runs in a task the loop's hook makes
+        deadline = time.monotonic() + 10
+        while holder_token(redis_url, "agen") is not None:
+            assert time.monotonic() < deadline, "the dropped generator's lock is still held"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(dropped())
+
+    kept: list[AsyncIterator[int]] = []
+
+    async def left_open() -> None:
+        kept.append(rows())
+        assert await anext(kept[0]) == 1
+
+    asyncio.run(left_open())
+    assert holder_token(redis_url, "agen") is None
+
+
+def test_a_generator_resumed_in_another_thread_releases_its_lock(redis_url: str) -> None:
+    lock = Lock("gen-threads", ttl=30, backend=redis_url)
+
+    def rows() -> Iterator[int]:
+        with lock:
+            yield 1
+            yield 2
+
+    stream = rows()
+    assert next(stream) == 1
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(next, stream, None).result(timeout=10) == 2
+        assert pool.submit(next, stream, None).result(timeout=10) is None  # the block ends
+    assert holder_token(redis_url, "gen-threads") is None
+
+
+def test_a_block_left_elsewhere_among_several_holders_is_refused_by_name(redis_url: str) -> None:
+    """With two live threads' leases out on one Semaphore object, the one meant by a block
+    left in a third thread cannot be told: a clear error, and nothing released."""
+    semaphore = Semaphore("two-slots", limit=2, ttl=30, backend=redis_url)
+    entered = threading.Barrier(3, timeout=10)
+    done = threading.Event()
+
+    def hold() -> None:
+        with semaphore:
+            entered.wait()
+            done.wait(10)
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    entered.wait()
+    try:
+        with pytest.raises(LockError, match=r"'two-slots'.*which one to release is unknown"):
+            semaphore.__exit__(None, None, None)
+        assert len(semaphore.holders()) == 2
+    finally:
+        done.set()
+        for thread in holders:
+            thread.join(10)
+    assert semaphore.holders() == []

@@ -7,13 +7,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
 import redis.connection
 from servers import wait_until
 
-from task_locks import AsyncSemaphore, NotOwned, get_backend, owner_context
+from task_locks import AsyncLock, AsyncSemaphore, NotOwned, get_backend, owner_context
 from task_locks.types import Owner, RenewItem
 
 from .support import SyncDriver, holder_token
@@ -152,6 +153,36 @@ def test_a_wall_clock_step_during_a_holder_read_keeps_the_holder(
     monkeypatch.undo()
     assert found is not None and found.token == "tok"
     assert backend.release(name, "tok")
+
+
+def test_a_lock_released_as_its_loop_ends_leaves_no_connection_open(redis_url: str) -> None:
+    """A generator still inside ``async with`` when ``asyncio.run`` ends is closed beside
+    the client's closer (``shutdown_asyncgens`` closes them together): the closer waits
+    for the release's connection to come back, then closes it too."""
+    url = f"{redis_url}?prefix=loop-release:"  # a backend of its own: no other test's clients
+    admin = redis.Redis.from_url(redis_url)
+    kept: list[AsyncIterator[int]] = []
+
+    async def rows() -> AsyncIterator[int]:
+        async with AsyncLock("loop-release", ttl=30, backend=url):
+            yield 1
+
+    async def main() -> None:
+        kept.append(rows())
+        assert await anext(kept[-1]) == 1
+
+    def connected() -> int:
+        return len(admin.client_list())
+
+    try:
+        asyncio.run(main())  # what stays open for good (the release notices' listener)
+        settled = connected()
+        for _ in range(3):
+            asyncio.run(main())
+        wait_until(lambda: connected() <= settled, 5, "each loop's connections to close")
+        assert get_backend(url).holder("loop-release") is None  # and the lock was released
+    finally:
+        admin.close()
 
 
 def test_a_loop_that_asyncio_run_ends_leaves_no_connection_open(redis_url: str) -> None:
