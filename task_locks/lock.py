@@ -1124,19 +1124,12 @@ class LockBase:
         A block may be left in another one than it was entered in: an async generator
         left suspended inside ``async with`` is closed at loop shutdown in a task of its
         own (``shutdown_asyncgens``, which ``asyncio.run`` calls), a generator may be
-        resumed from another thread. Its lease is then the one this lock object has out
-        in a thread or task that has ended, or its only one; if that cannot be told, an
-        error says so and nothing is released."""
+        resumed from another thread. Its lease is then the only one this lock object has
+        out (always so for a :class:`Lock`, which is not re-entrant); with several out
+        (a semaphore's permits), which is meant cannot be told, and none is released."""
         if key not in self._leases:
-            others = list(self._leases)
-            if len(others) > 1:
-                alive = {thread.ident for thread in threading.enumerate()}
-                others = [
-                    other
-                    for other in others
-                    if (other.done() if isinstance(other, asyncio.Future) else other not in alive)
-                ]
-            if len(others) != 1:
+            stacks = list(self._leases.items())
+            if len(stacks) != 1 or len(stacks[0][1]) != 1:
                 raise LockError(
                     f"lock {self.name!r}: a with block was left in another thread or task "
                     "than it entered, and this lock object has several leases out, so which "
@@ -1145,7 +1138,7 @@ class LockBase:
                     "loop ends)",
                     name=self.name,
                 )
-            key = others[0]
+            key = stacks[0][0]
         stack = self._leases[key]
         lease = stack.pop()
         if not stack:

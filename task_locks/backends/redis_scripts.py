@@ -108,8 +108,9 @@ local function write_record(key, held, ttl)
 end
 -- A try that finds the lock held: answers {pttl ms, owner, fence, acquired ms}; when the
 -- caller is to wait (``counted``), it is counted in the record, so a release wakes it.
-local function refuse(key, held, counted)
-  local pttl = redis.call('pttl', key)
+-- ``pttl``: the record's, if the caller has read it already.
+local function refuse(key, held, counted, pttl)
+  pttl = pttl or redis.call('pttl', key)
   if counted and not held.legacy and pttl > 0 then
     held.waiters = tostring((tonumber(held.waiters) or 0) + 1)
     write_record(key, held, pttl)
@@ -231,8 +232,11 @@ local function hand_on(key, counter_key, queue_key, signal_key, held, token, rel
     local head, entry = pop_live(key, queue_key, held.token)
     if head then
       if token == '' then redis.call('del', key .. ':grant:' .. held.token) end
+      -- An earlier version's record (an operator's force release) counts nobody: count
+      -- the queue.
+      local left = held.legacy and redis.call('zcard', queue_key) or waiters - 1
       grant(key, counter_key, counter_ttl, head, entry, tonumber(held.fence),
-        tostring(waiters - 1), with_release(release_id, held.rid))
+        tostring(left), with_release(release_id, held.rid))
       return
     end
   end
@@ -483,7 +487,11 @@ if not held or not held.token then
   held = read_record(key)
 end
 local queued = false
-if wait > 0 then
+local pttl = redis.call('pttl', key)
+-- A record in its last millisecond (PTTL 0) cannot count one more waiter (it cannot be
+-- written again with a TTL of 0), and an uncounted waiter would be left in line: the try
+-- is not queued, and its caller tries again within a millisecond, the record gone.
+if wait > 0 and pttl > 0 then
   redis.call('set', entry_key, ARGV[2] .. '|' .. owner, 'px', wait)
   local now = redis.call('time')
   -- NX: a refresh keeps its place in line. The queue outlives the entry just written,
@@ -495,7 +503,7 @@ if wait > 0 then
     redis.call('pexpire', queue_key, math.min(2 * wait, $max_ttl_ms))
   end
 end
-return refuse(key, held, queued)
+return refuse(key, held, queued, pttl)
 """,
 )
 

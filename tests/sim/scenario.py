@@ -573,14 +573,12 @@ class Checker:
         model = self.server.model
         data, expires, now = model.data, model.expires, model.now_ms()
 
-        def live(k: str) -> bool:  # no lazy expiry here: the checker must not change state
+        def live(k: str) -> bool:  # as the model's _alive, without deleting what expired
             when = expires.get(k)
             return k in data and (when is None or now <= when)
 
         queue = key + ":queue"
         if not live(queue) or not live(key) or type(data[key]) is not str:
-            return
-        if expires.get(key) == now:  # PTTL 0: a refusal counts nobody, it expires this ms
             return
         raw = data[key]
         waiters = raw[1:].split("|", 1)[0] if raw[:1] == "r" else self._fields(raw).get("waiters")
