@@ -1129,11 +1129,12 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
     still runs. Without it, each loop's connections would stay open until the garbage
     collector found the sockets (``ResourceWarning: unclosed``).
 
-    Other generators are finalized beside this one, and one may be releasing a lock on
-    a connection of this client (an ``async with`` left open in a generator): the closer
-    lets them start, waits up to ``CLOSE_WAIT`` seconds for the connections in use to
-    come back, then closes the idle ones (one still in use after that is left to the
-    collector). The client keeps the generator (the loop holds it weakly) and drops it
+    At ``shutdown_asyncgens`` other generators are finalized beside this one, and one
+    may be releasing a lock on a connection of this client (an ``async with`` left open
+    in a generator): the closer then lets them start, waits up to ``CLOSE_WAIT`` seconds
+    for the connections in use to come back, and closes the idle ones (one still in use
+    after that is left to the collector). Finalized earlier (the client collected while
+    its loop runs), it closes the idle ones at once: nothing would wait for it. The client keeps the generator (the loop holds it weakly) and drops it
     once done, so nothing keeps the loop alive. ``None`` where the loop has no async
     generator hooks: nothing would ever close the generator."""
     if sys.get_asyncgen_hooks().firstiter is None:
@@ -1147,7 +1148,8 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
                 client.task_locks_closer = None
                 pools = [s.connection_pool for s in getattr(client, "task_locks_sentinels", ())]
                 pools.append(client.connection_pool)
-                await _until_idle(pools)
+                if getattr(asyncio.get_running_loop(), "_asyncgens_shutdown_called", False):
+                    await _until_idle(pools)  # other generators are being closed beside it
                 for pool in pools:
                     await pool.disconnect(inuse_connections=False)
 

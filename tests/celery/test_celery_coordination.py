@@ -178,7 +178,8 @@ def test_a_tick_queued_at_a_clean_hand_over_still_runs(
         broker_connection_retry_on_startup=True,
     )
     scheduler = LeaderScheduler(app=beat_app, schedule_filename=str(tmp_path / "schedule"))
-    deadline = time.monotonic() + 10
+    # A 1 s schedule: a tick within 2 s alone, but 10 s once ran out in a loaded CI run.
+    deadline = time.monotonic() + 20
     while not cluster.broker.llen(queue):
         assert time.monotonic() < deadline, "the leader sent no tick"
         interval = scheduler.tick()
