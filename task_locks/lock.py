@@ -1129,10 +1129,11 @@ class LockBase:
         (a semaphore's permits), which is meant cannot be told, and none is released."""
         if key not in self._leases:
             stacks = list(self._leases.items())
-            if len(stacks) != 1 or len(stacks[0][1]) != 1:
+            out = sum(len(stack) for _, stack in stacks)
+            if out != 1:
                 raise LockError(
                     f"lock {self.name!r}: a with block was left in another thread or task "
-                    "than it entered, and this lock object has several leases out, so which "
+                    f"than it entered, and this lock object has {out} leases out, so which "
                     "one to release is unknown: none is (enter and leave a with block in one "
                     "thread or task; close an async generator holding a lock before its "
                     "loop ends)",

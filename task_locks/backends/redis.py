@@ -1134,8 +1134,9 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
     in a generator): the closer then lets them start, waits up to ``CLOSE_WAIT`` seconds
     for the connections in use to come back, and closes the idle ones (one still in use
     after that is left to the collector). Finalized earlier (the client collected while
-    its loop runs), it closes the idle ones at once: nothing would wait for it. The client keeps the generator (the loop holds it weakly) and drops it
-    once done, so nothing keeps the loop alive. ``None`` where the loop has no async
+    its loop runs), it closes the idle ones at once: nothing would wait for it. The
+    client keeps the generator (the loop holds it weakly) and drops it once done, so
+    nothing keeps the loop alive. ``None`` where the loop has no async
     generator hooks: nothing would ever close the generator."""
     if sys.get_asyncgen_hooks().firstiter is None:
         return None
