@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis
@@ -155,12 +155,29 @@ def test_a_wall_clock_step_during_a_holder_read_keeps_the_holder(
     assert backend.release(name, "tok")
 
 
+def loops_close_their_connections(redis_url: str, main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main`` in four event loops: the server counts no more connections after the
+    last three than after the first (what stays open for good: the notices' listener)."""
+    admin = redis.Redis.from_url(redis_url)
+
+    def connected() -> int:
+        return len(admin.client_list())
+
+    try:
+        asyncio.run(main())
+        settled = connected()
+        for _ in range(3):
+            asyncio.run(main())
+        wait_until(lambda: connected() <= settled, 5, "each loop's connections to close")
+    finally:
+        admin.close()
+
+
 def test_a_lock_released_as_its_loop_ends_leaves_no_connection_open(redis_url: str) -> None:
     """A generator still inside ``async with`` when ``asyncio.run`` ends is closed beside
     the client's closer (``shutdown_asyncgens`` closes them together): the closer waits
     for the release's connection to come back, then closes it too."""
     url = f"{redis_url}?prefix=loop-release:"  # a backend of its own: no other test's clients
-    admin = redis.Redis.from_url(redis_url)
     kept: list[AsyncIterator[int]] = []
 
     async def rows() -> AsyncIterator[int]:
@@ -171,18 +188,8 @@ def test_a_lock_released_as_its_loop_ends_leaves_no_connection_open(redis_url: s
         kept.append(rows())
         assert await anext(kept[-1]) == 1
 
-    def connected() -> int:
-        return len(admin.client_list())
-
-    try:
-        asyncio.run(main())  # what stays open for good (the release notices' listener)
-        settled = connected()
-        for _ in range(3):
-            asyncio.run(main())
-        wait_until(lambda: connected() <= settled, 5, "each loop's connections to close")
-        assert get_backend(url).holder("loop-release") is None  # and the lock was released
-    finally:
-        admin.close()
+    loops_close_their_connections(redis_url, main)
+    assert get_backend(url).holder("loop-release") is None  # and the lock was released
 
 
 def test_a_loop_that_asyncio_run_ends_leaves_no_connection_open(redis_url: str) -> None:
@@ -191,7 +198,6 @@ def test_a_loop_that_asyncio_run_ends_leaves_no_connection_open(redis_url: str) 
     open (the server counted them) until a garbage collection found the sockets:
     ``ResourceWarning: unclosed <socket ...>``."""
     url = f"{redis_url}?prefix=loop-sockets:"  # a backend of its own: no other test's clients
-    admin = redis.Redis.from_url(redis_url)
 
     async def main() -> None:
         semaphore = AsyncSemaphore("loop-sockets", limit=2, ttl=5, backend=url, timeout=10)
@@ -202,14 +208,4 @@ def test_a_loop_that_asyncio_run_ends_leaves_no_connection_open(redis_url: str) 
 
         await asyncio.gather(*(work() for _ in range(6)))  # several pooled connections
 
-    def connected() -> int:
-        return len(admin.client_list())
-
-    try:
-        asyncio.run(main())  # what stays open for good (the release notices' listener)
-        settled = connected()
-        for _ in range(3):
-            asyncio.run(main())
-        wait_until(lambda: connected() <= settled, 5, "each loop's connections to close")
-    finally:
-        admin.close()
+    loops_close_their_connections(redis_url, main)
