@@ -7,6 +7,7 @@ helper waits for readiness with a deadline and raises with the server's log on f
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,7 +19,43 @@ from pathlib import Path
 from typing import Any
 
 
+def _port_range() -> range:
+    """This process's share of the loopback ports below the kernel's ephemeral range.
+
+    A port the kernel picks (bind to 0) is free only until it hands the same number out
+    as the source port of an outgoing connection, and the suite opens thousands: servers
+    started a moment after ``free_port`` failed with "address already in use". Ports
+    below the ephemeral range are never source ports. Each pytest worker draws from its
+    own slice, so two workers never pick the same port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            ephemeral_low = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low < 12000:
+        return range(0)  # no room below it: let the kernel pick
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker) % workers if worker.isdigit() else 0
+    size = (ephemeral_low - 10000) // workers
+    return range(10000 + index * size, 10000 + (index + 1) * size)
+
+
+_ports = _port_range()
+_next_port = [random.SystemRandom().randrange(len(_ports))] if _ports else [0]
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, that no outgoing connection can take."""
+    for _ in range(len(_ports)):
+        port = _ports[_next_port[0] % len(_ports)]
+        _next_port[0] += 1  # in turn: two calls before either binds get two ports
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

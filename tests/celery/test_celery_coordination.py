@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import pytest
+from beat_driver import drive_beat
 from servers import wait_until
 
 from task_locks import Election, get_backend
@@ -179,12 +180,7 @@ def test_a_tick_queued_at_a_clean_hand_over_still_runs(
     )
     scheduler = LeaderScheduler(app=beat_app, schedule_filename=str(tmp_path / "schedule"))
     # A 1 s schedule: a tick within 2 s alone, but 10 s once ran out in a loaded CI run.
-    deadline = time.monotonic() + 20
-    while not cluster.broker.llen(queue):
-        assert time.monotonic() < deadline, "the leader sent no tick"
-        interval = scheduler.tick()
-        if interval and interval > 0:
-            time.sleep(min(interval, 0.1))  # beat's own sleep between ticks
+    drive_beat(scheduler, lambda: cluster.broker.llen(queue), 20, "the leader sent no tick")
     scheduler.close()  # resigns: the clean hand-over
     next_leader = Election(election, ttl=5, backend=cluster.locks_url).campaign(timeout=5)
     consumer = prefork_workers[0].hostname

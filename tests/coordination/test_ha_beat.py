@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis
+from beat_driver import drive_beat
 from celery import Celery
 from celery.beat import PersistentScheduler, Scheduler
 from procs import output
@@ -67,12 +68,7 @@ def make_app(redis_url: str, election: str, ttl: float = 2.0, period: float = 0.
 
 def run_until(scheduler: Any, predicate: Any, timeout: float) -> None:
     """Drive ``scheduler`` the way ``celery beat`` does, until ``predicate()``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the scheduler did not get there in time"
-        interval = scheduler.tick()
-        if interval and interval > 0:
-            time.sleep(min(interval, 0.2))  # beat's own sleep between ticks
+    drive_beat(scheduler, predicate, timeout, "the scheduler did not get there", nap=0.2)
 
 
 def test_only_the_leader_sends_and_a_clean_shutdown_hands_over_at_once(

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from beat_driver import drive_beat
 from secure_fixtures import SECRET, readme_acl
 from servers import SecureRedisServer, wait_until
 
@@ -171,12 +171,12 @@ def test_beat_tick_claims_under_the_acl(app: Any, locker_url: str, tmp_path: Pat
     scheduler = LeaderScheduler(app=app, schedule_filename=str(tmp_path / "schedule"))
     backend = get_backend(locker_url)
     try:
-        deadline = time.monotonic() + 10
-        while not backend.holders(f"{CLAIM_PREFIX}{election}:"):
-            assert time.monotonic() < deadline, "the leader claimed no tick"
-            interval = scheduler.tick()
-            if interval and interval > 0:
-                time.sleep(min(interval, 0.1))  # beat's own sleep between ticks
+        drive_beat(
+            scheduler,
+            lambda: backend.holders(f"{CLAIM_PREFIX}{election}:"),
+            10,
+            "the leader claimed no tick",
+        )
         with _worker(app):
             wait_until(lambda: ran, 20, "the tick to run")
     finally:

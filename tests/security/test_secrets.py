@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from secure_fixtures import ETCD_RBAC_PREFIX, SECRET
@@ -154,7 +155,7 @@ def test_working_secured_backends(
 
 def _key_body(path: object) -> list[str]:
     """The base64 lines of a PEM private key file (any one of them would be a leak)."""
-    lines = open(str(path)).read().splitlines()
+    lines = Path(str(path)).read_text().splitlines()
     return [line for line in lines if line and not line.startswith("-----")]
 
 
