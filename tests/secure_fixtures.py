@@ -41,6 +41,12 @@ def readme_acl(password: str = SECRET, marker: str = ACL_MARKER) -> str:
     return block.group(1).replace("PASSWORD", password)
 
 
+def key_body(path: object) -> list[str]:
+    """The base64 lines of a PEM private key file (any one of them would be a leak)."""
+    lines = Path(str(path)).read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("-----")]
+
+
 def _have(binary: str) -> None:
     if shutil.which(binary) is None:
         pytest.skip(f"no {binary} binary (scripts/install-servers.sh installs it)")

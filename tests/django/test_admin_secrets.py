@@ -13,7 +13,7 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 from django_helpers import staff
-from secure_fixtures import ETCD_RBAC_PREFIX, SECRET
+from secure_fixtures import ETCD_RBAC_PREFIX, SECRET, key_body
 from servers import Certs, SecureRedisServer, free_port
 
 from django_app import audit
@@ -102,7 +102,7 @@ def test_admin_and_manage_py_on_secured_urls_never_show_a_secret(
     outputs.append(client.get("/admin/task_locks/lockevent/").text)
     outputs += [repr(row.__dict__) for row in LockEvent.objects.all()]
     outputs.append(caplog.text)
-    secrets = [SECRET, *_key_body(certs.client_key)]
+    secrets = [SECRET, *key_body(certs.client_key)]
     token = getattr(get_backend(url), "_token", None)
     if token:
         secrets.append(token)
@@ -112,8 +112,3 @@ def test_admin_and_manage_py_on_secured_urls_never_show_a_secret(
         request.getfixturevalue(server).redis_client(  # type: ignore[attr-defined]
             "admin", SECRET + "-admin"
         ).acl_log_reset()
-
-
-def _key_body(path: object) -> list[str]:
-    lines = open(str(path)).read().splitlines()
-    return [line for line in lines if line and not line.startswith("-----")]

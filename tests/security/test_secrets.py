@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from secure_fixtures import ETCD_RBAC_PREFIX, SECRET
+from secure_fixtures import ETCD_RBAC_PREFIX, SECRET, key_body
 from servers import AuthEtcdServer, Certs, SecureRedisServer, TLSEtcdServer, free_port
 
 from task_locks import Lock, events, get_backend
@@ -153,12 +152,6 @@ def test_working_secured_backends(
                 _failure(outputs, lambda argv=argv, url=url: cli(["--url", url, *argv]))
 
 
-def _key_body(path: object) -> list[str]:
-    """The base64 lines of a PEM private key file (any one of them would be a leak)."""
-    lines = Path(str(path)).read_text().splitlines()
-    return [line for line in lines if line and not line.startswith("-----")]
-
-
 def test_no_auth_token_key_contents_or_password_in_any_output(
     outputs: list[str],
     rbac_etcd: AuthEtcdServer,
@@ -203,6 +196,6 @@ def test_no_auth_token_key_contents_or_password_in_any_output(
         events.unsubscribe(subscription)
     assert seen_events, "no event was emitted: the event search is vacuous"
     outputs += seen_events
-    secrets = [*tokens, *_key_body(certs.client_key), *_key_body(certs.server_key)]
+    secrets = [*tokens, *key_body(certs.client_key), *key_body(certs.server_key)]
     leaks = [(s[:8], text[:300]) for text in outputs for s in secrets if s in text]
     assert not leaks, leaks[0]
