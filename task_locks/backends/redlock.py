@@ -7,7 +7,8 @@ and this module only fans requests out to them and counts the answers:
 
 - **acquire**: sent to every master at once, each with a short timeout (``node_timeout``).
   The answer is decided as soon as a majority has granted it (or can no longer grant
-  it); a straggler is not waited for. The lock is ours when a majority granted it and
+  it); a straggler is not waited for (closing the backend does wait for it, up to
+  ``node_timeout``). The lock is ours when a majority granted it and
   the validity ``ttl - elapsed - drift`` is still positive (``elapsed`` measured on a
   monotonic clock after the majority answered, ``drift = ttl * drift_factor + 2 ms``).
   Otherwise the partial grants are released everywhere and the caller retries after
@@ -87,6 +88,7 @@ from asyncio import FIRST_COMPLETED
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -918,13 +920,24 @@ class RedlockBackend(Backend, RunChecked):
         )
 
     def close(self) -> None:
+        """As :meth:`aclose`: the calls still in flight land first (up to ``node_timeout``)."""
         if self._pool is not None and self._pool_pid == os.getpid():
+            with self._chain_lock:
+                in_flight = list(self._chains.values())
+            futures_wait(in_flight, timeout=self.node_timeout)
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
         for master in self.masters:
             master.backend.close()
 
     async def aclose(self) -> None:
+        """Close every master's client once this loop's stragglers have landed (waiting up to
+        ``node_timeout``): a grant or a fence bump cut short leaves that master's copy out
+        of step, and a same-token acquire (a retried one) could answer with its fence."""
+        loop = asyncio.get_running_loop()
+        stragglers = [task for task in self._background if task.get_loop() is loop]
+        if stragglers:
+            await asyncio.wait(stragglers, timeout=self.node_timeout)
         for master in self.masters:
             await master.backend.aclose()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from task_locks import AsyncLock, BackendUnavailable, Lock, LockHeld, NotOwned, 
 from task_locks.backends.redis_scripts import counter_key, record_fields
 from task_locks.backends.redlock import RedlockBackend
 from task_locks.errors import RenewalUndecided
-from task_locks.types import RenewItem
+from task_locks.types import Owner, RenewItem
 
 MastersFactory = Callable[..., RedisMasters]
 
@@ -510,3 +511,42 @@ def test_a_runs_take_over_keeps_the_fence_its_publish_time_lock_was_given(
         backend.close()
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_close_lets_a_straggler_master_land_its_grant_and_fence_bump(
+    masters_factory: MastersFactory, mode: str
+) -> None:
+    """The majority answers; the third master's grant and its fence bump are still on the
+    way when the app closes the backend. Closing waits for them (up to ``node_timeout``):
+    cut short, that master was left without the lock or with the fence it made itself,
+    and a same-token acquire (a retried one) answered with a fence of its own."""
+    masters = masters_factory(3)
+    url = masters.url(node_timeout=5)
+    masters[2].pause()
+    resume = threading.Timer(0.3, masters[2].resume)
+    resume.start()
+
+    async def acquire_then_aclose() -> int:
+        backend = get_backend(url)
+        try:
+            return (await backend.aacquire("straggler", "tok", 30_000, Owner())).fence
+        finally:
+            await backend.aclose()
+
+    try:
+        if mode == "async":
+            fence = asyncio.run(acquire_then_aclose())
+        else:
+            backend = get_backend(url)
+            fence = backend.acquire("straggler", "tok", 30_000, Owner()).fence
+            backend.close()
+    finally:
+        resume.join()
+    copies = [
+        record_fields(redis.Redis(port=master.port).get("task_locks:{straggler}")) or {}
+        for master in masters
+    ]
+    assert [int(copy.get("fence", 0)) for copy in copies] == [fence] * 3
+    again = get_backend(url).acquire("straggler", "tok", 30_000, Owner())
+    assert again.fence == fence

@@ -319,9 +319,11 @@ def test_back_to_back_runs_carry_each_release_in_the_next_acquire(
         run(f"id-{i}", (f"k{i}",))
     after = store.info("stats")["total_reads_processed"]
     # 20 acquires and 20 releases in 20 round trips: each pipeline arrives as one read
-    # (the INFO call adds one; sent on its own, the releases would add 20).
+    # (the INFO call adds one; sent on its own, the releases would add 20). The count is
+    # the server's, over every client: an earlier test's background thread (a renewal,
+    # a listener) added a few reads once, under load, so the bound sits between the two.
     assert store.info("commandstats")["cmdstat_evalsha"]["calls"] == 40
-    assert after - before <= 22
+    assert after - before < 30
     assert [i for i in range(20) if backend.holder(task.lock_name(f"k{i}"))] == []
     assert releaser.pending(task.lock_name("k20"))  # nothing carried the last one yet
     store.close()
