@@ -24,7 +24,7 @@ from secure_fixtures import acl_redis, certs, rbac_etcd, tls_etcd, tls_redis  # 
 from servers import RedisServer
 
 import task_locks
-from task_locks import config
+from task_locks import config, events
 from task_locks.backends.redis import SCRIPTS
 
 #: Fixtures of the event stream and metrics (seen, metric, only_logging_stays).
@@ -68,7 +68,10 @@ def redis_factory() -> Iterator:
 
 @pytest.fixture(autouse=True)
 def _fresh_task_locks() -> Iterator[None]:
-    """Each test starts with no configured default and no cached backends."""
+    """Each test starts with no configured default, no cached backends and no earlier
+    test's events still on their way (a subscription made now would get them: the
+    dispatcher thread lagged that far once, under load)."""
+    events.flush(2.0)
     config.reset()
     yield
     task_locks.close_all()
