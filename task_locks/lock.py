@@ -493,7 +493,7 @@ class LeaseBase:
     def _report(self, event: type[events.LockEvent], **fields: Any) -> None:
         """Emit ``event`` about this lease, named the same way in each (lock, server,
         fence): a user's lease only, never the library's own records (``_reported``)."""
-        if self._reported:
+        if self._reported and events.wanted(event.kind):
             events.emit(
                 event(name=self.name, backend=self.backend.server, fence=self.fence, **fields)
             )
@@ -607,12 +607,13 @@ class LeaseBase:
                 log.debug("released lock %r (fence %s)", self.name, self.fence)
             else:
                 log.debug("lock %r (fence %s) handed to %s", self.name, self.fence, handed_to)
-            self._report(
-                events.Released,
-                held=self._held(),
-                reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
-                detail=self._detail if handed_to is None else f"handed to {handed_to}",
-            )
+            if events.wanted(events.Released.kind):  # its fields cost a little to build
+                self._report(
+                    events.Released,
+                    held=self._held(),
+                    reason=ReleaseReason.FREED if handed_to is None else HANDED_OVER,
+                    detail=self._detail if handed_to is None else f"handed to {handed_to}",
+                )
             return
         if self._release_failed:
             # An earlier release got no reply: it most likely freed the lock.
