@@ -88,8 +88,8 @@ def test_only_the_leader_sends_and_a_clean_shutdown_hands_over_at_once(
         first.close()  # resigns
         started = time.monotonic()
         run_until(second, lambda: second.leadership is not None, 3)
-        # At once: woken by the resignation, not at the end of its 1 s campaign wait or of
-        # the 2 s TTL (0.51 s once, on a loaded machine).
+        # At once: the resignation freed the name for the next tick's campaign, rather than
+        # the 2 s TTL running out (0.51 s once, on a loaded machine).
         assert time.monotonic() - started < 0.9
         run_until(second, lambda: len(sent_ticks(broker)) >= count + 2, 5)
     finally:
