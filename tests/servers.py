@@ -6,6 +6,7 @@ helper waits for readiness with a deadline and raises with the server's log on f
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -42,14 +43,14 @@ def _port_range() -> range:
 
 
 _ports = _port_range()
-_next_port = [random.SystemRandom().randrange(len(_ports))] if _ports else [0]
+#: In turn from a random start: two calls made before either port is bound get two ports.
+_turns = itertools.count(random.SystemRandom().randrange(len(_ports)) if _ports else 0)
 
 
 def free_port() -> int:
     """A loopback port nothing listens on, that no outgoing connection can take."""
     for _ in range(len(_ports)):
-        port = _ports[_next_port[0] % len(_ports)]
-        _next_port[0] += 1  # in turn: two calls before either binds get two ports
+        port = _ports[next(_turns) % len(_ports)]
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))

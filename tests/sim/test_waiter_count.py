@@ -29,13 +29,21 @@ TTL_MS = 1000
 WAIT_MS = 300
 
 
-def test_a_try_in_the_records_last_millisecond_is_not_left_in_line() -> None:
-    clock = [1_700_000_000_000_000]  # µs
-    model = RedisModel(lambda: clock[0])
-    key = BACKEND._key("job")
+class _Server:
+    """The production scripts on the Redis model, with a clock set by hand (µs)."""
 
-    def run(which: str, args: list[Any]) -> Any:
-        return model.execute(["EVAL", SCRIPTS.source[which], *args])
+    def __init__(self) -> None:
+        self.clock = 1_700_000_000_000_000
+        self.model = RedisModel(lambda: self.clock)
+
+    def run(self, which: str, args: list[Any]) -> Any:
+        return self.model.execute(["EVAL", SCRIPTS.source[which], *args])
+
+
+def test_a_try_in_the_records_last_millisecond_is_not_left_in_line() -> None:
+    server = _Server()
+    model, run = server.model, server.run
+    key = BACKEND._key("job")
 
     def enqueue(token: str) -> Any:
         return run("enqueue", BACKEND._enqueue_args("job", token, TTL_MS, OWNER, WAIT_MS))
@@ -51,7 +59,7 @@ def test_a_try_in_the_records_last_millisecond_is_not_left_in_line() -> None:
         return int(record_fields(raw)["waiters"])
 
     assert isinstance(enqueue("holder"), int)  # taken free
-    clock[0] += TTL_MS * 1000  # the record's last millisecond: PTTL 0
+    server.clock += TTL_MS * 1000  # the record's last millisecond: PTTL 0
     assert model.pttl(key) == 0
     refused = enqueue("waiter")
     assert isinstance(refused, list) and refused[0] == 0
@@ -60,7 +68,7 @@ def test_a_try_in_the_records_last_millisecond_is_not_left_in_line() -> None:
     assert run("release_handoff", list(BACKEND._release_args("job", "holder"))) == 1
     assert len(queued()) <= counted() == 0
     # The waiter's next try takes the lock free and leaves nothing of its own queued.
-    clock[0] += 1000
+    server.clock += 1000
     assert isinstance(enqueue("waiter"), int)
     assert queued() == []
 
@@ -69,14 +77,11 @@ def test_a_force_release_of_an_earlier_versions_record_counts_the_queue() -> Non
     """During a rolling upgrade a name may be held by an earlier version's record (a hash,
     which counts no waiters); an operator's force release hands it to the first queued
     waiter, and the record it writes counts the others still in line."""
-    clock = [1_700_000_000_000_000]
-    model = RedisModel(lambda: clock[0])
+    server = _Server()
+    model, run = server.model, server.run
     key = BACKEND._key("job")
     model.execute(["HSET", key, "token", "old", "fence", "7", "owner", "{}", "acquired", "1"])
     model.execute(["PEXPIRE", key, 5000])
-
-    def run(which: str, args: list[Any]) -> Any:
-        return model.execute(["EVAL", SCRIPTS.source[which], *args])
 
     for waiter in ("w1", "w2", "w3"):
         assert isinstance(
