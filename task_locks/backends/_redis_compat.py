@@ -5,14 +5,29 @@
   sync and async, go through :func:`get_connection` and :func:`aget_connection`.
 - ``Connection.update_current_socket_timeout()`` (7.0) sets a connected socket's timeout
   for one call; before it, :func:`set_socket_timeout` sets the socket's own.
+- hiredis (installed with ``redis[hiredis]``) gives :data:`pack_command`, its C packer;
+  without it, ``None``, and redis-py's own packer is used.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
-__all__ = ["aget_connection", "get_connection", "set_socket_timeout"]
+__all__ = ["aget_connection", "get_connection", "pack_command", "set_socket_timeout"]
+
+
+def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
+    try:
+        from hiredis import pack_command as packer
+    except ImportError:  # pragma: no cover - hiredis comes with redis[hiredis]
+        return None
+    return cast(Callable[[tuple[Any, ...]], bytes], packer)
+
+
+#: One command (a tuple of str, bytes, int) in the wire protocol, packed in C.
+pack_command = _hiredis_packer()
 
 
 _wants: dict[type, bool] = {}

@@ -78,7 +78,14 @@ from .base import (
     unknown_options,
 )
 from .notices import Notice, NoticeStream, close_streams, retired, track
-from .redis_clients import ASYNC, SYNC, ClientFactory, send_bounded
+from .redis_clients import (
+    ASYNC,
+    SYNC,
+    ClientFactory,
+    can_send_direct,
+    send_bounded,
+    send_commands,
+)
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import (
     SCRIPTS,
@@ -605,9 +612,9 @@ class RedisBackend(Backend, RunChecked):
     def _eval(self, client: Any, script: str, args: list[Any]) -> Any:
         try:
             try:
-                return client.evalsha(SCRIPTS.sha[script], *args)
+                return self._call(client, script_command(script, True, args))
             except NoScriptError:  # a fresh or flushed server: EVAL also caches the script
-                return client.eval(SCRIPTS.source[script], *args)
+                return self._call(client, script_command(script, False, args))
         except ClusterCrossSlotError:
             if self._slotted:
                 raise
@@ -615,7 +622,19 @@ class RedisBackend(Backend, RunChecked):
             return self._eval(client, script, self._reslot(args))
 
     @staticmethod
+    def _call(client: Any, command: tuple[Any, ...]) -> Any:
+        """One command's reply (an error reply raised), down the direct path if it can."""
+        if not can_send_direct(client):
+            return client.execute_command(*command)
+        reply = send_commands(client, [command])[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    @staticmethod
     def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if can_send_direct(client):
+            return send_commands(client, commands)
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)

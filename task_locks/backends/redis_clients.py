@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from ..errors import InvalidArgument
-from ._redis_compat import get_connection, set_socket_timeout
+from ._redis_compat import get_connection, pack_command, set_socket_timeout
 from .base import unknown_options
 from .redis_errors import PlainRedisOnTLSURL
 
@@ -169,6 +169,85 @@ class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
         return super().read_response(*args, **kwargs)
 
 
+#: Argument types hiredis packs byte for byte as redis-py's encoder does (UTF-8 text,
+#: bytes, decimal integers: checked by ``tests/core/test_redis_wire.py``).
+_PACKED_AS_IS: Final = frozenset({str, bytes, int})
+
+
+def _pack(connection: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
+    """``commands`` in the wire protocol, packed by hiredis in C when it can.
+
+    redis-py's own packer encodes each argument in Python first: for a script call of
+    a dozen arguments that cost more client CPU than the round trip's system calls.
+    It is still used for anything hiredis might pack differently (another encoding, a
+    float, a command name with a space, which redis-py splits).
+    """
+    if (
+        pack_command is not None
+        and connection.encoder.encoding == "utf-8"
+        and connection.encoder.encoding_errors == "strict"
+        and all(
+            " " not in str(command[0]) and all(type(arg) in _PACKED_AS_IS for arg in command)
+            for command in commands
+        )
+    ):
+        return [b"".join(map(pack_command, commands))]
+    packed: list[bytes] = connection.pack_commands(commands)
+    return packed
+
+
+def _exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Send ``commands`` in one write and read their replies; an error reply is returned
+    in its place (the connection is still in step), any other error raised."""
+    connection.send_packed_command(_pack(connection, commands))
+    replies: list[Any] = []
+    for _ in commands:
+        try:
+            replies.append(connection.read_response())
+        except ResponseError as exc:
+            replies.append(exc)
+    return replies
+
+
+def can_send_direct(client: Any) -> bool:
+    """Whether :func:`send_commands` may stand in for ``client``'s own command path: a
+    plain or Sentinel-managed sync client (not a cluster client, whose commands route
+    by slot, nor one pinned to a single connection)."""
+    return isinstance(client, redis.Redis) and client.connection is None
+
+
+def send_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` pipelined down one connection of ``client``'s pool, their replies in
+    order (an error reply in its place): what ``client.pipeline(transaction=False)
+    .execute(raise_on_error=False)`` answers, with the connection's own retry policy
+    (one quick retry on a dropped connection, never on a timeout).
+
+    This is the hot path of every lock operation. redis-py's command path (its
+    pipeline object, per-argument encoding in Python, per-command observability
+    bookkeeping) took more client CPU than the round trip's system calls; this keeps
+    only what a script call needs: a pooled connection, one packed write, the replies
+    read through redis-py's own parser (the same exception classes). A connection
+    that fails mid-exchange is dropped, never handed back with a reply unread.
+    """
+    pool = client.connection_pool
+    connection = get_connection(pool, str(commands[0][0]))
+    try:
+        replies: list[Any] = connection.retry.call_with_retry(
+            lambda: _exchange(connection, commands), lambda _error: connection.disconnect()
+        )
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+    callbacks = client.response_callbacks  # none for script calls; SET -> True, ...
+    for index, command in enumerate(commands):
+        callback = callbacks.get(command[0])
+        if callback is not None and not isinstance(replies[index], BaseException):
+            replies[index] = callback(replies[index])
+    return replies
+
+
 def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> list[Any]:
     """``commands`` pipelined down one connection of ``pool``, waiting at most ``timeout``.
 
@@ -179,13 +258,7 @@ def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> 
     connection = get_connection(pool, str(commands[0][0]))
     try:
         set_socket_timeout(connection, timeout)
-        connection.send_packed_command(connection.pack_commands(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(connection.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
+        replies = _exchange(connection, commands)
         set_socket_timeout(connection, None)  # back to the pool's own timeout
     except BaseException:
         connection.disconnect()
