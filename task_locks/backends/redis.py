@@ -623,7 +623,9 @@ class RedisBackend(Backend, RunChecked):
 
     @staticmethod
     def _call(client: Any, command: tuple[Any, ...]) -> Any:
-        """One command's reply (an error reply raised), down the direct path if it can."""
+        """One command's reply (an error reply raised), down the direct path if it can
+        (a BLPOP's timeout goes as ``repr(seconds)``: redis-py's own spelling of a float,
+        in text, which hiredis packs)."""
         if not can_send_direct(client):
             return client.execute_command(*command)
         reply = send_commands(client, [command])[0]
@@ -883,7 +885,7 @@ class RedisBackend(Backend, RunChecked):
             time.sleep(self._nap(timeout))
             return
         try:
-            self.client.blpop(self._signals(names), block)
+            self._call(self.client, ("BLPOP", *self._signals(names), repr(block)))
         except CLIENT_ERRORS as exc:
             self._fail(names[0], exc)
 
@@ -1279,8 +1281,8 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         try:
             if block is None:
                 time.sleep(self._nap(timeout))
-                return self._granted(self.client.lpop(key), above)
-            return self._granted(self.client.blpop([key], block), above)
+                return self._granted(self._call(self.client, ("LPOP", key)), above)
+            return self._granted(self._call(self.client, ("BLPOP", key, repr(block))), above)
         except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 

@@ -8,6 +8,7 @@ import functools
 import inspect
 import socket
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Final
 from urllib.parse import SplitResult, unquote
 
@@ -186,10 +187,8 @@ def _pack(connection: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
         pack_command is not None
         and connection.encoder.encoding == "utf-8"
         and connection.encoder.encoding_errors == "strict"
-        and all(
-            " " not in str(command[0]) and all(type(arg) in _PACKED_AS_IS for arg in command)
-            for command in commands
-        )
+        and _PACKED_AS_IS.issuperset(map(type, chain.from_iterable(commands)))
+        and not any(" " in str(command[0]) for command in commands)
     ):
         return [b"".join(map(pack_command, commands))]
     packed: list[bytes] = connection.pack_commands(commands)
