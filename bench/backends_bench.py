@@ -343,9 +343,13 @@ def etcd_floor(url: str, cycles: int) -> dict[str, Any]:
         lock.acquire(timeout=5).release()
     client = lock.backend.transport()
     sent: list[str] = []
+    caller = threading.get_ident()
 
     def count(response: Any, *args: Any, **kwargs: Any) -> None:
-        sent.append(response.request.path_url.rsplit("/v3/", 1)[-1])
+        # The caller's path only: the lease revoke goes out after the release returns,
+        # from the backend's revoker thread.
+        if threading.get_ident() == caller:
+            sent.append(response.request.path_url.rsplit("/v3/", 1)[-1])
 
     client.session.hooks["response"].append(count)
     lock.acquire(timeout=5).release()

@@ -426,8 +426,8 @@ def _etcd_target(backends: dict[str, Any]) -> Target:
     requests = floor.get("statements", [])
     note = (
         f"cycle {floor['cycle_us']:.0f} µs, two ranges of a missing key "
-        f"{floor['range2_us']:.0f} µs; {len(requests)} requests per cycle "
-        f"({', '.join(requests)})"
+        f"{floor['range2_us']:.0f} µs; {len(requests)} requests per cycle on the caller's "
+        f"path ({', '.join(requests)}; the lease revoke follows from the revoker thread)"
     )
     if value > ETCD_LIMIT and "bare3_us" in floor:
         bare = floor["bare3_us"] / floor["range2_us"]

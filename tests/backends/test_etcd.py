@@ -37,6 +37,16 @@ def live_leases(member: EtcdServer) -> set[str]:
     return {lease["ID"] for lease in gateway(member, "lease/leases", {}).get("leases", [])}  # type: ignore[union-attr]
 
 
+def settled_leases(member: EtcdServer, expected: set[str], timeout: float = 5.0) -> set[str]:
+    """The live leases once they are ``expected`` (or at ``timeout``): a released key's
+    lease, or a refused acquire's, is revoked by the backend's revoker thread, just after
+    the call returns."""
+    deadline = time.monotonic() + timeout
+    while (leases := live_leases(member)) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return leases
+
+
 def test_leader_killed_while_held_the_holder_keeps_it_or_is_told(
     etcd_cluster: EtcdCluster,
 ) -> None:
@@ -91,7 +101,7 @@ def test_unrenewed_lease_is_not_granted_early_across_a_leader_change(
     granted.release()
 
 
-def test_failed_acquire_revokes_its_lease_at_once(etcd_cluster: EtcdCluster) -> None:
+def test_failed_acquire_and_release_revoke_their_leases(etcd_cluster: EtcdCluster) -> None:
     url = etcd_cluster.url()
     member = etcd_cluster[0]
     assert live_leases(member) == set()
@@ -100,9 +110,40 @@ def test_failed_acquire_revokes_its_lease_at_once(etcd_cluster: EtcdCluster) -> 
     assert len(held) == 1
     for _ in range(3):
         assert Lock("leases", ttl=30, backend=url).try_acquire() is None
-    assert live_leases(member) == held
+    assert settled_leases(member, held) == held
     holder.release()
-    assert live_leases(member) == set()
+    assert settled_leases(member, set()) == set()
+
+
+def test_close_sends_the_queued_revokes_first(etcd_node: EtcdServer) -> None:
+    """The revokes go out after the releases answer; closing the backend sends every one
+    still queued before its HTTP sessions close, so nothing is left to live out its TTL."""
+    backend = EtcdBackend(etcd_node.url())
+    assert live_leases(etcd_node) == set()
+    for number in range(20):
+        assert backend.release(f"q{number}", "tok") is False  # nothing held: no lease
+        assert backend.acquire(f"q{number}", "tok", 60_000, Owner()).fence is not None
+        assert backend.release(f"q{number}", "tok") is True
+    backend.close()
+    assert live_leases(etcd_node) == set()
+
+
+def test_the_revoker_thread_ends_with_its_backend(etcd_node: EtcdServer) -> None:
+    import gc
+    import threading
+
+    backend = EtcdBackend(etcd_node.url(prefix=f"gone-{uuid.uuid4().hex}/"))
+    backend.acquire("x", "tok", 30_000, Owner())
+    backend.release("x", "tok")
+    name = f"task-locks-revoker {backend.server}"
+    assert any(thread.name == name for thread in threading.enumerate())
+    assert settled_leases(etcd_node, set()) == set()  # revoked; none left for other tests
+    del backend
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(thread.name == name for thread in threading.enumerate()):
+        assert time.monotonic() < deadline, "the revoker outlived its backend"
+        time.sleep(0.02)
 
 
 def test_keepalive_alone_is_not_proof_of_ownership(etcd_cluster: EtcdCluster) -> None:
@@ -187,7 +228,7 @@ def test_same_token_acquire_keeps_the_fence_and_resets_ttl_and_owner(
     assert node_backend.renew("again", "tok", 3_000)
     assert node_backend.release("again", "tok")
     assert lock_key(node_backend, etcd_node, "again") is None
-    assert live_leases(etcd_node) == set()
+    assert settled_leases(etcd_node, set()) == set()
 
 
 def test_same_token_acquire_from_another_client_takes_over_the_same_lock(

@@ -398,4 +398,9 @@ def etcd_backend(url: str, client: Client, server: EtcdSimServer, net: Net, time
     ]
     backend._current = 0
     backend._pid = os.getpid()
+    # A lease the backend no longer needs (a released key's, a refused acquire's) is
+    # revoked by a thread of its own in production; here at once, in the caller's step,
+    # so the run stays deterministic. Nothing can attach a key to such a lease again, so
+    # revoking it later is the same as revoking it now.
+    backend._revoke_later = backend._revoke_quietly
     return backend

@@ -251,6 +251,10 @@ def _sides(etcd: EtcdServer) -> tuple[Side, Side, EtcdModel]:
     simulated = EtcdBackend(url)
     for client in simulated._client_list():
         client.session = Recorder(ModelSession(model))
+    for backend in (real, simulated):
+        # Revoke at once, in the call, as the simulation does (etcd_world.etcd_backend):
+        # the two recordings are compared request by request.
+        backend._revoke_later = backend._revoke_quietly  # type: ignore[method-assign]
     return (
         Side(real, real._client_list()[0].session, base),
         Side(simulated, simulated._client_list()[0].session, base),

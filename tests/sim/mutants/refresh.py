@@ -667,9 +667,9 @@ protocol: etcd
             "task_locks/backends/etcd.py",
             """            revision = int(kv.get("create_revision", 0))
             if data.get("token") not in mine or _a_copy(data, ours, run):
-                self._revoke_quietly(name, lease)  # never attached: the key is not ours""",
+                self._revoke_later(name, lease)  # never attached: the key is not ours""",
             """            revision = int(kv.get("create_revision", 0))
-            self._revoke_quietly(name, lease)
+            self._revoke_later(name, lease)
             if data.get("token") not in mine or _a_copy(data, ours, run):""",
         )
     ],
