@@ -37,6 +37,7 @@ import threading
 import time as real_time
 from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import greenlet
@@ -918,7 +919,13 @@ class SimPool:
 
 
 class SimConnection:
-    """A redis-py ``Connection`` look-alike over one :class:`Conn`."""
+    """A redis-py ``Connection`` look-alike over one :class:`Conn`.
+
+    It carries commands, not bytes: its encoder names no encoding hiredis packs, so
+    the backend's packer (``redis_clients._pack``) hands them to :meth:`pack_commands`.
+    """
+
+    encoder = SimpleNamespace(encoding="simulated", encoding_errors="strict")
 
     def __init__(self, conn: Conn) -> None:
         self.conn = conn
