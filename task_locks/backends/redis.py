@@ -201,16 +201,23 @@ class _RedisNotices:
     def read(self, timeout: float) -> list[Notice]:
         backend = self._backend
         notices: list[Notice] = []
+        pubsub = self._pubsub
+        connection = pubsub.connection
         try:
-            message = self._pubsub.get_message(timeout=timeout)
+            message = pubsub.get_message(timeout=timeout)
             while message is not None:
                 if message["type"] == "message":
                     fence, _, key = _text(message["data"]).partition("|")
                     if fence.isdigit() and key.startswith(backend.prefix + "{"):
                         notices.append(Notice(backend._name(key), int(fence), FORCED_NOTICE))
-                message = self._pubsub.get_message(timeout=0)
+                message = pubsub.get_message(timeout=0)
         except CLIENT_ERRORS as exc:
             raise translate(exc, what="release notices", name=None, server=backend.server) from exc
+        finally:
+            if self._pubsub is None and connection is not None:
+                # Closed while this read waited: the read failed, and redis-py's error
+                # handler connected that connection again, after close() had let it go.
+                connection.disconnect()
         return notices
 
     def close(self) -> None:

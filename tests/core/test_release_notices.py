@@ -246,7 +246,6 @@ def test_a_force_release_that_hands_the_lock_on_tells_only_the_old_holder(
     the script; the notice names the old holder's fence, so the new holder keeps it."""
     server: RedisServer = redis_factory()  # type: ignore[operator]
     url = server.url(handoff="server")
-    client = redis.Redis(port=server.port)
     first = Lock("queued", ttl=TTL, backend=url).acquire(0)
     listening(first)
     granted: list[Lease] = []
@@ -254,11 +253,12 @@ def test_a_force_release_that_hands_the_lock_on_tells_only_the_old_holder(
         target=lambda: granted.append(Lock("queued", ttl=TTL, backend=url).acquire(10))
     )
     waiter.start()
-    wait_until(
-        lambda: client.zcard(get_backend(url)._key("queued") + ":queue"),  # type: ignore[attr-defined]
-        10,
-        "the waiter to queue",
-    )
+    with redis.Redis(port=server.port) as client:  # closed: no socket left to the collector
+        wait_until(
+            lambda: client.zcard(get_backend(url)._key("queued") + ":queue"),  # type: ignore[attr-defined]
+            10,
+            "the waiter to queue",
+        )
     assert get_backend(url).force_release("queued", first.fence)
     assert first.lost.wait(PROMPT) and "release notice" in (first.lost_reason or "")
     waiter.join(10)
@@ -293,3 +293,45 @@ def test_a_backend_collected_while_a_listener_is_made_does_not_deadlock() -> Non
     threading.Thread(target=collect_under_the_guard, daemon=True).start()
     assert done.wait(5), "the registry's guard deadlocked on its own weakref callback"
     assert key not in notices._listeners
+
+
+def test_a_stream_closed_while_it_reads_leaves_no_connection_open(redis_url: str) -> None:
+    """A backend closed while its listener waits for a notice: the read fails, and
+    redis-py's error handler connects the subscription's connection again before it
+    raises. The stream disconnects it: nothing stays open on the server (and no socket
+    is left to the garbage collector)."""
+    stream = get_backend(redis_url).release_notices()
+    stream.open(None)
+    server = redis.Redis.from_url(redis_url)
+    try:
+        assert sum(c["sub"] != "0" for c in server.client_list()) == 1
+        reader = threading.Thread(target=lambda: _read_quietly(stream), daemon=True)
+        reader.start()
+        wait_until(lambda: _reading(reader), 5, "the read to wait on its socket")
+        stream.close()
+        reader.join(5)
+        assert not reader.is_alive()
+        wait_until(
+            lambda: len(server.client_list()) == 1,  # this one: the stream's are all gone
+            5,
+            "the stream's connections to close",
+        )
+    finally:
+        server.close()
+
+
+def _read_quietly(stream: object) -> None:
+    try:
+        stream.read(5.0)  # type: ignore[attr-defined]
+    except Exception:
+        pass  # closed under it: the failure the listener would see
+
+
+def _reading(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside redis-py's wait for a pub/sub message."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name in ("can_read", "_can_read", "read_response", "get_message"):
+            return True
+        frame = frame.f_back
+    return False
