@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from redis.connection import Connection
 from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from servers import RedisServer
+from servers import RedisClusterNodes, RedisServer
 
 from task_locks import Lock, get_backend
+from task_locks.backends import redis as redis_backend
 from task_locks.backends.redis_clients import _pack, can_send_direct, send_commands
 
 ARGUMENTS = st.one_of(
@@ -108,20 +109,34 @@ def test_a_timeout_is_not_retried_and_the_late_reply_is_never_read(
 
 
 def test_cluster_and_single_connection_clients_keep_redis_pys_own_path(
-    redis_server: RedisServer,
+    redis_server: RedisServer, redis_cluster: RedisClusterNodes
 ) -> None:
     single = redis.Redis(port=redis_server.port, single_connection_client=True)
     try:
         assert not can_send_direct(single)
     finally:
         single.close()
-    assert not can_send_direct(object())
+    cluster_backend = get_backend(redis_cluster.url())
+    assert not can_send_direct(cluster_backend.client)  # its commands route by slot
+    with Lock("wire-cluster", backend=redis_cluster.url(), ttl=5) as lease:
+        assert cluster_backend.holder("wire-cluster") is not None
+        assert lease.fence >= 1
 
 
-def test_a_lock_cycle_goes_down_the_direct_path(redis_url: str) -> None:
+def test_a_lock_cycle_goes_down_the_direct_path(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[str] = []
+
+    def spy(client: redis.Redis, commands: list[tuple[object, ...]]) -> list[object]:
+        sent.extend(str(command[0]) for command in commands)
+        return send_commands(client, commands)  # a spy: the real path, to the real server
+
+    monkeypatch.setattr(redis_backend, "send_commands", spy)
     backend = get_backend(redis_url)
-    assert can_send_direct(backend.client)
     with Lock("wire", backend=redis_url, ttl=5) as lease:
         assert backend.holder("wire") is not None
         assert lease.fence >= 1
     assert backend.holder("wire") is None
+    # The acquire's and the release's scripts (EVAL again after a fresh server's NOSCRIPT).
+    assert [name for name in sent if name in ("EVALSHA", "EVAL")].count("EVALSHA") >= 2
