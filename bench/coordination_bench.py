@@ -91,18 +91,25 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
     for _ in range(rounds):
         elected_at: list[float] = []
         waiting = threading.Event()
-        original_wait = backend.wait_release
+        # The candidate blocks in the server hand-off's ``await_grant`` (the default where
+        # the backend has one) or in ``wait_release``: spy on both, to know it is blocked.
+        originals = {
+            method: getattr(backend, method)
+            for method in ("wait_release", "await_grant")
+            if hasattr(backend, method)
+        }
 
-        def spied_wait(
-            lock_name: str,
-            timeout: float,
-            waiting: threading.Event = waiting,
-            original_wait: Callable[[str, float], None] = original_wait,
-        ) -> None:
-            waiting.set()
-            original_wait(lock_name, timeout)
+        def spied(
+            original: Callable[..., Any], waiting: threading.Event = waiting
+        ) -> Callable[..., Any]:
+            def wait(*args: Any) -> Any:
+                waiting.set()
+                return original(*args)
 
-        backend.wait_release = spied_wait  # type: ignore[method-assign]  # to know it is blocked
+            return wait
+
+        for method, original in originals.items():
+            setattr(backend, method, spied(original))
 
         def campaign(candidate: Election = waiter, out: list[float] = elected_at) -> None:
             candidate.campaign(timeout=10)
@@ -113,7 +120,8 @@ def handovers_ms(url: str, rounds: int) -> list[float]:
         if not waiting.wait(5):
             raise RuntimeError("the candidate never blocked in campaign()")
         time.sleep(0.005)  # let it settle into the blocking read
-        backend.wait_release = original_wait  # type: ignore[method-assign]
+        for method in originals:
+            delattr(backend, method)  # the class's own method again
         resigned = time.perf_counter()
         leader.resign()
         thread.join(10)
