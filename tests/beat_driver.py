@@ -49,7 +49,9 @@ def drive_beat(
             while not done():
                 if time.monotonic() >= deadline:
                     stacks.seek(0)
-                    raise AssertionError(_story(what, timeout, ticks, lines.lines, stacks.read()))
+                    raise AssertionError(
+                        _story(what, timeout, ticks, lines.lines, stacks.read(), _state(scheduler))
+                    )
                 faulthandler.dump_traceback_later(STUCK_AFTER, file=stacks)
                 called = time.monotonic()
                 try:
@@ -65,13 +67,41 @@ def drive_beat(
                 logger.setLevel(level)
 
 
+def _state(scheduler: Any) -> list[str]:
+    """What ``tick()`` decides from: the heap's head and each entry's last run, beside the
+    scheduler's clock. A tick returning ``max_interval`` again and again means an empty
+    heap or a head far ahead; these lines tell which, and from what."""
+    try:
+        now = scheduler._when(next(iter(scheduler.schedule.values())), 0)
+        heap = sorted(scheduler._heap or [])[:3]
+        lines = [
+            f"now (scheduler clock, epoch s) {now:.3f}; heap head {len(heap)} of "
+            f"{len(scheduler._heap or [])}:"
+        ]
+        lines += [f"  at {at:.3f} ({at - now:+.3f} s) {entry.name}" for at, _, entry in heap]
+        lines += [
+            f"  entry {name}: last_run_at {entry.last_run_at!r} schedule {entry.schedule!r}"
+            f" tz {getattr(entry.schedule, 'tz', None)!r} now() {entry.default_now()!r}"
+            for name, entry in scheduler.schedule.items()
+        ]
+        return lines
+    except Exception as exc:  # a diagnostic must not hide the failure it explains
+        return [f"scheduler state unreadable: {exc!r}"]
+
+
 def _story(
-    what: str, timeout: float, ticks: list[tuple[float, float, object]], log: list[str], stacks: str
+    what: str,
+    timeout: float,
+    ticks: list[tuple[float, float, object]],
+    log: list[str],
+    stacks: str,
+    state: list[str],
 ) -> str:
     slowest = sorted(ticks, key=lambda tick: tick[1])[-5:]
     parts = [
         f"{what}: not within {timeout} s ({len(ticks)} ticks;"
         f" slowest at/took/returned: {[(round(a, 3), round(t, 3), r) for a, t, r in slowest]})",
+        *state,
         "log:",
         *log[-40:],
     ]
