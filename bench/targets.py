@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common import FLOOR, fmt, ratio
+from common import FLOOR, fmt, pg_floor_us, ratio
 
 
 @dataclass
@@ -372,8 +372,8 @@ ETCD_LIMIT = 1.5
 def _django_pg_target(backends: dict[str, Any]) -> Target:
     """django:// on PostgreSQL: an uncontended cycle within 1.2x its floor, two raw
     ``SELECT 1`` round trips plus one durable one-row write (the acquire must commit
-    durably), all measured in the same child in alternating blocks
-    (bench/backends_bench.py)."""
+    durably), timed as one call, all in the same child in alternating blocks
+    (bench/backends_bench.py: ``pg_floor``)."""
     what = (
         f"django (PostgreSQL) cycle / floor (two SELECT 1 + one durable write) "
         f"<= {DJANGO_PG_LIMIT}x"
@@ -382,11 +382,11 @@ def _django_pg_target(backends: dict[str, Any]) -> Target:
     floor = row.get("floor")
     if not floor:
         return Target(what, None, DJANGO_PG_LIMIT, False, note=_not_measured(backends, row))
-    base = floor["select1x2_us"] + floor["durable_write_us"]
+    base = pg_floor_us(floor)
     value = floor["cycle_us"] / base
     note = (
-        f"cycle {floor['cycle_us']:.0f} µs, floor {base:.0f} µs (two SELECT 1 "
-        f"{floor['select1x2_us']:.0f} + durable write {floor['durable_write_us']:.0f}); "
+        f"cycle {floor['cycle_us']:.0f} µs, floor {base:.0f} µs (two SELECT 1 then a durable "
+        f"write, one call; apart {floor['select1x2_us']:.0f} + {floor['durable_write_us']:.0f}); "
         f"{len(floor.get('statements', []))} round trips per cycle"
     )
     if "bare_cycle_us" in floor:
