@@ -82,13 +82,16 @@ from .redis_clients import (
     ASYNC,
     SYNC,
     ClientFactory,
+    aexchange,
+    asend_commands,
     can_send_direct,
+    can_send_direct_async,
     send_bounded,
     send_commands,
 )
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import (
-    SCRIPTS,
+    SCRIPTS,  # noqa: F401  # imported from here by tools and tests
     Commands,
     counter_key,
     hash_tag,
@@ -947,9 +950,9 @@ class RedisBackend(Backend, RunChecked):
     async def _aeval(self, client: Any, script: str, args: list[Any]) -> Any:
         try:
             try:
-                return await client.evalsha(SCRIPTS.sha[script], *args)
+                return await self._acall_one(client, script_command(script, True, args))
             except NoScriptError:
-                return await client.eval(SCRIPTS.source[script], *args)
+                return await self._acall_one(client, script_command(script, False, args))
         except ClusterCrossSlotError:
             if self._slotted:
                 raise
@@ -957,7 +960,19 @@ class RedisBackend(Backend, RunChecked):
             return await self._aeval(client, script, self._reslot(args))
 
     @staticmethod
+    async def _acall_one(client: Any, command: tuple[Any, ...]) -> Any:
+        """The asyncio twin of :meth:`_call`."""
+        if not can_send_direct_async(client):
+            return await client.execute_command(*command)
+        reply = (await asend_commands(client, [command]))[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    @staticmethod
     async def _apipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if can_send_direct_async(client):
+            return await asend_commands(client, commands)
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -1005,13 +1020,7 @@ class RedisBackend(Backend, RunChecked):
         node = client.get_node_from_key(self._key(name))
         connection = node.acquire_connection()
         try:
-            await connection.send_packed_command(connection.pack_commands(commands))
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(await connection.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
+            replies = await aexchange(connection, commands)
         except BaseException:
             await connection.disconnect()
             raise
@@ -1094,7 +1103,8 @@ class RedisBackend(Backend, RunChecked):
             await asyncio.sleep(self._nap(timeout))
             return
         client = self._async_client()
-        await self._acall(names[0], lambda: client.blpop(self._signals(names), block))
+        command = ("BLPOP", *self._signals(names), repr(block))
+        await self._acall(names[0], lambda: self._acall_one(client, command))
 
     async def await_release(self, name: str, timeout: float) -> None:
         await self._ablpop([name], timeout)
@@ -1317,9 +1327,12 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         client = self._async_client()
         if block is None:
             await asyncio.sleep(self._nap(timeout))
-            return self._granted(await self._acall(name, lambda: client.lpop(key)), above)
-        reply = await self._acall(name, lambda: client.blpop([key], block))
-        return self._granted(reply, above)
+            popped = await self._acall(name, lambda: self._acall_one(client, ("LPOP", key)))
+            return self._granted(popped, above)
+        command = ("BLPOP", key, repr(block))
+        return self._granted(
+            await self._acall(name, lambda: self._acall_one(client, command)), above
+        )
 
     async def adequeue(self, name: str, token: str) -> bool:
         client = self._async_client()

@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from ..errors import InvalidArgument
-from ._redis_compat import get_connection, pack_command, set_socket_timeout
+from ._redis_compat import aget_connection, get_connection, pack_command, set_socket_timeout
 from .base import unknown_options
 from .redis_errors import PlainRedisOnTLSURL
 
@@ -239,12 +239,59 @@ def send_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         raise
     finally:
         pool.release(connection)
-    callbacks = client.response_callbacks  # none for script calls; SET -> True, ...
+    return _answers(client, commands, replies)
+
+
+def _answers(client: Any, commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
+    """``replies`` through ``client``'s response callbacks, as its command path has them
+    (none for script calls; ``SET`` -> ``True``, ...); error replies stay as they are."""
+    callbacks = client.response_callbacks
     for index, command in enumerate(commands):
         callback = callbacks.get(command[0])
         if callback is not None and not isinstance(replies[index], BaseException):
             replies[index] = callback(replies[index])
     return replies
+
+
+async def aexchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The asyncio twin of :func:`_exchange` (the same packing, awaited I/O), on a
+    connection the caller checked out and drops if this raises."""
+    await connection.send_packed_command(_pack(connection, commands))
+    replies: list[Any] = []
+    for _ in commands:
+        try:
+            replies.append(await connection.read_response())
+        except ResponseError as exc:
+            replies.append(exc)
+    return replies
+
+
+def can_send_direct_async(client: Any) -> bool:
+    """:func:`can_send_direct` for a ``redis.asyncio`` client (a cluster client is another
+    class; a single-connection client keeps its own path and lock)."""
+    return isinstance(client, redis.asyncio.Redis) and client.connection is None
+
+
+async def asend_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The asyncio twin of :func:`send_commands`, for a ``redis.asyncio`` client.
+
+    A call cancelled while it waits for its replies (``asyncio.timeout``, a task
+    cancelled) leaves its connection closed when it goes back to the pool: its replies
+    may still come, and must never be read as the next call's. redis-py's read closes it
+    itself when interrupted; a failure anywhere else in the exchange closes it here.
+    """
+    pool = client.connection_pool
+    connection = await aget_connection(pool, str(commands[0][0]))
+    try:
+        replies: list[Any] = await connection.retry.call_with_retry(
+            lambda: aexchange(connection, commands), lambda _error: connection.disconnect()
+        )
+    except BaseException:
+        await connection.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(connection)
+    return _answers(client, commands, replies)
 
 
 def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> list[Any]:
