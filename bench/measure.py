@@ -510,6 +510,11 @@ def subjects_for(
             diagnostic=True,
         ),
         Subject("redis-py Lock", "redis", main_python, "redis-py", url),
+        # asyncio, ours beside redis-py's own (no target: the note under the table)
+        Subject(
+            "task-locks AsyncLock", "redis", main_python, "task-locks-async", url, diagnostic=True
+        ),
+        Subject("redis.asyncio Lock", "redis", main_python, "redis-py-async", url, diagnostic=True),
     ]
     for peer, adapter in PEER_ADAPTERS.items():
         if peers_python and installed(peers, peer):

@@ -131,6 +131,20 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             f"| {fmt(r.get('wakeups_per_cycle'), 3)} | {r['n']} |"
         )
     add("")
+    asyncio_rows = {
+        r["label"]: r
+        for r in results["uncontended"]
+        if r["label"] in ("task-locks AsyncLock", "redis.asyncio Lock") and "median_us" in r
+    }
+    if len(asyncio_rows) == 2:
+        ours, theirs = asyncio_rows["task-locks AsyncLock"], asyncio_rows["redis.asyncio Lock"]
+        add(
+            "asyncio (no target; each call run to its end on one event loop per process): "
+            f"`AsyncLock` cycle {fmt(ratio(ours['round_median_us'], theirs['round_median_us']), 2)}x "
+            f"redis.asyncio's `Lock` (typical round {fmt(ours['round_median_us'])} vs "
+            f"{fmt(theirs['round_median_us'])} µs), client CPU {fmt(ours['client_cpu_us'])} vs "
+            f"{fmt(theirs['client_cpu_us'])} µs.\n"
+        )
 
     add("## Contention: N processes on one lock\n")
     add(

@@ -13,6 +13,7 @@ runner can merge the records of several processes on one time line.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -117,6 +118,67 @@ class RedisPyLock(Adapter):
         return _redis_versions()
 
 
+class _OnLoop(Adapter):
+    """An asyncio library's calls, each run to its end on one event loop the adapter
+    keeps: both asyncio subjects pay the same loop overhead per call."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, call: Any) -> Any:
+        return self.loop.run_until_complete(call)
+
+
+class TaskLocksAsync(_OnLoop):
+    """Ours in asyncio: ``AsyncLock`` with its defaults (the lease renewed by a task)."""
+
+    library = "task-locks AsyncLock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        super().__init__()
+        from task_locks import AsyncLock, get_backend
+
+        self.backend = get_backend(url)
+        self.client = getattr(self.backend, "client", None)  # sync, for the floor
+        self.make_lock = lambda name: AsyncLock(name, ttl=ttl, backend=self.backend)
+        self.lock = self.make_lock(name)
+        self.lease: Any = None
+
+    def acquire(self) -> None:
+        self.lease = self.run(self.lock.acquire())
+
+    def release(self) -> None:
+        self.run(self.lease.release())
+
+    def versions(self) -> dict[str, str]:
+        return {"task-locks": _version("task-locks"), **_redis_versions()}
+
+
+class RedisPyAsyncLock(_OnLoop):
+    """redis-py's asyncio ``Lock`` with its default settings."""
+
+    library = "redis.asyncio Lock"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        super().__init__()
+        import redis
+        import redis.asyncio
+
+        self.client = redis.Redis.from_url(url)  # sync, for the floor
+        self.aclient = redis.asyncio.Redis.from_url(url)
+        self.make_lock = lambda name: self.aclient.lock(name, timeout=ttl)
+        self.lock = self.make_lock(name)
+
+    def acquire(self) -> None:
+        self.run(self.lock.acquire())
+
+    def release(self) -> None:
+        self.run(self.lock.release())
+
+    def versions(self) -> dict[str, str]:
+        return _redis_versions()
+
+
 class PythonRedisLock(Adapter):
     """python-redis-lock: BLPOP on a signal key hands the lock to a waiter."""
 
@@ -201,6 +263,8 @@ ADAPTERS: dict[str, Callable[..., Adapter]] = {
         url + ("&" if "?" in url else "?") + "handoff=client", name, ttl
     ),
     "redis-py": RedisPyLock,
+    "task-locks-async": TaskLocksAsync,
+    "redis-py-async": RedisPyAsyncLock,
     "python-redis-lock": PythonRedisLock,
     "pottery": Pottery,
     "sherlock": Sherlock,
