@@ -268,8 +268,13 @@ async def aexchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[An
 
 def can_send_direct_async(client: Any) -> bool:
     """:func:`can_send_direct` for a ``redis.asyncio`` client (a cluster client is another
-    class; a single-connection client keeps its own path and lock)."""
-    return isinstance(client, redis.asyncio.Redis) and client.connection is None
+    class; a single-connection client keeps its own path and lock, and takes its one
+    connection only at its first command, so its flag is what tells)."""
+    return (
+        isinstance(client, redis.asyncio.Redis)
+        and client.connection is None
+        and not client.single_connection_client
+    )
 
 
 async def asend_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:

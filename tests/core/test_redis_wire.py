@@ -244,7 +244,8 @@ def test_async_cluster_and_single_connection_clients_keep_redis_pys_own_path(
     async def main() -> None:
         single = redis.asyncio.Redis(port=redis_server.port, single_connection_client=True)
         try:
-            await single.ping()  # it takes its one connection here
+            assert not can_send_direct_async(single)  # before it takes its one connection
+            await single.ping()
             assert not can_send_direct_async(single)
         finally:
             await single.aclose()
