@@ -44,15 +44,13 @@ class Owner:
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Owner:
         """The owner stored as ``raw`` JSON; an empty owner for none, unknown fields ignored (a
-        newer writer's)."""
+        newer writer's). Parsed once per distinct ``raw``: a waiter reads the same holder's
+        record at every try, and an owner is immutable, so one instance serves them all."""
         if not raw:
             return cls()
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            return cls(command=str(raw))
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        if cls is Owner:
+            return _parsed_owner(raw)
+        return _parse_owner(cls, raw)
 
     def describe(self) -> str:
         """One human line: ``task sync_account[abc] on web-1 pid 42``."""
@@ -68,6 +66,20 @@ class Owner:
         if self.pid:
             parts.append(f"pid {self.pid}")
         return " ".join(parts) or "unknown holder"
+
+
+def _parse_owner(cls: type[Owner], raw: str | bytes) -> Owner:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return cls(command=str(raw))
+    known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+    return cls(**known)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_owner(raw: str | bytes) -> Owner:
+    return _parse_owner(Owner, raw)
 
 
 @functools.lru_cache(maxsize=1024)

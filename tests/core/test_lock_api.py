@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from hypothesis import given
+from hypothesis import strategies as st
 
 from task_locks import (
     AsyncLock,
@@ -25,7 +27,7 @@ from task_locks import (
     get_backend,
 )
 from task_locks.owner import owner_context
-from task_locks.types import Owner
+from task_locks.types import Owner, _parse_owner
 
 from .support import SyncDriver, holder_token
 
@@ -91,6 +93,46 @@ def test_lease_state_and_idempotent_release(
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("acquired lock 'state'" in m for m in messages)
     assert any("released lock 'state'" in m for m in messages)
+
+
+TEXT = st.one_of(st.none(), st.text(alphabet=st.characters(blacklist_categories=("Cs",))))
+
+
+@given(
+    st.builds(
+        Owner,
+        host=st.text(max_size=8),
+        pid=st.integers(0, 2**31),
+        thread=st.text(max_size=8),
+        task_id=TEXT,
+        task_name=TEXT,
+        command=TEXT,
+        worker=TEXT,
+    )
+)
+def test_an_owner_read_back_is_the_owner_written(owner: Owner) -> None:
+    """Owners read from records are parsed once per distinct text (a waiter reads the
+    same holder's at every try): the cached answer is what a fresh parse gives, for text
+    and bytes alike, every time, and it writes back the same text (empty fields are not
+    written: they read back as their defaults)."""
+    raw = owner.to_json()
+    for _ in range(2):
+        for stored in (raw, raw.encode()):
+            read = Owner.from_json(stored)
+            assert read == _parse_owner(Owner, stored)
+            assert read.to_json() == raw
+    assert Owner.from_json(raw).task_id == (owner.task_id or None)
+
+
+def test_an_owner_that_is_not_json_is_kept_as_its_text() -> None:
+    assert Owner.from_json("not json") == Owner(command="not json")
+    assert Owner.from_json("not json") == Owner(command="not json")  # cached: the same
+    assert Owner.from_json("") == Owner() and Owner.from_json(None) == Owner()
+
+    class Named(Owner):  # a subclass gets its own class back, not a cached Owner
+        pass
+
+    assert type(Named.from_json('{"host": "h"}')) is Named
 
 
 def test_configured_backend_and_default_ttl(driver: SyncDriver, redis_url: str) -> None:
