@@ -63,6 +63,7 @@ import contextlib
 import datetime as real_dt
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -310,8 +311,16 @@ def _the_app() -> Any:
 
 
 def _wall() -> float:
+    """The simulated wall clock while a schedule plays; the real one outside it.
+
+    The app outlives the runs, and may be the process's ``current_app`` afterwards: Celery
+    beat's persistent schedule, reloaded from its shelve, loses its entries' app and asks
+    ``current_app`` for the time. A beat test run after a Celery schedule in the same
+    process then saw 2023 and found nothing due (its first-tick flake)."""
     world = _world
-    client = world.sim.active if world is not None else None
+    if world is None:
+        return time.time()
+    client = world.sim.active
     return client.wall() if client is not None else 1_700_000_000.0
 
 
