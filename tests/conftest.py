@@ -25,7 +25,7 @@ from servers import RedisServer
 
 import task_locks
 from task_locks import config, events
-from task_locks.backends.redis import SCRIPTS
+from task_locks.backends.redis_scripts import SCRIPTS
 
 #: Fixtures of the event stream and metrics (seen, metric, only_logging_stays).
 pytest_plugins = ["event_fixtures"]

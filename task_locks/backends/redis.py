@@ -86,12 +86,12 @@ from .redis_clients import (
     asend_commands,
     can_send_direct,
     can_send_direct_async,
+    only_reply,
     send_bounded,
     send_commands,
 )
 from .redis_errors import CLIENT_ERRORS, translate
 from .redis_scripts import (
-    SCRIPTS,  # noqa: F401  # imported from here by tools and tests
     Commands,
     counter_key,
     hash_tag,
@@ -638,10 +638,7 @@ class RedisBackend(Backend, RunChecked):
         in text, which hiredis packs)."""
         if not can_send_direct(client):
             return client.execute_command(*command)
-        reply = send_commands(client, [command])[0]
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+        return only_reply(send_commands(client, [command]))
 
     @staticmethod
     def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -964,10 +961,7 @@ class RedisBackend(Backend, RunChecked):
         """The asyncio twin of :meth:`_call`."""
         if not can_send_direct_async(client):
             return await client.execute_command(*command)
-        reply = (await asend_commands(client, [command]))[0]
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+        return only_reply(await asend_commands(client, [command]))
 
     @staticmethod
     async def _apipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:

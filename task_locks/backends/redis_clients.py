@@ -253,6 +253,15 @@ def _answers(client: Any, commands: list[tuple[Any, ...]], replies: list[Any]) -
     return replies
 
 
+def only_reply(replies: list[Any]) -> Any:
+    """The reply of a one-command exchange, an error reply raised (as redis-py's own
+    command path raises it): what :meth:`RedisBackend._call` and its asyncio twin answer."""
+    (reply,) = replies
+    if isinstance(reply, BaseException):
+        raise reply
+    return reply
+
+
 async def aexchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """The asyncio twin of :func:`_exchange` (the same packing, awaited I/O), on a
     connection the caller checked out and drops if this raises."""

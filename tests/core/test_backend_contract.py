@@ -171,7 +171,7 @@ def test_a_huge_ttl_leaves_no_key_without_expiry(
 
 def test_the_acquire_script_refuses_a_huge_ttl_before_writing(redis_url: str) -> None:
     """Whatever the client sends, the script itself never writes a lock it cannot expire."""
-    from task_locks.backends.redis import SCRIPTS
+    from task_locks.backends.redis_scripts import SCRIPTS
 
     client = redis.Redis.from_url(redis_url)
     args = [2, "task_locks:{raw}", "task_locks:{raw}:fence", "tok", str(10**19), "{}", 60_000]

@@ -20,8 +20,7 @@ from chaoskit.proxy import Proxy
 from servers import RedisServer
 
 from task_locks import AsyncLock, Lock, NotOwned, get_backend
-from task_locks.backends.redis import SCRIPTS
-from task_locks.backends.redis_scripts import record_fields
+from task_locks.backends.redis_scripts import SCRIPTS, record_fields
 from task_locks.types import Owner
 
 SOCKET_TIMEOUT = 0.5

@@ -21,8 +21,8 @@ from redis.crc import key_slot
 from servers import RedisClusterNodes, RedisServer, wait_until
 
 from task_locks import BackendUnavailable, get_backend
-from task_locks.backends.redis import SCRIPTS, RedisBackend
-from task_locks.backends.redis_scripts import record_fields
+from task_locks.backends.redis import RedisBackend
+from task_locks.backends.redis_scripts import SCRIPTS, record_fields
 from task_locks.types import Owner
 
 WAIT = {"wait_replicas": 1, "wait_timeout": 100}

@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
 import task_locks.backends.redlock  # noqa: F401  (registers its bump_fence script)
-from task_locks.backends.redis import SCRIPTS, RedisBackend
+from task_locks.backends.redis import RedisBackend
+from task_locks.backends.redis_scripts import SCRIPTS
 from task_locks.fencing import FENCED
 from task_locks.types import Owner, RenewItem, RunCheck
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from task_locks.backends.redis import SCRIPTS, RedisBackend
-from task_locks.backends.redis_scripts import record_fields
+from task_locks.backends.redis import RedisBackend
+from task_locks.backends.redis_scripts import SCRIPTS, record_fields
 from task_locks.types import Owner
 
 from .redis_model import RedisModel

@@ -760,7 +760,7 @@ _BLOCKED = object()
 
 
 def _describe(command: tuple[Any, ...]) -> str:
-    from task_locks.backends.redis import SCRIPTS
+    from task_locks.backends.redis_scripts import SCRIPTS
 
     words = [str(x) for x in command]
     if words[0].upper() in ("EVALSHA", "EVAL"):

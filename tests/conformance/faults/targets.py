@@ -47,7 +47,7 @@ from servers import (
 
 import task_locks.backends.redlock  # noqa: F401  (registers its scripts)
 from task_locks.backends import Backend, get_backend
-from task_locks.backends.redis import SCRIPTS
+from task_locks.backends.redis_scripts import SCRIPTS
 
 #: Lock TTL of every cell (seconds): short, so "past the TTL" costs little.
 TTL = 1.0
