@@ -230,12 +230,13 @@ def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> Non
             continue
         spent = server_cpu(admin) - before
         stats = admin.info("commandstats")
-        calls = sum(v["calls"] for k, v in stats.items() if k not in ADMIN_COMMANDS)
+        calls = sum(v["calls"] for k, v in stats.items() if k.split("|")[0] not in ADMIN_COMMANDS)
         subject.server_us = spent * 1e6 / cycles
         subject.server_calls = calls / cycles
 
 
-#: The runner's own commands around a measurement, left out of the counts.
+#: The runner's own commands around a measurement, left out of the counts (Redis 7 names
+#: a subcommand ``cmdstat_config|resetstat``: matched by the part before ``|``).
 ADMIN_COMMANDS = ("cmdstat_info", "cmdstat_config")
 
 
@@ -382,7 +383,7 @@ def _contend_once(
     stats = admin.info("commandstats")
     server = {
         "cpu": server_cpu(admin) - cpu,
-        "calls": sum(v["calls"] for k, v in stats.items() if k not in ADMIN_COMMANDS),
+        "calls": sum(v["calls"] for k, v in stats.items() if k.split("|")[0] not in ADMIN_COMMANDS),
         "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
     }
     return per_process, start, end, server
@@ -408,6 +409,31 @@ def measure_wakeup(url: str, log_dir: Path, n: int) -> dict[str, Any]:
     if not wake or not ping:
         return {"error": "no wake-up measured"}
     return {"wakeup": summary_us(wake), "ping": summary_us(ping)}
+
+
+def measure_ring(
+    url: str, log_dir: Path, admin: Any, members: int, seconds: float
+) -> dict[str, Any]:
+    """The most hand-offs a second any design can make here where each wakes a blocked
+    process: ``members`` processes passing one token round by LPUSH and BLPOP, no lock
+    code, unpinned as in the contention runs (:func:`workers.ring`)."""
+    admin.delete(*[f"bench:ring:{i}" for i in range(members)])
+    ring = [Worker(sys.executable, f"ring-{i}", log_dir) for i in range(members)]
+    try:
+        start_at = time.monotonic() + 1.0
+        for index, worker in enumerate(ring):
+            worker.send(
+                op="ring", url=url, members=members, index=index, start_at=start_at,
+                seconds=seconds,
+            )  # fmt: skip
+        passes = sum(worker.receive(timeout=seconds + 30)["passes"] for worker in ring)
+    except WorkerError as exc:
+        return {"error": str(exc).splitlines()[-1][:300]}
+    finally:
+        for worker in ring:
+            worker.close()
+        admin.delete(*[f"bench:ring:{i}" for i in range(members)])
+    return {"members": members, "rate": passes / seconds, "handoff_us": seconds / passes * 1e6}
 
 
 def measure_renewal(
@@ -510,6 +536,15 @@ def subjects_for(
             diagnostic=True,
         ),
         Subject("redis-py Lock", "redis", main_python, "redis-py", url),
+        # Not a library: what a cycle with our guarantees costs with no lock code.
+        Subject(
+            "floor: fenced cycle, no lock code",
+            "redis",
+            main_python,
+            "fenced-floor",
+            url,
+            diagnostic=True,
+        ),
         # asyncio, ours beside redis-py's own (no target: the note under the table)
         Subject(
             "task-locks AsyncLock", "redis", main_python, "task-locks-async", url, diagnostic=True
@@ -755,6 +790,9 @@ def measure_all(
             contention_libraries(plan, peers_python, peers), url, plan, log_dir, admin
         )
         wakeup = measure_wakeup(url, log_dir, 300 if plan.mode == "smoke" else 1000)
+        wakeup["ring"] = measure_ring(
+            url, log_dir, admin, 4, 1.0 if plan.mode == "smoke" else plan.contention_seconds
+        )
         skipped = {"status": "not measured: --only-locks"}
         renewal: list[dict[str, Any]] = []
         footprint: dict[str, dict[str, Any]] = {}

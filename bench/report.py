@@ -94,6 +94,15 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             "for the pusher's own PING: no hand-off that wakes a blocked waiter, ours or a "
             "peer's, can be faster on this machine.\n"
         )
+    ring = wake.get("ring", {})
+    if "rate" in ring:
+        add(
+            f"Hand-off ceiling (unpinned): {ring['members']} processes passing one token "
+            "round, each blocked in `BLPOP` until the one before it `LPUSH`es, with no lock "
+            f"code, make {ring['rate']:,.0f} hand-offs/s ({ring['handoff_us']:.0f} µs each): "
+            "the most a lock whose every hand-off wakes a blocked process can reach with "
+            "that many processes on this machine.\n"
+        )
     ping = results["floor"].get(FLOOR, {}).get("ping", {}).get("median_us")
     add("## Uncontended acquire + release\n")
     add(

@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, footprint_cycles=args.footprint_cycles)
     if args.cells:
         cells = tuple(
-            (int(n), float(hold))
-            for n, hold in (cell.split("x") for cell in args.cells.split(","))
+            (int(n), float(hold)) for n, hold in (cell.split("x") for cell in args.cells.split(","))
         )
         plan = dataclasses.replace(plan, procs=(), holds=(), extra_cells=cells)
     if args.only_locks:

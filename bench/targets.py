@@ -206,7 +206,7 @@ def contention_targets(
                 ratio(mine.get("rate"), prl.get("rate")),
                 1.2,
                 True,
-                note=rate_note(mine, prl),
+                note=rate_note(mine, prl) + (_ring_note(wakeup, prl) if not hold else ""),
             )
         )
         out.append(
@@ -322,6 +322,19 @@ def _wakeup_note(wakeup: dict[str, Any] | None) -> str:
     )
 
 
+def _ring_note(wakeup: dict[str, Any] | None, prl: dict[str, Any]) -> str:
+    """The ceiling under hold 0: a ring of processes passing one token by LPUSH/BLPOP."""
+    ring = (wakeup or {}).get("ring", {})
+    if "rate" not in ring or not prl.get("rate"):
+        return ""
+    return (
+        f"; ceiling: {ring['members']} processes passing one token round by LPUSH/BLPOP, "
+        f"no lock code, make {ring['rate']:.0f} hand-offs/s = {ring['rate'] / prl['rate']:.2f}x "
+        "python-redis-lock's rate: a lock's extra client and server work per hand-off "
+        "decides the rest"
+    )
+
+
 def _uncontended_note(unc: dict[tuple[str, str], dict[str, Any]]) -> str:
     ours, rp = unc.get(("task-locks", "redis")), unc.get(("redis-py Lock", "redis"))
     if not ours or not rp:
@@ -333,7 +346,23 @@ def _uncontended_note(unc: dict[tuple[str, str], dict[str, Any]]) -> str:
         f"{ours['acquire_median_us']:.0f} vs {rp['acquire_median_us']:.0f}, release "
         f"{ours['release_median_us']:.0f} vs {rp['release_median_us']:.0f}); client CPU "
         f"{fmt(ours.get('client_cpu_us'), 0)} vs {fmt(rp.get('client_cpu_us'), 0)} µs, "
-        f"Redis cmds {fmt(ours.get('server_calls'), 1)} vs {fmt(rp.get('server_calls'), 1)}"
+        f"Redis cmds {fmt(ours.get('server_calls'), 1)} vs {fmt(rp.get('server_calls'), 1)}, "
+        f"Redis CPU {fmt(ours.get('server_us'), 0)} vs {fmt(rp.get('server_us'), 0)} µs"
+        + _fenced_floor_note(unc, rp)
+    )
+
+
+def _fenced_floor_note(unc: dict[tuple[str, str], dict[str, Any]], rp: dict[str, Any]) -> str:
+    """What the guarantees cost with no lock code: the same scripts' commands sent raw
+    (bench/workers.py: ``FencedFloor``)."""
+    floor = unc.get(("floor: fenced cycle, no lock code", "redis"))
+    if not floor or not floor.get("round_median_us") or not rp.get("round_median_us"):
+        return ""
+    return (
+        f"; floor: a fenced, resend-safe cycle sent as two bare scripts (the same commands "
+        f"as ours, no lock code) takes {floor['round_median_us']:.0f} µs = "
+        f"{floor['round_median_us'] / rp['round_median_us']:.2f}x (Redis CPU "
+        f"{fmt(floor.get('server_us'), 0)} µs, client CPU {fmt(floor.get('client_cpu_us'), 0)} µs)"
     )
 
 

@@ -118,6 +118,72 @@ class RedisPyLock(Adapter):
         return _redis_versions()
 
 
+# The least a cycle with task-locks' guarantees asks of the server, with no lock code:
+# the acquire reads the record, takes a fence by the fence rule (the server's clock in
+# microseconds, and the database's counter: increasing across a restart that lost the
+# counter and across the clock stepping back) and writes the record with its owner; the
+# release reads the record and leaves a tombstone naming the release (the exact answer to
+# a resent release). The same commands as ours, in the same two scripts, sent by
+# redis-py's ``evalsha`` as redis-py's own ``Lock`` sends its release.
+_FLOOR_ACQUIRE = """
+local held = redis.call('get', KEYS[1])
+if held and string.sub(held, 1, 1) == 'h' then return 0 end
+local now = redis.call('time')
+local us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('set', KEYS[2], string.format('%.0f', us), 'px', ARGV[4],
+  'get') or '0')
+local fence = us
+if last >= us then
+  fence = last + 1
+  redis.call('set', KEYS[2], string.format('%.0f', fence), 'px', ARGV[4])
+end
+redis.call('set', KEYS[1], 'h' .. ARGV[1] .. '|' .. string.format('%.0f', fence) .. '|' ..
+  ARGV[3], 'px', ARGV[2])
+return fence
+"""
+_FLOOR_RELEASE = """
+local held = redis.call('get', KEYS[1])
+if not held or string.sub(held, 1, #ARGV[1] + 2) ~= 'h' .. ARGV[1] .. '|' then return 0 end
+redis.call('set', KEYS[1], 'r' .. ARGV[2], 'px', 60000)
+return 1
+"""
+
+
+class FencedFloor(Adapter):
+    """Not a library: the floor of a fenced, resend-safe cycle (the scripts above)."""
+
+    library = "floor: fenced cycle, no lock code"
+
+    def __init__(self, url: str, name: str, ttl: float) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.ttl_ms = int(ttl * 1000)
+        self.acquire_sha = self.client.script_load(_FLOOR_ACQUIRE)
+        self.release_sha = self.client.script_load(_FLOOR_RELEASE)
+        self.owner = json.dumps({"host": os.uname().nodename, "pid": os.getpid()})
+        self.make_lock = lambda name: name
+        self.lock = name
+        self.count = 0
+
+    def acquire(self) -> None:
+        self.count += 1
+        self.token = f"{os.getpid()}-{self.count}"
+        fence = self.client.evalsha(
+            self.acquire_sha, 2, self.lock, "bench:floor:fence", self.token, self.ttl_ms,
+            self.owner, 7 * 86_400_000,
+        )  # fmt: skip
+        if not fence:
+            raise RuntimeError(f"fenced floor: {self.lock!r} is held")
+
+    def release(self) -> None:
+        if not self.client.evalsha(self.release_sha, 1, self.lock, self.token, self.count):
+            raise RuntimeError(f"fenced floor: {self.lock!r} was not held")
+
+    def versions(self) -> dict[str, str]:
+        return _redis_versions()
+
+
 class _OnLoop(Adapter):
     """An asyncio library's calls, each run to its end on one event loop the adapter
     keeps: both asyncio subjects pay the same loop overhead per call."""
@@ -263,6 +329,7 @@ ADAPTERS: dict[str, Callable[..., Adapter]] = {
         url + ("&" if "?" in url else "?") + "handoff=client", name, ttl
     ),
     "redis-py": RedisPyLock,
+    "fenced-floor": FencedFloor,
     "task-locks-async": TaskLocksAsync,
     "redis-py-async": RedisPyAsyncLock,
     "python-redis-lock": PythonRedisLock,
@@ -484,6 +551,31 @@ def wake_push(url: str, key: str, n: int, gap: float) -> dict[str, Any]:
     return {"ping": pings}
 
 
+def ring(url: str, members: int, index: int, start_at: float, seconds: float) -> dict[str, Any]:
+    """One member of a ring of processes passing one token by LPUSH and BLPOP, with no
+    lock code: the most hand-offs a second any design can make where each hand-off
+    wakes a blocked process, on this machine and with this many processes. From
+    ``start_at`` (CLOCK_MONOTONIC, one clock for every process) for ``seconds``; member
+    0 pushes the token first; the member holding it at the end passes it on and stops,
+    and so does each after it."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    mine, following = f"bench:ring:{index}", f"bench:ring:{(index + 1) % members}"
+    while now() < start_at:
+        time.sleep(min(0.01, max(0.0, start_at - now())))
+    end, passes = start_at + seconds, 0
+    if index == 0:
+        client.lpush(following, 1)
+    while client.blpop([mine], 5) is not None:
+        passes += 1
+        client.lpush(following, 1)
+        if now() >= end:
+            break
+    client.close()
+    return {"passes": passes}
+
+
 def lasting_keys(admin: Any) -> int:
     """How many keys of ``admin``'s database outlive 60 s (no expiry, or a longer one)."""
     lasting = 0
@@ -565,6 +657,8 @@ def serve() -> None:
                 reply = wake_pop(**request)
             elif op == "wake_push":
                 reply = wake_push(**request)
+            elif op == "ring":
+                reply = ring(**request)
             else:
                 assert adapter is not None, "setup first"
                 if op == "cycles":

@@ -50,9 +50,18 @@ def test_smoke_run_measures_every_core_part_and_writes_both_files(tmp_path: Path
     floor = next(iter(results["floor"].values()))
     assert floor["ping"]["median_us"] > 0 and floor["set"]["median_us"] > 0
     rows = {(r["label"], r["backend"]): r for r in results["uncontended"]}
-    for key in [("task-locks", "redis"), ("task-locks", "memory"), ("redis-py Lock", "redis")]:
+    for key in [
+        ("task-locks", "redis"),
+        ("task-locks", "memory"),
+        ("redis-py Lock", "redis"),
+        ("floor: fenced cycle, no lock code", "redis"),
+    ]:
         assert rows[key].get("median_us", 0) > 0, rows[key]
         assert rows[key]["p99_us"] >= rows[key]["median_us"]
+    # The same scripts' commands sent raw: the floor runs as many Redis commands as ours.
+    assert rows[("floor: fenced cycle, no lock code", "redis")]["server_calls"] == 8.0
+    ring = results["wakeup"]["ring"]
+    assert ring["members"] == 4 and ring["rate"] > 0, ring
 
     ours = results["contention"]["task-locks|2|0.001"]
     assert ours["acquisitions"] > 0
@@ -153,6 +162,49 @@ def test_contention_targets_pass_or_miss_with_the_measured_reason(
     assert rows[server + ping].verdict == "PASS"
     util = "4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time"
     assert rows[client + util].verdict == "MISS" and rows[server + util].verdict == "PASS"
+
+
+def test_the_floors_say_what_no_lock_code_reaches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known figures in: the uncontended target names the fenced floor's ratio, and the
+    hold-0 rate target the token ring's ceiling against python-redis-lock."""
+    targets = load_bench("targets", monkeypatch)
+
+    def row(label: str, typical: float, server_us: float) -> dict:
+        return {
+            "label": label,
+            "backend": "redis",
+            "median_us": typical,
+            "round_median_us": typical,
+            "acquire_median_us": typical / 2,
+            "release_median_us": typical / 2,
+            "client_cpu_us": 150.0,
+            "server_us": server_us,
+            "server_calls": 8.0,
+        }
+
+    results = {
+        "uncontended": [
+            row("task-locks", 330.0, 90.0),
+            row("redis-py Lock", 300.0, 30.0),
+            row("floor: fenced cycle, no lock code", 321.0, 88.0),
+        ],
+        "floor": {"our client (.venv)": {"ping": {"median_us": 100.0}}},
+        "contention": {
+            f"{lib}|4|0.0": {
+                "rate": 3000.0,
+                "handoff_median_us": 300.0,
+                "fairness": 1.0,
+                "fairness_min": 1.0,
+            }
+            for lib in ("task-locks", "python-redis-lock")
+        },
+        "wakeup": {"ring": {"members": 4, "rate": 3300.0, "handoff_us": 303.0}},
+    }
+    rows = {t.what: t for t in targets.check_targets(results)}
+    unc = rows["uncontended cycle / redis-py Lock (median)"]
+    assert unc.verdict == "MISS" and "takes 321 µs = 1.07x" in unc.note, unc.note
+    hold0 = rows["task-locks (default, server hand-off): 4 procs, hold 0: rate / python-redis-lock"]
+    assert "make 3300 hand-offs/s = 1.10x python-redis-lock's rate" in hold0.note, hold0.note
 
 
 @pytest.mark.timeout(60)
