@@ -9,7 +9,10 @@ last completion). Variants take turns, in rotated rounds, so machine drift hits 
 Variants: ``plain`` (``@app.task``), ``singleton_task`` (ours, ``key="bench:{i}"``,
 run-time lock), and, when ``bench/.peers`` has them, ``celery-singleton`` and
 ``celery-once`` (both lock at publish and unlock when the task ends). Results are not
-stored (``task_ignore_result``) for any variant, which makes the ratio stricter.
+stored (``task_ignore_result``) for any variant, which makes the ratio stricter. And
+``plain+floor``, not a library: a plain task that also sends the one round trip a run
+lock with our guarantees needs, as two bare scripts (the floor of any lock taken in the
+worker: no lock code).
 
 Duplicate suppression: after the throughput rounds, a burst of identical calls
 (``--burst-calls``, default 200, same argument) is published as fast as possible to one
@@ -47,7 +50,7 @@ from common import redis_at
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-VARIANTS = ("plain", "singleton_task", "celery-singleton", "celery-once")
+VARIANTS = ("plain", "plain+floor", "singleton_task", "celery-singleton", "celery-once")
 #: Duplicate-suppression workers: variant -> what the results call it.
 BURST_VARIANTS = {
     "burst-skip": "singleton_task (skip, run-time lock)",
@@ -130,6 +133,36 @@ def _define_burst(variant: str) -> Any:
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def _define_floor() -> Any:
+    """Not a library: the floor of a lock taken in the worker with task-locks' guarantees.
+
+    A plain task that also sends, in its run, the one round trip a run lock needs: the
+    fenced acquire of its key (``common.FLOOR_ACQUIRE``), with the previous run's
+    release (``FLOOR_RELEASE``) ahead of it on the same connection, as ours carries it.
+    No lock code: two scripts in one redis-py pipeline."""
+    from common import FLOOR_ACQUIRE, FLOOR_RELEASE
+
+    locks = redis.Redis.from_url(LOCKS)
+    acquire_sha, release_sha = locks.script_load(FLOOR_ACQUIRE), locks.script_load(FLOOR_RELEASE)
+    owner = json.dumps({"host": os.uname().nodename, "pid": os.getpid()})
+    previous: list[Any] = []  # the last run's key, token and release id
+
+    @app.task(name="bench.plain_floor")
+    def plain_floor(i: str) -> None:
+        pipe = locks.pipeline(transaction=False)
+        if previous:
+            pipe.evalsha(release_sha, 1, *previous)
+        token = os.urandom(8).hex()
+        pipe.evalsha(acquire_sha, 2, f"bench:{i}", "bench:floor:fence", token, 30_000, owner,
+                     7 * 86_400_000)  # fmt: skip
+        if not pipe.execute()[-1]:
+            raise RuntimeError(f"plain+floor: bench:{i} is held")
+        previous[:] = [f"bench:{i}", token, token]
+        _done()
+
+    return plain_floor
+
+
 def _define(variant: str) -> Any:
     """The task of ``variant`` (imports only that variant's library)."""
     if variant in BURST_VARIANTS:
@@ -141,6 +174,8 @@ def _define(variant: str) -> Any:
             _done()
 
         return plain
+    if variant == "plain+floor":
+        return _define_floor()
     if variant == "singleton_task":
         from task_locks.celery import singleton_task
 

@@ -35,6 +35,37 @@ def redis_at(url: str | None) -> Iterator[str]:
         server.cleanup()
 
 
+# The least a cycle with task-locks' guarantees asks of the server, with no lock code:
+# the acquire reads the record, takes a fence by the fence rule (the server's clock in
+# microseconds, and the database's counter: increasing across a restart that lost the
+# counter and across the clock stepping back) and writes the record with its owner; the
+# release reads the record and leaves a tombstone naming the release (the exact answer to
+# a resent release). The same commands as ours, in two scripts: ``workers.FencedFloor``
+# sends them uncontended, ``celery_bench``'s ``plain+floor`` task once per run.
+FLOOR_ACQUIRE = """
+local held = redis.call('get', KEYS[1])
+if held and string.sub(held, 1, 1) == 'h' then return 0 end
+local now = redis.call('time')
+local us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('set', KEYS[2], string.format('%.0f', us), 'px', ARGV[4],
+  'get') or '0')
+local fence = us
+if last >= us then
+  fence = last + 1
+  redis.call('set', KEYS[2], string.format('%.0f', fence), 'px', ARGV[4])
+end
+redis.call('set', KEYS[1], 'h' .. ARGV[1] .. '|' .. string.format('%.0f', fence) .. '|' ..
+  ARGV[3], 'px', ARGV[2])
+return fence
+"""
+FLOOR_RELEASE = """
+local held = redis.call('get', KEYS[1])
+if not held or string.sub(held, 1, #ARGV[1] + 2) ~= 'h' .. ARGV[1] .. '|' then return 0 end
+redis.call('set', KEYS[1], 'r' .. ARGV[2], 'px', 60000)
+return 1
+"""
+
+
 PEER_VENV = BENCH / ".peers"
 
 

@@ -316,13 +316,25 @@ def celery_markdown(celery: dict[str, Any]) -> list[str]:
         f"{celery.get('n', '?')} tasks per round through one worker "
         f"(pool: {celery.get('pool', '?')}), {celery.get('rounds', '?')} rotated rounds, "
         "median rate; distinct lock keys, so no task is suppressed.\n",
-        "| variant | tasks/s | x plain |",
-        "|---|---:|---:|",
+        "| variant | tasks/s | x plain | worker CPU µs/task |",
+        "|---|---:|---:|---:|",
     ]
+    cpu = celery.get("worker_cpu_us_per_task") or {}
     for variant, rate in rates.items():
-        lines.append(f"| {variant} | {fmt(float(rate), 0)} | {fmt(ratio(rate, plain), 2)} |")
+        lines.append(
+            f"| {variant} | {fmt(float(rate), 0)} | {fmt(ratio(rate, plain), 2)} "
+            f"| {fmt(cpu.get(variant), 0)} |"
+        )
     for variant in celery.get("not_measured") or []:
         lines.append(f"| {variant} | not measured: does not import in bench/.peers | |")
+    if "plain+floor" in rates:
+        lines += [
+            "",
+            "`plain+floor` is not a library: a plain task that also sends, in its run, the "
+            "one round trip a run lock with our guarantees needs (the fenced acquire and the "
+            "previous run's release, two bare scripts in one pipeline, no lock code): what "
+            "any lock taken in the worker costs at least on this machine.",
+        ]
     if celery.get("markdown"):
         lines += ["", celery["markdown"]]
     lines.append("")

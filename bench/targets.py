@@ -109,7 +109,7 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
             ratio(mine, plain),
             0.85,
             True,
-            note=missing or rates,
+            note=missing or rates + _celery_floor_note(celery, "plain"),
         ),
         Target(
             "Celery: @singleton_task / celery-singleton throughput",
@@ -117,14 +117,17 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
             1.0,
             True,
             note=missing
-            or f"celery-singleton {fmt(_celery_rate(celery, 'celery-singleton'), 0)}/s",
+            or f"celery-singleton {fmt(_celery_rate(celery, 'celery-singleton'), 0)}/s"
+            + _celery_floor_note(celery, "celery-singleton"),
         ),
         Target(
             "Celery: @singleton_task / celery-once throughput",
             ratio(mine, _celery_rate(celery, "celery-once")),
             1.0,
             True,
-            note=missing or f"celery-once {fmt(_celery_rate(celery, 'celery-once'), 0)}/s",
+            note=missing
+            or f"celery-once {fmt(_celery_rate(celery, 'celery-once'), 0)}/s"
+            + _celery_floor_note(celery, "celery-once"),
         ),
         *_celery_footprint_targets(results.get("celery_footprint", {})),
         _django_pg_target(results.get("backends", {})),
@@ -469,8 +472,20 @@ def _etcd_target(backends: dict[str, Any]) -> Target:
     return Target(what, value, ETCD_LIMIT, False, note=note)
 
 
+def _celery_floor_note(celery: dict[str, Any], against: str) -> str:
+    """The floor of a lock taken in the worker (``plain+floor``: a plain task that also
+    sends the run lock's one round trip as bare scripts) beside ``against``'s rate."""
+    floor, other = _celery_rate(celery, "plain+floor"), _celery_rate(celery, against)
+    if floor is None or not other:
+        return ""
+    return (
+        f"; floor: a plain task that also sends the run lock's one round trip as two bare "
+        f"scripts (no lock code) runs {floor:,.0f}/s = {floor / other:.2f}x {against}"
+    )
+
+
 def _celery_rate(celery: dict[str, Any], variant: str) -> float | None:
-    """TODO: adapt to bench/celery_bench.py's result shape once it exists."""
+    """``variant``'s median tasks/s (bench/celery_bench.py's ``throughput``), if measured."""
     rates = celery.get("throughput") or {}
     value = rates.get(variant) if isinstance(rates, dict) else None
     return float(value) if isinstance(value, int | float) else None

@@ -118,39 +118,10 @@ class RedisPyLock(Adapter):
         return _redis_versions()
 
 
-# The least a cycle with task-locks' guarantees asks of the server, with no lock code:
-# the acquire reads the record, takes a fence by the fence rule (the server's clock in
-# microseconds, and the database's counter: increasing across a restart that lost the
-# counter and across the clock stepping back) and writes the record with its owner; the
-# release reads the record and leaves a tombstone naming the release (the exact answer to
-# a resent release). The same commands as ours, in the same two scripts, sent by
-# redis-py's ``evalsha`` as redis-py's own ``Lock`` sends its release.
-_FLOOR_ACQUIRE = """
-local held = redis.call('get', KEYS[1])
-if held and string.sub(held, 1, 1) == 'h' then return 0 end
-local now = redis.call('time')
-local us = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('set', KEYS[2], string.format('%.0f', us), 'px', ARGV[4],
-  'get') or '0')
-local fence = us
-if last >= us then
-  fence = last + 1
-  redis.call('set', KEYS[2], string.format('%.0f', fence), 'px', ARGV[4])
-end
-redis.call('set', KEYS[1], 'h' .. ARGV[1] .. '|' .. string.format('%.0f', fence) .. '|' ..
-  ARGV[3], 'px', ARGV[2])
-return fence
-"""
-_FLOOR_RELEASE = """
-local held = redis.call('get', KEYS[1])
-if not held or string.sub(held, 1, #ARGV[1] + 2) ~= 'h' .. ARGV[1] .. '|' then return 0 end
-redis.call('set', KEYS[1], 'r' .. ARGV[2], 'px', 60000)
-return 1
-"""
-
-
 class FencedFloor(Adapter):
-    """Not a library: the floor of a fenced, resend-safe cycle (the scripts above)."""
+    """Not a library: the floor of a fenced, resend-safe cycle (``common.FLOOR_ACQUIRE``
+    and ``FLOOR_RELEASE``), sent by redis-py's ``evalsha`` as its own ``Lock`` sends its
+    release."""
 
     library = "floor: fenced cycle, no lock code"
 
@@ -159,8 +130,10 @@ class FencedFloor(Adapter):
 
         self.client = redis.Redis.from_url(url)
         self.ttl_ms = int(ttl * 1000)
-        self.acquire_sha = self.client.script_load(_FLOOR_ACQUIRE)
-        self.release_sha = self.client.script_load(_FLOOR_RELEASE)
+        from common import FLOOR_ACQUIRE, FLOOR_RELEASE
+
+        self.acquire_sha = self.client.script_load(FLOOR_ACQUIRE)
+        self.release_sha = self.client.script_load(FLOOR_RELEASE)
         self.owner = json.dumps({"host": os.uname().nodename, "pid": os.getpid()})
         self.make_lock = lambda name: name
         self.lock = name

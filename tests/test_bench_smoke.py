@@ -206,6 +206,15 @@ def test_the_floors_say_what_no_lock_code_reaches(monkeypatch: pytest.MonkeyPatc
     hold0 = rows["task-locks (default, server hand-off): 4 procs, hold 0: rate / python-redis-lock"]
     assert "make 3300 hand-offs/s = 1.10x python-redis-lock's rate" in hold0.note, hold0.note
 
+    # Celery: a plain task that also sends the run lock's round trip as bare scripts.
+    rates = {"plain": 1000.0, "plain+floor": 800.0, "singleton_task": 600.0}
+    results["celery"] = {"status": "ok", "throughput": {**rates, "celery-singleton": 750.0}}
+    rows = {t.what: t for t in targets.check_targets(results)}
+    plain = rows["Celery: @singleton_task / plain task throughput"]
+    assert plain.verdict == "MISS" and "runs 800/s = 0.80x plain" in plain.note, plain.note
+    peer = rows["Celery: @singleton_task / celery-singleton throughput"]
+    assert "= 1.07x celery-singleton" in peer.note, peer.note
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ['lock_on="both"', "limit=3"])
