@@ -221,6 +221,14 @@ def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> Non
     for subject in subjects:
         if subject.error is not None or subject.backend != "redis" or subject.worker is None:
             continue
+        try:
+            # Steady state: a process idle for 5 s (its turn in the rotation waited that
+            # long) lets its release-notice listener go, and the first lease after opens
+            # it again (HELLO, SUBSCRIBE): once per listener, not per cycle.
+            subject.worker.call(op="cycles", n=5)
+        except WorkerError as exc:
+            subject.error = str(exc).splitlines()[-1][:300]
+            continue
         admin.config_resetstat()
         before = server_cpu(admin)
         try:

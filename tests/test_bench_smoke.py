@@ -324,3 +324,19 @@ def test_backend_targets_pass_or_miss_with_the_measured_reason(
     rows = {t.what.split(" ")[0]: t for t in targets.check_targets(missing)}
     assert rows["redlock"].verdict == "n/a" and rows["redlock"].note == "no pip"
     assert rows["etcd"].verdict == "n/a" and rows["django"].verdict == "n/a"
+
+
+@pytest.mark.timeout(60)
+def test_the_layer_breakdown_runs_and_prints_each_layer() -> None:
+    """bench/layers.py (its own redis-server, one short round): every subject measured."""
+    done = subprocess.run(
+        [sys.executable, str(RUNNER.with_name("layers.py")), "--rounds", "1", "--block", "20"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for subject in ("Lock cycle (redis, defaults)", "backend calls only", "floor: two bare"):
+        assert f"| {subject}" in done.stdout, done.stdout
+    assert "Lock, plan and lease:" in done.stdout
