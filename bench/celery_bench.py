@@ -140,11 +140,12 @@ def _define_floor() -> Any:
     fenced acquire of its key (``common.FLOOR_ACQUIRE``), with the previous run's
     release (``FLOOR_RELEASE``) ahead of it on the same connection, as ours carries it.
     No lock code: two scripts in one redis-py pipeline."""
-    from common import FLOOR_ACQUIRE, FLOOR_RELEASE
+    import secrets
+
+    from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_owner
 
     locks = redis.Redis.from_url(LOCKS)
     acquire_sha, release_sha = locks.script_load(FLOOR_ACQUIRE), locks.script_load(FLOOR_RELEASE)
-    owner = json.dumps({"host": os.uname().nodename, "pid": os.getpid()})
     previous: list[Any] = []  # the last run's key, token and release id
 
     @app.task(name="bench.plain_floor")
@@ -152,12 +153,13 @@ def _define_floor() -> Any:
         pipe = locks.pipeline(transaction=False)
         if previous:
             pipe.evalsha(release_sha, 1, *previous)
-        token = os.urandom(8).hex()
+        token = secrets.token_hex(16)
+        owner = floor_owner()  # ours reads the running thread's name per acquire too
         pipe.evalsha(acquire_sha, 2, f"bench:{i}", "bench:floor:fence", token, 30_000, owner,
                      7 * 86_400_000)  # fmt: skip
         if not pipe.execute()[-1]:
             raise RuntimeError(f"plain+floor: bench:{i} is held")
-        previous[:] = [f"bench:{i}", token, token]
+        previous[:] = [f"bench:{i}", token, secrets.token_hex(8)]
         _done()
 
     return plain_floor

@@ -40,8 +40,12 @@ def redis_at(url: str | None) -> Iterator[str]:
 # microseconds, and the database's counter: increasing across a restart that lost the
 # counter and across the clock stepping back) and writes the record with its owner; the
 # release reads the record and leaves a tombstone naming the release (the exact answer to
-# a resent release). The same commands as ours, in two scripts: ``workers.FencedFloor``
-# sends them uncontended, ``celery_bench``'s ``plain+floor`` task once per run.
+# a resent release). The same commands as ours and a record of our layout
+# (``h<token>|<fence>|<renewals>|<acquired ms>|<waiters>|<release id>|<owner JSON>``,
+# then ``r<waiters>|<release id>``), in two scripts: ``workers.FencedFloor`` sends them
+# uncontended, ``celery_bench``'s ``plain+floor`` task once per run.
+# KEYS[1] the record, KEYS[2] the fence counter; ARGV token, ttl ms, owner JSON, the
+# counter's ttl ms. Returns the fence, or 0 if the lock is held.
 FLOOR_ACQUIRE = """
 local held = redis.call('get', KEYS[1])
 if held and string.sub(held, 1, 1) == 'h' then return 0 end
@@ -54,16 +58,29 @@ if last >= us then
   fence = last + 1
   redis.call('set', KEYS[2], string.format('%.0f', fence), 'px', ARGV[4])
 end
-redis.call('set', KEYS[1], 'h' .. ARGV[1] .. '|' .. string.format('%.0f', fence) .. '|' ..
-  ARGV[3], 'px', ARGV[2])
+local acquired = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+redis.call('set', KEYS[1], 'h' .. ARGV[1] .. '|' .. string.format('%.0f', fence) .. '|0|' ..
+  acquired .. '|0||' .. ARGV[3], 'px', ARGV[2])
 return fence
 """
+# KEYS[1] the record; ARGV token, release id. Returns 1 if released, 0 if not ours.
 FLOOR_RELEASE = """
 local held = redis.call('get', KEYS[1])
 if not held or string.sub(held, 1, #ARGV[1] + 2) ~= 'h' .. ARGV[1] .. '|' then return 0 end
-redis.call('set', KEYS[1], 'r' .. ARGV[2], 'px', 60000)
+redis.call('set', KEYS[1], 'r0|' .. ARGV[2], 'px', 60000)
 return 1
 """
+
+
+def floor_owner() -> str:
+    """An owner record of the form ours has (``Owner.to_json``: host, pid, thread)."""
+    import json
+    import os
+    import threading
+
+    return json.dumps(
+        {"host": os.uname().nodename, "pid": os.getpid(), "thread": threading.current_thread().name}
+    )
 
 
 PEER_VENV = BENCH / ".peers"

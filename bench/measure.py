@@ -441,6 +441,8 @@ def measure_ring(
         for worker in ring:
             worker.close()
         admin.delete(*[f"bench:ring:{i}" for i in range(members)])
+    if not passes:
+        return {"error": "the token never went round"}
     return {"members": members, "rate": passes / seconds, "handoff_us": seconds / passes * 1e6}
 
 

@@ -127,21 +127,23 @@ class FencedFloor(Adapter):
 
     def __init__(self, url: str, name: str, ttl: float) -> None:
         import redis
+        from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_owner
 
         self.client = redis.Redis.from_url(url)
         self.ttl_ms = int(ttl * 1000)
-        from common import FLOOR_ACQUIRE, FLOOR_RELEASE
-
         self.acquire_sha = self.client.script_load(FLOOR_ACQUIRE)
         self.release_sha = self.client.script_load(FLOOR_RELEASE)
-        self.owner = json.dumps({"host": os.uname().nodename, "pid": os.getpid()})
+        self.owner = floor_owner()
         self.make_lock = lambda name: name
         self.lock = name
-        self.count = 0
+        self.count = 0  # the release ids
+        self.token = ""
 
     def acquire(self) -> None:
+        import secrets
+
         self.count += 1
-        self.token = f"{os.getpid()}-{self.count}"
+        self.token = secrets.token_hex(16)  # as ours: 16 random bytes per acquire
         fence = self.client.evalsha(
             self.acquire_sha, 2, self.lock, "bench:floor:fence", self.token, self.ttl_ms,
             self.owner, 7 * 86_400_000,

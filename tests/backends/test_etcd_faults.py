@@ -51,6 +51,9 @@ TIMEOUT = 0.3
 LATE = 0.6
 #: How late a ``delay_reply`` arrives: past the TTL (the client waits longer than this).
 DELAYED = TTL + 0.3
+#: How long a test waits for etcd to answer the faulted request (a Raft write on a loaded
+#: machine can take seconds; every wait is bounded all the same).
+SETTLE = 20.0
 
 FAULTS = ["drop_request", "drop_reply", "reset", "delay_reply", "late_request"]
 
@@ -76,10 +79,13 @@ class FaultProxy(Proxy):
         self.delay = 0.0
         #: Set when the faulted request's fate is sealed (dropped, or answered by etcd).
         self.settled = threading.Event()
+        #: Set when a request reached the proxy while it was armed: the fault took hold.
+        self.took = threading.Event()
 
     def arm(self, fault: str | None, delay: float = 0.0) -> None:
         if fault is not None:
             self.settled.clear()
+            self.took.clear()
         self.delay = delay
         self.armed = fault
 
@@ -113,6 +119,7 @@ class FaultProxy(Proxy):
                 if flight.fault is None and self.armed is not None:
                     flight.fault = self.armed
                     flight.answered.clear()
+                    self.took.set()
                 if flight.fault == "drop_request":
                     self.settled.set()
                     continue
@@ -127,7 +134,7 @@ class FaultProxy(Proxy):
             # answered: a gateway that sees the connection close may cancel the request.
             if flight.fault not in (None, "drop_request"):
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(flight.answered.wait(), 5)
+                    await asyncio.wait_for(flight.answered.wait(), SETTLE)
             with contextlib.suppress(Exception):
                 upstream.close()
 
@@ -192,6 +199,14 @@ def aim_fault(
 
     session.post = post  # type: ignore[method-assign]
     return state
+
+
+def _unsettled(proxy: FaultProxy) -> str:
+    """Why a faulted request never settled: etcd never answered it, or (a call that failed
+    before its request reached the proxy, its retry not armed) the fault never took hold."""
+    if proxy.took.is_set():
+        return f"etcd never answered the faulted request in {SETTLE} s"
+    return "the armed call's request never reached the proxy: the fault never took hold"
 
 
 def gateway(member: EtcdServer, path: str, body: dict[str, object]) -> dict[str, Any]:
@@ -312,7 +327,7 @@ def test_acquire_whose_reply_is_lost_is_retried_and_really_held(rig: Rig) -> Non
     fired = aim_fault(backend, rig.proxy, "/kv/txn", "drop_reply")
     lease = Lock("lost-reply", ttl=30, backend=backend, renew=False).acquire(timeout=5)
     assert fired["fired"], "the fault never hit the acquire transaction"
-    assert rig.proxy.settled.wait(5), "etcd never answered the faulted request"
+    assert rig.proxy.settled.wait(SETTLE), _unsettled(rig.proxy)
 
     kv = rig.key("lost-reply")
     assert kv is not None, "acquire() returned a lease, but etcd has no key"
@@ -443,7 +458,7 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
                 ]
     assert fired["fired"], f"the fault never hit {path}"
     if fault in ("drop_reply", "reset", "late_request"):
-        assert rig.proxy.settled.wait(5), "etcd never answered the faulted request"
+        assert rig.proxy.settled.wait(SETTLE), _unsettled(rig.proxy)
     if subject is not None:
         rig.check_held(subject, rival)
     rig.check_expiries()
