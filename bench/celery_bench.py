@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -140,9 +141,7 @@ def _define_floor() -> Any:
     fenced acquire of its key (``common.FLOOR_ACQUIRE``), with the previous run's
     release (``FLOOR_RELEASE``) ahead of it on the same connection, as ours carries it.
     No lock code: two scripts in one redis-py pipeline."""
-    import secrets
-
-    from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_owner
+    from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_acquire_args, floor_owner
 
     locks = redis.Redis.from_url(LOCKS)
     acquire_sha, release_sha = locks.script_load(FLOOR_ACQUIRE), locks.script_load(FLOOR_RELEASE)
@@ -155,8 +154,7 @@ def _define_floor() -> Any:
             pipe.evalsha(release_sha, 1, *previous)
         token = secrets.token_hex(16)
         owner = floor_owner()  # ours reads the running thread's name per acquire too
-        pipe.evalsha(acquire_sha, 2, f"bench:{i}", "bench:floor:fence", token, 30_000, owner,
-                     7 * 86_400_000)  # fmt: skip
+        pipe.evalsha(acquire_sha, *floor_acquire_args(f"bench:{i}", token, 30_000, owner))
         if not pipe.execute()[-1]:
             raise RuntimeError(f"plain+floor: bench:{i} is held")
         previous[:] = [f"bench:{i}", token, secrets.token_hex(8)]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -74,13 +77,19 @@ return 1
 
 def floor_owner() -> str:
     """An owner record of the form ours has (``Owner.to_json``: host, pid, thread)."""
-    import json
-    import os
-    import threading
-
     return json.dumps(
         {"host": os.uname().nodename, "pid": os.getpid(), "thread": threading.current_thread().name}
     )
+
+
+#: The floor's fence counter and its TTL (ours keeps one per database, a week).
+FLOOR_COUNTER = "bench:floor:fence"
+FLOOR_COUNTER_TTL_MS = 7 * 86_400_000
+
+
+def floor_acquire_args(key: str, token: str, ttl_ms: int, owner: str) -> tuple[Any, ...]:
+    """``FLOOR_ACQUIRE``'s ``EVALSHA`` arguments after the SHA: key count, KEYS, ARGV."""
+    return (2, key, FLOOR_COUNTER, token, ttl_ms, owner, FLOOR_COUNTER_TTL_MS)
 
 
 PEER_VENV = BENCH / ".peers"

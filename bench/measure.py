@@ -238,7 +238,7 @@ def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> Non
             continue
         spent = server_cpu(admin) - before
         stats = admin.info("commandstats")
-        calls = sum(v["calls"] for k, v in stats.items() if k.split("|")[0] not in ADMIN_COMMANDS)
+        calls = lock_calls(stats)
         subject.server_us = spent * 1e6 / cycles
         subject.server_calls = calls / cycles
 
@@ -246,6 +246,11 @@ def measure_server_cost(subjects: list[Subject], admin: Any, cycles: int) -> Non
 #: The runner's own commands around a measurement, left out of the counts (Redis 7 names
 #: a subcommand ``cmdstat_config|resetstat``: matched by the part before ``|``).
 ADMIN_COMMANDS = ("cmdstat_info", "cmdstat_config")
+
+
+def lock_calls(stats: dict[str, Any]) -> int:
+    """Commands ``INFO commandstats`` counted, the runner's own left out."""
+    return sum(v["calls"] for k, v in stats.items() if k.split("|")[0] not in ADMIN_COMMANDS)
 
 
 def server_cpu(admin: Any) -> float:
@@ -391,7 +396,7 @@ def _contend_once(
     stats = admin.info("commandstats")
     server = {
         "cpu": server_cpu(admin) - cpu,
-        "calls": sum(v["calls"] for k, v in stats.items() if k.split("|")[0] not in ADMIN_COMMANDS),
+        "calls": lock_calls(stats),
         "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
     }
     return per_process, start, end, server

@@ -17,6 +17,7 @@ import asyncio
 import gc
 import json
 import os
+import secrets
 import sys
 import time
 import traceback
@@ -127,7 +128,7 @@ class FencedFloor(Adapter):
 
     def __init__(self, url: str, name: str, ttl: float) -> None:
         import redis
-        from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_owner
+        from common import FLOOR_ACQUIRE, FLOOR_RELEASE, floor_acquire_args, floor_owner
 
         self.client = redis.Redis.from_url(url)
         self.ttl_ms = int(ttl * 1000)
@@ -138,17 +139,13 @@ class FencedFloor(Adapter):
         self.lock = name
         self.count = 0  # the release ids
         self.token = ""
+        self.acquire_args = floor_acquire_args
 
     def acquire(self) -> None:
-        import secrets
-
         self.count += 1
         self.token = secrets.token_hex(16)  # as ours: 16 random bytes per acquire
-        fence = self.client.evalsha(
-            self.acquire_sha, 2, self.lock, "bench:floor:fence", self.token, self.ttl_ms,
-            self.owner, 7 * 86_400_000,
-        )  # fmt: skip
-        if not fence:
+        args = self.acquire_args(self.lock, self.token, self.ttl_ms, self.owner)
+        if not self.client.evalsha(self.acquire_sha, *args):
             raise RuntimeError(f"fenced floor: {self.lock!r} is held")
 
     def release(self) -> None:
