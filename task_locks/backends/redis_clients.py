@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import socket
+import weakref
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Final
@@ -229,17 +231,85 @@ def send_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     that fails mid-exchange is dropped, never handed back with a reply unread.
     """
     pool = client.connection_pool
-    connection = get_connection(pool, str(commands[0][0]))
+    connection = checkout(pool, str(commands[0][0]))
     try:
         replies: list[Any] = connection.retry.call_with_retry(
             lambda: _exchange(connection, commands), lambda _error: connection.disconnect()
         )
     except BaseException:
         connection.disconnect()
-        raise
-    finally:
         pool.release(connection)
+        raise
+    checkin(pool, connection)
     return _answers(client, commands, replies)
+
+
+#: Connections our sync paths keep checked out of a plain pool between their exchanges,
+#: per pool (``None``: a pool they hand every connection back to).
+_kept: weakref.WeakKeyDictionary[Any, list[Any] | None] = weakref.WeakKeyDictionary()
+
+
+def checkout(pool: Any, command: str) -> Any:
+    """A connection of ``pool`` for one exchange, handed back with :func:`checkin` (or,
+    after a failure, closed and handed to ``pool.release``).
+
+    redis-py's checkout and check-in of a pooled connection (its lock, the connection
+    counts it records, a poll of the socket for unread data) cost as much client CPU
+    as the rest of a lock's request. Our exchanges never leave a reply unread (one that
+    fails closes its connection), so a connection kept checked out between them is
+    ready as it is: still the pool's (counted in use, closed by ``disconnect()``),
+    reconnected by redis-py if it was closed, and one the server closed while idle costs
+    the connection's one retry. Only a plain ``ConnectionPool`` without client-side
+    caching: a Sentinel pool checks at check-in whether a connection still reaches the
+    master, a blocking pool counts its waiters.
+    """
+    kept = _kept_for(pool)
+    connection = _take(kept) if kept else None
+    return get_connection(pool, command) if connection is None else connection
+
+
+def checkin(pool: Any, connection: Any) -> None:
+    """Keep ``connection`` (in step: every reply read) for the next :func:`checkout`."""
+    kept = _kept_for(pool)
+    if kept is None:
+        pool.release(connection)
+    else:
+        kept.append(connection)
+
+
+def _kept_for(pool: Any) -> list[Any] | None:
+    try:
+        return _kept[pool]
+    except KeyError:
+        plain = type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
+        kept: list[Any] | None = [] if plain else None
+        _kept[pool] = kept
+        return kept
+
+
+def _take(kept: list[Any]) -> Any:
+    """A kept connection, or ``None`` when another thread took the last one first. One
+    redis-py was asked to reconnect (its maintenance notifications) is closed first:
+    it reconnects as it sends."""
+    try:
+        connection = kept.pop()
+    except IndexError:
+        return None
+    if getattr(connection, "should_reconnect", _never)():
+        connection.disconnect()
+    return connection
+
+
+def _never() -> bool:
+    return False
+
+
+def _forget_kept() -> None:
+    """A forked child must not write to its parent's sockets: its pools start afresh."""
+    _kept.clear()
+
+
+os.register_at_fork(after_in_child=_forget_kept)
 
 
 def _answers(client: Any, commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
@@ -315,16 +385,16 @@ def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> 
     connection goes back to the pool; after a timeout it is dropped (its reply may still
     come, and must not be read as someone else's).
     """
-    connection = get_connection(pool, str(commands[0][0]))
+    connection = checkout(pool, str(commands[0][0]))
     try:
         set_socket_timeout(connection, timeout)
         replies = _exchange(connection, commands)
         set_socket_timeout(connection, None)  # back to the pool's own timeout
     except BaseException:
         connection.disconnect()
-        raise
-    finally:
         pool.release(connection)
+        raise
+    checkin(pool, connection)
     return replies
 
 

@@ -21,6 +21,7 @@ from redis.crc import key_slot
 from servers import RedisClusterNodes, RedisServer, wait_until
 
 from task_locks import BackendUnavailable, get_backend
+from task_locks.backends import redis_clients
 from task_locks.backends.redis import RedisBackend
 from task_locks.backends.redis_scripts import SCRIPTS, record_fields
 from task_locks.types import Owner
@@ -64,7 +65,7 @@ def _until_acknowledged(master: RedisServer) -> None:
 
 
 class _Thief:
-    """Another thread of the process, taking a pooled connection the moment it is freed.
+    """Another thread of the process, taking a connection the moment it is handed back.
 
     A client-side wrapper around the REAL pool (no server is faked): it reproduces, on
     every run, the interleaving that concurrent threads produce now and then: our
@@ -92,7 +93,17 @@ class _Thief:
                 if not self.taken:
                     self.taken.append(real_get())
 
+            # Our own exchanges keep their connection checked out between them: the
+            # next caller takes it from there (redis_clients.checkout), not the pool.
+            real_checkin = redis_clients.checkin
+
+            def checkin(pool: Any, connection: Any) -> None:
+                real_checkin(pool, connection)
+                if not self.taken:
+                    self.taken.append(redis_clients.checkout(pool, "PING"))
+
             monkeypatch.setattr(pool, "release", release)
+            monkeypatch.setattr(redis_clients, "checkin", checkin)
 
 
 def _load_scripts(port: int) -> None:

@@ -1,0 +1,115 @@
+"""The sync Redis path keeps its connection checked out between exchanges.
+
+redis-py's pool checkout and check-in cost as much client CPU as the rest of a lock's
+request, so :func:`~task_locks.backends.redis_clients.checkout` keeps the connection an
+exchange used for the next one. What must stay true, on a real server: a cycle opens no
+new connection and touches no pool; a connection the server closed while it was kept
+is replaced without the caller seeing an error; a forked child never writes to its
+parent's socket; an exchange that fails is never kept with its reply unread.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import redis
+
+from task_locks import BackendUnavailable, Lock, get_backend
+from task_locks.backends import redis_clients
+from task_locks.backends.redis import RedisBackend
+
+
+def _connections_received(port: int) -> int:
+    return int(redis.Redis(port=port).info("stats")["total_connections_received"])
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _client_id(client: Any) -> int:
+    (reply,) = redis_clients.send_commands(client, [("CLIENT", "ID")])
+    return int(reply)
+
+
+def test_lock_cycles_reuse_one_connection_and_leave_the_pool_alone(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+    lock = Lock("kept", ttl=30, backend=backend)
+    lock.acquire().release()
+    pool = backend.client.connection_pool
+    before = _connections_received(_port(redis_url))
+    checkouts = []
+    real_get = pool.get_connection
+    monkeypatch.setattr(pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
+    for _ in range(50):
+        lock.acquire().release()
+    # The probe's own INFO connection is the one new connection the server saw.
+    assert _connections_received(_port(redis_url)) - before <= 1
+    assert not checkouts, "a cycle took a connection from the pool"
+
+
+def test_a_connection_the_server_closed_while_kept_is_replaced(redis_url: str) -> None:
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+    lock = Lock("killed-while-kept", ttl=30, backend=backend)
+    lock.acquire().release()
+    kept = _client_id(backend.client)
+    redis.Redis.from_url(redis_url).client_kill_filter(_id=kept)
+    lease = lock.acquire(timeout=0)  # no error: the connection's one retry reconnects
+    lease.release()
+    assert _client_id(backend.client) != kept
+
+
+def test_a_forked_child_opens_its_own_connection(redis_url: str) -> None:
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+    parent = _client_id(backend.client)
+
+    def child(queue: Any) -> None:
+        # The child's copy of the backend (forked with the parent's kept connection).
+        queue.put(_client_id(backend.client))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue,))
+    process.start()
+    child_id = queue.get(timeout=10)
+    process.join(10)
+    assert process.exitcode == 0
+    assert child_id != parent, "the child wrote to its parent's socket"
+    assert _client_id(backend.client) == parent  # the parent's connection is undisturbed
+
+
+def test_a_failed_exchange_is_not_kept(redis_factory: Any) -> None:
+    """A call that timed out leaves its reply on the way: its connection is closed, and
+    the next call, on a fresh one, reads its own reply, not the late one."""
+    server = redis_factory()
+    backend = get_backend(server.url(socket_timeout=0.3))
+    assert isinstance(backend, RedisBackend)
+    first = _client_id(backend.client)
+    server.pause()
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            redis_clients.send_commands(backend.client, [("ECHO", "late")])
+    finally:
+        server.resume()
+    assert not redis_clients._kept[backend.client.connection_pool]
+    (reply,) = redis_clients.send_commands(backend.client, [("ECHO", "mine")])
+    assert reply in (b"mine", "mine")
+    assert _client_id(backend.client) != first
+    # And through a lock: an acquire that timed out (it may still run once the server
+    # resumes), then another lock's acquire, which reads its own answer.
+    server.pause()
+    try:
+        with pytest.raises(BackendUnavailable):
+            Lock("paused", ttl=5, backend=backend).acquire(timeout=0)
+    finally:
+        server.resume()
+    lease = Lock("after", ttl=5, backend=backend).acquire(timeout=0)
+    assert lease.name == "after"
+    lease.release()
