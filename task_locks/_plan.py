@@ -232,10 +232,12 @@ def run_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's blocking calls; return what the plan returns.
 
     A failed op, an interrupt included, is thrown into the plan, which may clean up."""
-    return run(plan, functools.partial(_answer, backend=backend))  # type: ignore[no-any-return]
+    return run(plan, functools.partial(answer, backend=backend))  # type: ignore[no-any-return]
 
 
-def _answer(op: Op, backend: Backend) -> Any:
+def answer(op: Op, backend: Backend) -> Any:
+    """``op``'s answer from the backend's blocking calls (a front end sends an acquire's
+    first try itself: :class:`task_locks.lock.LockBase`)."""
     match op:
         case Acquire(name, token, ttl_ms, owner, check):
             if check is None:
@@ -259,10 +261,11 @@ def _answer(op: Op, backend: Backend) -> Any:
 
 async def arun_against(plan: Plan[T], backend: Backend) -> T:
     """Run ``plan`` with the backend's asyncio calls; return what the plan returns."""
-    return await arun(plan, functools.partial(_aanswer, backend=backend))  # type: ignore[no-any-return]
+    return await arun(plan, functools.partial(aanswer, backend=backend))  # type: ignore[no-any-return]
 
 
-async def _aanswer(op: Op, backend: Backend) -> Any:
+async def aanswer(op: Op, backend: Backend) -> Any:
+    """:func:`answer` from the backend's asyncio calls."""
     match op:
         case Acquire(name, token, ttl_ms, owner, check):
             if check is None:

@@ -42,6 +42,8 @@ from ._plan import (
     Release,
     Unset,
     Wait,
+    aanswer,
+    answer,
     arun_against,
     entry_ms,
     handoff_slice,
@@ -819,21 +821,39 @@ class _Attempt:
         self.owner = current_owner()
         self.start = clock.monotonic()
         self.deadline = None if timeout is None else self.start + timeout
+        # The server hand-off's queue does not carry a run check: each try sends it.
+        self.handoff = isinstance(backend, ServerHandoff) and run is None
 
     def expired(self, now: float) -> bool:
         """Whether the acquire's wait is over (never with ``timeout=None``)."""
         return self.deadline is not None and now >= self.deadline
+
+    def try_op(self, sent_at: float) -> Acquire | Enqueue:
+        """One try, sent at ``sent_at``: a server hand-off's also queues the waiter,
+        unless it cannot wait (timeout 0, or the deadline passed)."""
+        if not self.handoff:
+            return Acquire(self.name, self.token, self.ttl_ms, self.owner, self.run)
+        wait_ms = 0 if self.expired(sent_at) else entry_ms(self.ttl)
+        return Enqueue(self.name, self.token, self.ttl_ms, self.owner, wait_ms)
+
+    def in_time(self, fence: int, sent_at: float) -> Granted | None:
+        """The grant of the try sent at ``sent_at`` if its reply came within its TTL,
+        the lease counting from that send (see :meth:`accept`)."""
+        now = self.clock.monotonic()
+        if now < sent_at + self.ttl - self.backend.clock_margin(self.ttl):
+            log.debug("acquired lock %r (fence %s)", self.name, fence)
+            report_acquired(self.name, self.backend, fence, self.owner, now - self.start)
+            return self.token, fence, sent_at
+        return None
 
     def accept(self, fence: int, sent_at: float) -> Plan[Granted | None]:
         """The grant of the try sent at ``sent_at``, the lease counting from that send;
         ``None`` (try again) if its reply came after its TTL: the lock may be someone
         else's by now, so it is given back (token-checked), not handed out as a dead lease.
         """
-        now = self.clock.monotonic()
-        if now < sent_at + self.ttl - self.backend.clock_margin(self.ttl):
-            log.debug("acquired lock %r (fence %s)", self.name, fence)
-            report_acquired(self.name, self.backend, fence, self.owner, now - self.start)
-            return self.token, fence, sent_at
+        granted = self.in_time(fence, sent_at)
+        if granted is not None:
+            return granted
         log.warning("lock %r: the acquire's reply came after the TTL; retrying", self.name)
         yield Release(self.name, self.token)
         if self.expired(self.clock.monotonic()):
@@ -883,12 +903,59 @@ class _Attempt:
             )
 
 
-def _plain_plan(attempt: _Attempt) -> Plan[Granted]:
+class FirstTry:
+    """An acquire's first try, sent by the front end itself rather than by a plan.
+
+    Most acquires are granted at their first try: that one is then answered with no
+    plan, generator or op loop at all (they cost as much client CPU as the request's
+    I/O). Only a try refused, failed or answered late goes on to the plan
+    (:func:`acquire_plan`), which takes its answer as its first try's and decides
+    everything from there as it always does. The decisions are made here, once; the
+    sync and asyncio front ends only send :attr:`op` (``answer`` / ``aanswer``).
+    """
+
+    __slots__ = ("attempt", "granted", "op", "outcome", "sent_at")
+
+    def __init__(self, attempt: _Attempt) -> None:
+        self.attempt = attempt
+        self.sent_at = attempt.clock.monotonic()
+        self.op = attempt.try_op(self.sent_at)
+        #: The try's answer, or what its call raised.
+        self.outcome: AcquireResult | BaseException | None = None
+        #: Set when the try took the lock in time: the acquire is over.
+        self.granted: Granted | None = None
+
+    def answered(self, result: AcquireResult) -> None:
+        self.outcome = result
+        if result.fence is not None:
+            self.granted = self.attempt.in_time(result.fence, self.sent_at)
+
+    def failed(self, error: BaseException) -> None:
+        self.outcome = error
+
+    def rest(self) -> Plan[Granted]:
+        """The plan that goes on from this try's answer."""
+        return acquire_plan(self.attempt, self)
+
+
+def acquire_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
+    """The acquire loop of ``attempt``'s protocol; ``first``: its first try, already sent."""
+    if attempt.handoff:
+        return _handoff_plan(attempt, first)
+    return _plain_plan(attempt, first)
+
+
+def _plain_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
     """Try; while held, wait for a release's wake-up or the holder's TTL, and try again."""
     a = attempt
     while True:
-        sent_at = a.clock.monotonic()
-        result: AcquireResult = yield Acquire(a.name, a.token, a.ttl_ms, a.owner, a.run)
+        if first is None:
+            sent_at = a.clock.monotonic()
+            result: AcquireResult = yield a.try_op(sent_at)
+        else:
+            sent_at = first.sent_at
+            result = yield from _answered(a, first.outcome, give_back=False)
+            first = None
         if result.fence is None:
             now = a.clock.monotonic()
             yield from a.refuse(result, now)
@@ -899,7 +966,7 @@ def _plain_plan(attempt: _Attempt) -> Plan[Granted]:
             return granted
 
 
-def _handoff_plan(attempt: _Attempt) -> Plan[Granted]:
+def _handoff_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
     """Each try also queues this waiter, and the wait is a short blocking pop of the grant
     a release makes inside the server.
 
@@ -913,12 +980,18 @@ def _handoff_plan(attempt: _Attempt) -> Plan[Granted]:
     grant_slice = handoff_slice(a.ttl)
     queued = False
     while True:
-        sent_at = a.clock.monotonic()
-        # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
-        wait_ms = 0 if a.expired(sent_at) else entry_ms(a.ttl)
-        queued = queued or wait_ms > 0
-        enqueue = Enqueue(a.name, a.token, a.ttl_ms, a.owner, wait_ms)
-        result: AcquireResult = yield from _leaving_if_failed(a, enqueue, give_back=a.may_give_back)
+        if first is None:
+            sent_at = a.clock.monotonic()
+            enqueue = a.try_op(sent_at)
+            queued = queued or (isinstance(enqueue, Enqueue) and enqueue.wait_ms > 0)
+            result: AcquireResult = yield from _leaving_if_failed(
+                a, enqueue, give_back=a.may_give_back
+            )
+        else:
+            sent_at = first.sent_at
+            queued = isinstance(first.op, Enqueue) and first.op.wait_ms > 0
+            result = yield from _answered(a, first.outcome, give_back=a.may_give_back)
+            first = None
         fence = result.fence
         if fence is None:
             now = a.clock.monotonic()
@@ -935,7 +1008,7 @@ def _handoff_plan(attempt: _Attempt) -> Plan[Granted]:
 
 
 def _leaving_if_failed(
-    attempt: _Attempt, op: Enqueue | AwaitGrant, *, give_back: bool
+    attempt: _Attempt, op: Acquire | Enqueue | AwaitGrant, *, give_back: bool
 ) -> Plan[Any]:
     """``op``'s answer. If it fails (a lost reply, or the waiter interrupted: cancelled,
     Ctrl-C, a task time limit) with its entry still queued and maybe a grant taken, the
@@ -952,9 +1025,19 @@ def _leaving_if_failed(
     except GeneratorExit:
         raise
     except BaseException as exc:
-        if give_back and _may_have_queued(exc):
+        return (yield from _answered(attempt, exc, give_back=give_back))
+
+
+def _answered(
+    attempt: _Attempt, outcome: AcquireResult | BaseException | None, *, give_back: bool
+) -> Plan[Any]:
+    """A try's answer, or (``outcome`` an error) what :func:`_leaving_if_failed` does
+    after a failed call: leave the queue if the call may have queued, then raise."""
+    if isinstance(outcome, BaseException):
+        if give_back and _may_have_queued(outcome):
             yield from _give_back(attempt.name, attempt.token)
-        raise
+        raise outcome
+    return outcome
 
 
 def _may_have_queued(exc: BaseException) -> bool:
@@ -1052,12 +1135,26 @@ class LockBase:
         acquire gives up (:class:`_Attempt`): :func:`_plain_plan`, where a release wakes
         the waiter to try again, or :func:`_handoff_plan`, where the release hands the
         lock to the queued waiter inside the server (a :class:`ServerHandoff` backend).
-
-        ``mine``: a lease of this lock that the calling thread or task holds (and who
-        that is): see :meth:`_Attempt.refuse`. :attr:`_token`: the token to acquire
-        under (Celery's publish-time lock), see :class:`_Attempt`.
+        ``acquire()`` sends the first try itself (:class:`FirstTry`, :meth:`_first_try`).
         """
-        attempt = _Attempt(
+        return acquire_plan(self._attempt(backend, timeout, mine))
+
+    def _first_try(
+        self,
+        backend: Backend,
+        timeout: float | None,
+        mine: tuple[LeaseBase, str] | None = None,
+    ) -> FirstTry:
+        """An acquire's first try, for the front end to send (see :class:`FirstTry`)."""
+        return FirstTry(self._attempt(backend, timeout, mine))
+
+    def _attempt(
+        self, backend: Backend, timeout: float | None, mine: tuple[LeaseBase, str] | None
+    ) -> _Attempt:
+        """``mine``: a lease of this lock that the calling thread or task holds (and who
+        that is): see :meth:`_Attempt.refuse`. :attr:`_token`: the token to acquire
+        under (Celery's publish-time lock), see :class:`_Attempt`."""
+        return _Attempt(
             self.name,
             self.effective_ttl,
             backend,
@@ -1068,10 +1165,6 @@ class LockBase:
             fresh_token=self._fresh_token,
             run=self._run,
         )
-        # The server hand-off's queue does not carry a run check: each try sends it.
-        if isinstance(backend, ServerHandoff) and self._run is None:
-            return (yield from _handoff_plan(attempt))
-        return (yield from _plain_plan(attempt))
 
     def _lease(
         self, cls: type[L], backend: Backend, name: str, token: str, fence: int, sent_at: float
@@ -1256,8 +1349,15 @@ class Lock(_SyncAcquire[Lease]):
         thread = threading.current_thread()
         holder = weakref.ref(thread)
         mine = self._held_here(backend, holder, f"thread ({thread.name})")
+        first = self._first_try(backend, self._timeout(timeout), mine)
         try:
-            granted = run_against(self._plan(backend, self._timeout(timeout), mine), backend)
+            try:
+                first.answered(answer(first.op, backend))
+            except BaseException as exc:  # the plan decides (a give-back), then raises
+                first.failed(exc)
+            granted = first.granted
+            if granted is None:
+                granted = run_against(first.rest(), backend)
         except BackendUnavailable as exc:
             events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise
@@ -1282,8 +1382,15 @@ class AsyncLock(_AsyncAcquire[AsyncLease]):
         holder = None if task is None else weakref.ref(task)
         name = task.get_name() if task is not None else "?"
         mine = self._held_here(backend, holder, f"task ({name})")
+        first = self._first_try(backend, self._timeout(timeout), mine)
         try:
-            granted = await arun_against(self._plan(backend, self._timeout(timeout), mine), backend)
+            try:
+                first.answered(await aanswer(first.op, backend))
+            except BaseException as exc:  # the plan decides (a give-back), then raises
+                first.failed(exc)
+            granted = first.granted
+            if granted is None:
+                granted = await arun_against(first.rest(), backend)
         except BackendUnavailable as exc:
             events.emit(events.Error(name=self.name, backend=backend.server, reason=str(exc)))
             raise
