@@ -129,6 +129,7 @@ __all__ = [
     "current_runtime",
     "in_driver",
     "mark_driver",
+    "report_dropped",
     "retry_delay",
     "use_runtime",
 ]
@@ -344,6 +345,19 @@ class RenewBatch:
     timeout: float
 
 
+def report_dropped(name: str, fence: int | None) -> None:
+    """A renewed lease was garbage-collected while held: a `lost` this process will not
+    see otherwise (logged once, by the events' logging subscriber)."""
+    events.emit(
+        events.Lost(
+            name=name,
+            fence=fence,
+            reason=events.LostReason.DROPPED,
+            message=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
+        )
+    )
+
+
 class RenewalQueue:
     """A lane's leases by next renewal time, and what a batch's answers mean. No I/O.
 
@@ -433,15 +447,8 @@ class RenewalQueue:
                     dropped.append(top)
                 else:
                     batches.setdefault(lease.backend, []).append(lease)
-        for entry in dropped:  # a `lost` this process will not see otherwise (logged once)
-            events.emit(
-                events.Lost(
-                    name=entry.name,
-                    fence=entry.fence,
-                    reason=events.LostReason.DROPPED,
-                    message=f"{GC_REASON}; keep the lease and release() it (or use `with`)",
-                )
-            )
+        for entry in dropped:
+            report_dropped(entry.name, entry.fence)
         return batches
 
     def start(self, backend: Backend, leases: list[Renewable]) -> RenewBatch | None:

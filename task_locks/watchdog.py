@@ -61,6 +61,7 @@ from .leasing import (
     RenewBatch,
     in_driver,
     mark_driver,
+    report_dropped,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +88,10 @@ log = logging.getLogger("task_locks.watchdog")
 #: A lane's thread (and the deadline watch, and the callback thread) exits after this
 #: long with nothing to do.
 IDLE_EXIT = 5.0
+#: The deadline watch looks at the leases offered to it (:class:`_Pending`) at least this
+#: often while it watches any: a lease whose first renewal is due later (a TTL of 3 s or
+#: more) costs no registration at acquire, and none at all if released before the look.
+LOOK_EVERY = 1.0
 #: User callbacks waiting for the callback thread, at most (more are dropped, logged).
 CALLBACK_QUEUE = 10_000
 
@@ -180,6 +185,8 @@ class _IdleExitThread:
         """Wait on ``_cond`` (held) until ``until``, or until woken (:meth:`_wake_for`)."""
         self._wake_at = until
         self._cond.wait(max(0.0, until - now))
+        # Awake, it promises nothing until it sleeps again (see _Pending).
+        self._wake_at = -math.inf
         self.wakeups += 1
 
     def _wake_for(self, due: float) -> None:
@@ -216,13 +223,18 @@ class ThreadLane(_IdleExitThread):
         self._in_flight = 0  # calls out (under _cond)
 
     def add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
+        _pending.take(lease, renewal=True)  # scheduled here now, not by the watch's look
+        self._add(lease, due, earlier_only)
+
+    def _add(self, lease: Renewable, due: float | None = None, earlier_only: bool = False) -> None:
         self.schedule.add(lease, due, earlier_only)
         with self._cond:
             if self._start():
                 self._wake_at = -math.inf
 
     def remove(self, lease: Renewable) -> None:
-        self.schedule.remove(lease)
+        if not _pending.take(lease, renewal=True):
+            self.schedule.remove(lease)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -473,6 +485,9 @@ class DeadlineWatch(_IdleExitThread):
     def _loop(self) -> None:
         while True:
             with self._cond:
+                # Leases offered since the last look go to the heap and their lanes now,
+                # before the thread decides how long to sleep (or to exit).
+                _pending.hand_over(self.heap)
                 now = time.monotonic()
                 if self.heap.next_deadline() is None:
                     if self._idle(now):
@@ -483,13 +498,132 @@ class DeadlineWatch(_IdleExitThread):
                 if not expired:
                     deadline = self.heap.next_deadline()
                     if deadline is not None:
-                        self._sleep(now, deadline)
+                        # Looking at least every LOOK_EVERY while it watches anything, it
+                        # can take offers of leases needed from then on (_Pending).
+                        self._sleep(now, min(deadline, now + LOOK_EVERY))
                     continue
             for lease in expired:  # outside the lock: marking lost takes other locks
                 try:
                     lease._deadline_passed()
                 except Exception:
                     log.exception("marking lock %r lost at its deadline failed", lease.name)
+
+
+class _Offer:
+    """One lease :class:`_Pending` holds: what the watch's next look hands on for it."""
+
+    __slots__ = ("fence", "lane", "name", "ref", "watched")
+
+    def __init__(self, lease: Renewable) -> None:
+        self.ref = weakref.ref(lease)
+        self.name = lease.name
+        self.fence: int | None = getattr(lease, "fence", None)
+        #: The lane that renews it, until the look hands it there.
+        self.lane: ThreadLane | None = None
+        #: Whether the look puts it on the deadline heap.
+        self.watched = False
+
+
+class _Pending:
+    """Leases offered to the deadline watch's next look instead of registered at once.
+
+    Putting a lease on the watch's heap and in its renewal lane's schedule at acquire,
+    and taking it off both at release, cost more client CPU than the rest of an
+    uncontended acquire and release together, and most leases are released long before
+    either is needed (their first renewal is due a third of the TTL in). So a lease is
+    only *offered*: kept in a dict, handed to the heap and its lane at the watch
+    thread's next look (:meth:`hand_over`), and simply forgotten if released first.
+
+    The watch thread looks every time it wakes; asleep, it publishes when it will wake
+    (``_wake_at``; awake, ``-inf``: no promise). An offer is taken only if that is no
+    later than the lease is first needed (its first renewal, or its deadline); else the
+    lease is registered at once as before. Since the offer is in the dict before the
+    promise is read, and the thread withdraws its promise on waking before it looks,
+    a look by the promised time always finds it. Offers, their withdrawal (:meth:`take`:
+    a release, a lost lease, a lane's own scheduling) and the hand-over all hold
+    ``lock``, so a lease is handed on exactly when nobody took it back first.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._offers: dict[int, _Offer] = {}
+
+    def offer(self, lease: Renewable, needed_by: float, lane: ThreadLane | None = None) -> bool:
+        """Offer ``lease`` to its ``lane`` (``None``: to the deadline heap), needed there
+        by ``needed_by`` (monotonic); ``False``: register it now instead."""
+        watch = deadline_watch()
+        dropped: _Offer | None = None
+        with self.lock:
+            key = id(lease)
+            offer = self._offers.get(key)
+            if offer is None or offer.ref() is not lease:  # a collected lease's id, reused
+                if offer is not None and offer.lane is not None:
+                    dropped = offer
+                offer = self._offers[key] = _Offer(lease)
+            if lane is None:
+                offer.watched = True
+            else:
+                offer.lane = lane
+            # Read after the offer is in: see the class docstring.
+            taken = watch._thread is not None and needed_by >= watch._wake_at
+            if not taken:
+                if lane is None:
+                    offer.watched = False
+                else:
+                    offer.lane = None
+                if offer.lane is None and not offer.watched:
+                    del self._offers[key]
+        if dropped is not None:
+            report_dropped(dropped.name, dropped.fence)
+        return taken
+
+    def take(self, lease: Renewable, renewal: bool) -> bool:
+        """Take back ``lease``'s offer to its lane (``renewal``) or to the heap: ``True``
+        if it was still offered, so nothing of it was registered there."""
+        if not self._offers:  # nothing offered: no lock needed to know
+            return False
+        with self.lock:
+            key = id(lease)
+            offer = self._offers.get(key)
+            if offer is None or offer.ref() is not lease:
+                return False
+            if renewal:
+                if offer.lane is None:
+                    return False
+                offer.lane = None
+            else:
+                if not offer.watched:
+                    return False
+                offer.watched = False
+            if offer.lane is None and not offer.watched:
+                del self._offers[key]
+            return True
+
+    def hand_over(self, heap: DeadlineHeap) -> None:
+        """The watch's look: every offer to ``heap`` and to its lane (the watch thread)."""
+        if not self._offers:
+            return
+        dropped: list[_Offer] = []
+        with self.lock:
+            for offer in self._offers.values():
+                lease = offer.ref()
+                if lease is None:
+                    if offer.lane is not None:
+                        dropped.append(offer)
+                    continue
+                if offer.watched:
+                    heap.add(lease)
+                if offer.lane is not None:
+                    # Earlier only: a renewal asked for sooner meanwhile keeps its time.
+                    offer.lane._add(lease, earlier_only=True)
+            # Emptied only now: a take() that found the dict empty without the lock
+            # must not run before the leases it would take back are registered.
+            self._offers.clear()
+        for offer in dropped:
+            report_dropped(offer.name, offer.fence)
+
+
+_pending = _Pending()
 
 
 class CallbackThread:
@@ -542,15 +676,24 @@ class ProcessRuntime:
     clock = SYSTEM_CLOCK
 
     def schedule(self, lease: Renewable, asynchronous: bool) -> Lane:
-        lane = async_renewer().add(lease) if asynchronous else thread_renewer().add(lease)
+        lane: Lane
+        if asynchronous:
+            lane = async_renewer().add(lease)
+        else:
+            thread_lane: ThreadLane = thread_renewer().lanes.get(lease, asynchronous=False)
+            if not _pending.offer(lease, lease._book.next_renewal(), thread_lane):
+                thread_lane._add(lease)
+            lane = thread_lane
         notices.listen(lease)  # a renewed lease also hears of a force release at once
         return lane
 
     def watch(self, lease: Renewable) -> None:
-        deadline_watch().add(lease)
+        if not _pending.offer(lease, lease._expires_mono):
+            deadline_watch().add(lease)
 
     def unwatch(self, lease: Renewable) -> None:
-        deadline_watch().remove(lease)
+        if not _pending.take(lease, renewal=False):
+            deadline_watch().remove(lease)
         notices.forget(lease)
 
     def run_callback(self, lease: Renewable, callback: Callable[[], object]) -> None:
@@ -634,8 +777,10 @@ def _after_fork_in_child() -> None:
     tasks do (when the fork happened inside a running event loop): they stop at their
     next wake-up (they check the pid), and their lanes are forgotten.
     """
+    global _pending
     for singleton in (_thread_renewer, _deadline_watch, _callback_thread):
         singleton.forget()
+    _pending = _Pending()
     for renewer in list(_async_renewers.values()):
         for lane in list(renewer.lanes._lanes.values()):
             # A fresh one: the old one's lock may be held by a dead thread.
