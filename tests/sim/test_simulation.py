@@ -97,13 +97,15 @@ def test_the_checker_catches_a_lease_counted_from_its_reply(
     is found at once (``make sim-mutants`` does this for every fixed bug)."""
     import task_locks.lock as lock_module
 
-    real_plan = lock_module.LockBase._plan
+    # Where every acquire (its first try's fast path and the plan's later tries alike)
+    # decides from when its lease counts.
+    real_in_time = lock_module._Attempt.in_time
 
-    def counted_from_the_reply(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        token, fence, _ = yield from real_plan(self, *args, **kwargs)
-        return token, fence, lock_module.time.monotonic()
+    def counted_from_the_reply(self, fence, sent_at):  # type: ignore[no-untyped-def]
+        granted = real_in_time(self, fence, sent_at)
+        return None if granted is None else (granted[0], granted[1], self.clock.monotonic())
 
-    monkeypatch.setattr(lock_module.LockBase, "_plan", counted_from_the_reply)
+    monkeypatch.setattr(lock_module._Attempt, "in_time", counted_from_the_reply)
     failing, _, _ = sim.explore(range(20))
     assert failing
 
