@@ -46,7 +46,7 @@ clock like this (``FakeRuntime`` in tests/core/test_leasing.py is a complete one
     with use_runtime(SimRuntime(clock)):
         lease = Lock("a", ttl=3, backend=sim_backend).acquire(0)   # or step lock._plan()
 
-The acquire's send time is read from the same clock (``LockBase._plan``), so the lease
+The acquire's send time is read from the same clock (``LockBase._attempt``), so the lease
 counts from virtual time. ``lease.renew(ttl)`` is, without its I/O:
 ``call = lease._begin_renew(ttl)``, then ``lease._finish_renew(call, ok, ttl is not None)``
 or ``lease._renew_call_failed(call)``. A lane's batch: ``take_due``/``start``/``complete``

@@ -5,7 +5,8 @@ The acquire loop (token, deadline, waiting for the holder) is written once, as a
 ``Release``, ``Wait``) and receives the answers; ``_plan.run_against`` runs it
 against a backend's sync methods and ``_plan.arun_against`` against its async ones, so sync and async
 share every decision and differ only in how they talk to the server. The semaphore's
-loop (:mod:`task_locks.semaphore`) is driven by the same two functions.
+loop (:mod:`task_locks.semaphore`) is driven by the same two functions. An acquire's
+first try is sent by the front end itself (:class:`FirstTry`): granted, it needs no plan.
 
 :class:`LockBase` and :class:`LeaseBase` are internal too: the semaphore and the election
 build on them; the package does not export them.
