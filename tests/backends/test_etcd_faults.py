@@ -406,6 +406,7 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
 
     fired: dict[str, bool]
     subject: Lease | None
+    told = ""
     if operation == "acquire":
         fired = aim_fault(client, rig.proxy, path, fault, delay)
         lease = granted(Lock(name, ttl=TTL, backend=client, renew=False).acquire(timeout=5))
@@ -458,10 +459,13 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
                 ]
     # A released key's lease is revoked by the backend's revoker thread, after release()
     # returned: that request may not have been sent yet (CI failed on it). Any other
-    # path's request was sent in the call, and this returns at once.
-    wait_until(lambda: fired["fired"], SETTLE, f"the fault to hit {path}")
-    if fault in ("drop_reply", "reset", "late_request"):
-        assert rig.proxy.settled.wait(SETTLE), _unsettled(rig.proxy)
+    # path's request was sent in the call, and this returns at once. A release whose own
+    # delete failed (on a loaded machine, past its 0.3 s timeout: CI failed on it too)
+    # queues no revoke, since the key may still be on that lease: its fault never fires.
+    if not (operation == "release" and path == "/lease/revoke" and told == "unavailable"):
+        wait_until(lambda: fired["fired"], SETTLE, f"the fault to hit {path}")
+        if fault in ("drop_reply", "reset", "late_request"):
+            assert rig.proxy.settled.wait(SETTLE), _unsettled(rig.proxy)
     if subject is not None:
         rig.check_held(subject, rival)
     rig.check_expiries()
