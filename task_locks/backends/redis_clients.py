@@ -387,6 +387,10 @@ def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> 
     """
     connection = checkout(pool, str(commands[0][0]))
     try:
+        # A kept connection may have been closed meanwhile (the pool's disconnect()):
+        # connected first, so that the bound applies to this exchange's read too.
+        if getattr(connection, "_sock", None) is None:
+            connection.connect()
         set_socket_timeout(connection, timeout)
         replies = _exchange(connection, commands)
         set_socket_timeout(connection, None)  # back to the pool's own timeout

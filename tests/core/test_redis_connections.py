@@ -104,3 +104,27 @@ def test_a_failed_exchange_is_not_kept(redis_factory: Any) -> None:
     lease = Lock("after", ttl=5, backend=backend).acquire(timeout=0)
     assert lease.name == "after"
     lease.release()
+
+
+def test_a_bounded_call_on_a_kept_connection_closed_meanwhile_is_still_bounded(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal's call is bounded by the validity left; a kept connection that the
+    pool's ``disconnect()`` closed meanwhile is connected first, so that its exchange
+    reads with that bound, not the connection's own socket timeout."""
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+    pool = backend.client.connection_pool
+    _client_id(backend.client)  # one connection kept
+    pool.disconnect()
+    timeouts: list[float | None] = []
+    real_exchange = redis_clients._exchange
+
+    def exchange(connection: Any, commands: Any) -> Any:
+        timeouts.append(connection._sock.gettimeout())
+        return real_exchange(connection, commands)
+
+    monkeypatch.setattr(redis_clients, "_exchange", exchange)
+    (reply,) = redis_clients.send_bounded(pool, 0.3, [("PING",)])
+    assert reply in (b"PONG", "PONG", True)
+    assert timeouts == [0.3]
