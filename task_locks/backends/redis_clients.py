@@ -388,8 +388,9 @@ def send_bounded(pool: Any, timeout: float, commands: list[tuple[Any, ...]]) -> 
     connection = checkout(pool, str(commands[0][0]))
     try:
         # A kept connection may have been closed meanwhile (the pool's disconnect()):
-        # connected first, so that the bound applies to this exchange's read too.
-        if getattr(connection, "_sock", None) is None:
+        # connected first, so that the bound applies to this exchange's read too. (Only
+        # a redis-py connection, whose socket is ``_sock``; the pool connects any other.)
+        if getattr(connection, "_sock", False) is None:
             connection.connect()
         set_socket_timeout(connection, timeout)
         replies = _exchange(connection, commands)
