@@ -564,8 +564,10 @@ class _Pending:
                 offer.watched = True
             else:
                 offer.lane = lane
-            # Read after the offer is in: see the class docstring.
-            taken = watch._thread is not None and needed_by >= watch._wake_at
+            # Read after the offer is in: see the class docstring. Awake (-inf), the
+            # thread promises nothing: it may have looked already and be about to sleep.
+            promise = watch._wake_at
+            taken = watch._thread is not None and -math.inf < promise <= needed_by
             if not taken:
                 if lane is None:
                     offer.watched = False

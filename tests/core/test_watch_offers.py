@@ -32,15 +32,17 @@ def looking(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
     yield 0.1
 
 
-def _asleep_with_promise(url: str, within: float, beyond: float = -math.inf) -> None:
+def _asleep_with_promise(url: str, within: float, beyond: float = 0.02) -> None:
     """Make the watch watch something, and wait until it sleeps promising a look within
-    ``within`` seconds (and not before ``beyond``)."""
+    ``within`` seconds and not before ``beyond`` (so that an acquire made right after
+    lands in that sleep: awake, the watch promises nothing)."""
     keeper = Lock("offers:keeper", ttl=60, backend=url).acquire(timeout=0)
     watch = watchdog.deadline_watch()
     watch._wake_for(-math.inf)  # re-read its sleep with the patched LOOK_EVERY
 
     def promised() -> bool:
-        return beyond <= watch._wake_at - time.monotonic() <= within
+        promise = watch._wake_at
+        return math.isfinite(promise) and beyond <= promise - time.monotonic() <= within
 
     wait_until(promised, 5, "the watch to sleep with a promise")
     _kept.append(keeper)
@@ -141,7 +143,7 @@ def test_releases_racing_the_looks_leave_nothing_registered(
     wins each race (a release's take-back or the look's hand-over), no released lease is
     left in a lane or on the heap, and none is reported lost."""
     monkeypatch.setattr(watchdog, "LOOK_EVERY", 0.001)
-    _asleep_with_promise(redis_url, 0.01)
+    _asleep_with_promise(redis_url, 0.01, beyond=0.0)
     lost: list[object] = []
     subscription = events.subscribe(lost.append, kinds={events.EventKind.LOST})
     backend = get_backend(redis_url)
@@ -167,3 +169,20 @@ def test_releases_racing_the_looks_leave_nothing_registered(
     assert events.flush(5.0)
     subscription.close()
     assert not lost
+
+
+def test_a_lease_offered_while_the_watch_is_awake_is_registered_at_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Awake, the watch promises nothing: it may have looked already and be about to
+    sleep until a later deadline, past the new lease's first renewal. (Made
+    deterministic by marking the sleeping watch awake, as it is between its look and
+    its sleep.)"""
+    monkeypatch.setattr(watchdog, "LOOK_EVERY", 2.0)
+    _asleep_with_promise(redis_url, 2.0, beyond=1.0)
+    watch = watchdog.deadline_watch()
+    monkeypatch.setattr(watch, "_wake_at", -math.inf)
+    lease = Lock("offers:awake", ttl=0.6, backend=redis_url).acquire(timeout=0)
+    assert not _offered(lease) and _scheduled(lease)
+    wait_until(lambda: lease.renewals >= 1, 2, "a renewal")
+    lease.release()
