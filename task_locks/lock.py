@@ -6,7 +6,7 @@ The acquire loop (token, deadline, waiting for the holder) is written once, as a
 against a backend's sync methods and ``_plan.arun_against`` against its async ones, so sync and async
 share every decision and differ only in how they talk to the server. The semaphore's
 loop (:mod:`task_locks.semaphore`) is driven by the same two functions. An acquire's
-first try is sent by the front end itself (:class:`FirstTry`): granted, it needs no plan.
+first try is sent by the front end itself (:class:`_FirstTry`): granted, it needs no plan.
 
 :class:`LockBase` and :class:`LeaseBase` are internal too: the semaphore and the election
 build on them; the package does not export them.
@@ -904,13 +904,13 @@ class _Attempt:
             )
 
 
-class FirstTry:
+class _FirstTry:
     """An acquire's first try, sent by the front end itself rather than by a plan.
 
     Most acquires are granted at their first try: that one is then answered with no
     plan, generator or op loop at all (they cost as much client CPU as the request's
     I/O). Only a try refused, failed or answered late goes on to the plan
-    (:func:`acquire_plan`), which takes its answer as its first try's and decides
+    (:func:`_acquire_plan`), which takes its answer as its first try's and decides
     everything from there as it always does. The decisions are made here, once; the
     sync and asyncio front ends only send :attr:`op` (``answer`` / ``aanswer``).
     """
@@ -936,17 +936,17 @@ class FirstTry:
 
     def rest(self) -> Plan[Granted]:
         """The plan that goes on from this try's answer."""
-        return acquire_plan(self.attempt, self)
+        return _acquire_plan(self.attempt, self)
 
 
-def acquire_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
+def _acquire_plan(attempt: _Attempt, first: _FirstTry | None = None) -> Plan[Granted]:
     """The acquire loop of ``attempt``'s protocol; ``first``: its first try, already sent."""
     if attempt.handoff:
         return _handoff_plan(attempt, first)
     return _plain_plan(attempt, first)
 
 
-def _plain_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
+def _plain_plan(attempt: _Attempt, first: _FirstTry | None = None) -> Plan[Granted]:
     """Try; while held, wait for a release's wake-up or the holder's TTL, and try again."""
     a = attempt
     while True:
@@ -967,7 +967,7 @@ def _plain_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Grante
             return granted
 
 
-def _handoff_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Granted]:
+def _handoff_plan(attempt: _Attempt, first: _FirstTry | None = None) -> Plan[Granted]:
     """Each try also queues this waiter, and the wait is a short blocking pop of the grant
     a release makes inside the server.
 
@@ -983,16 +983,14 @@ def _handoff_plan(attempt: _Attempt, first: FirstTry | None = None) -> Plan[Gran
     while True:
         if first is None:
             sent_at = a.clock.monotonic()
-            enqueue = a.try_op(sent_at)
-            queued = queued or (isinstance(enqueue, Enqueue) and enqueue.wait_ms > 0)
-            result: AcquireResult = yield from _leaving_if_failed(
-                a, enqueue, give_back=a.may_give_back
-            )
+            op = a.try_op(sent_at)
+            result: AcquireResult = yield from _leaving_if_failed(a, op, give_back=a.may_give_back)
         else:
-            sent_at = first.sent_at
-            queued = isinstance(first.op, Enqueue) and first.op.wait_ms > 0
+            sent_at, op = first.sent_at, first.op
             result = yield from _answered(a, first.outcome, give_back=a.may_give_back)
             first = None
+        # Not queued by a try that cannot wait (timeout 0, or the deadline passed).
+        queued = queued or (isinstance(op, Enqueue) and op.wait_ms > 0)
         fence = result.fence
         if fence is None:
             now = a.clock.monotonic()
@@ -1136,18 +1134,18 @@ class LockBase:
         acquire gives up (:class:`_Attempt`): :func:`_plain_plan`, where a release wakes
         the waiter to try again, or :func:`_handoff_plan`, where the release hands the
         lock to the queued waiter inside the server (a :class:`ServerHandoff` backend).
-        ``acquire()`` sends the first try itself (:class:`FirstTry`, :meth:`_first_try`).
+        ``acquire()`` sends the first try itself (:class:`_FirstTry`, :meth:`_first_try`).
         """
-        return acquire_plan(self._attempt(backend, timeout, mine))
+        return _acquire_plan(self._attempt(backend, timeout, mine))
 
     def _first_try(
         self,
         backend: Backend,
         timeout: float | None,
         mine: tuple[LeaseBase, str] | None = None,
-    ) -> FirstTry:
-        """An acquire's first try, for the front end to send (see :class:`FirstTry`)."""
-        return FirstTry(self._attempt(backend, timeout, mine))
+    ) -> _FirstTry:
+        """An acquire's first try, for the front end to send (see :class:`_FirstTry`)."""
+        return _FirstTry(self._attempt(backend, timeout, mine))
 
     def _attempt(
         self, backend: Backend, timeout: float | None, mine: tuple[LeaseBase, str] | None
