@@ -285,12 +285,17 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
 
     # Counted in the driver (psycopg's cursor_factory, which Django's cursors come from
     # too), so statements the backend sends on raw driver cursors are counted as well.
-    idle = [w.connection for w in backend.idle_connections() if w.connection is not None]
+    # The backend keeps a driver cursor with each connection: dropped before, so that the
+    # counted cycle makes counting ones, and after, so that the timed cycles count nothing.
+    wrappers = [w for w in backend.idle_connections() if w.connection is not None]
+    idle = [w.connection for w in wrappers]
     factories = [raw.cursor_factory for raw in idle]
-    for raw, factory in zip(idle, factories, strict=True):
+    for wrapper, raw, factory in zip(wrappers, idle, factories, strict=True):
+        wrapper.task_locks_cursor = None
         raw.cursor_factory = counting(factory)
     lock.acquire(timeout=5).release()
-    for raw, factory in zip(idle, factories, strict=True):
+    for wrapper, raw, factory in zip(wrappers, idle, factories, strict=True):
+        wrapper.task_locks_cursor = None
         raw.cursor_factory = factory
 
     wrapper = backend.new_connection()  # the pool's settings: same options, own connection

@@ -108,6 +108,7 @@ class _Dialect:
 
     def __init__(self, vendor: str) -> None:
         self.vendor = vendor
+        self._take_pg: str | None = None
         if vendor == "postgresql":
             self.now = "now()"
             self.later = "now() + %s * interval '1 millisecond'"
@@ -193,6 +194,13 @@ class _Dialect:
         )
 
     def take_pg_sql(self) -> str:
+        """:meth:`_take_pg_sql`, built once (a dialect's SQL never changes)."""
+        sql = self._take_pg
+        if sql is None:
+            sql = self._take_pg = self._take_pg_sql()
+        return sql
+
+    def _take_pg_sql(self) -> str:
         """PostgreSQL: the whole acquire as ONE statement (one round trip, one commit).
 
         Parameters by name: ``name``, ``token``, ``owner``, ``ttl``. The sub-statements:
@@ -329,6 +337,60 @@ class _ConnectionCutter:
 
 _cutter = _ConnectionCutter()
 os.register_at_fork(after_in_child=_cutter.after_fork)
+
+
+class _Call:
+    """One call on a pooled connection, within ``seconds``: the connection checked out
+    and connected, its deadline armed; after the call, back to the pool (a failed or
+    cut one thrown away: it may be mid-reply), and a database error raised as
+    ``BackendUnavailable`` (:class:`_NotConnected` if it never connected)."""
+
+    __slots__ = ("armed", "backend", "connected", "name", "seconds", "wrapper")
+
+    def __init__(self, backend: DjangoBackend, name: str | None, seconds: float) -> None:
+        self.backend, self.name, self.seconds = backend, name, seconds
+        self.wrapper: Any = None
+        self.armed: _Deadline | None = None
+        self.connected = False
+
+    def __enter__(self) -> Any:
+        try:
+            self.wrapper = self.backend._pool.checkout()
+            self.armed = self.backend._arm(self.wrapper, self.seconds)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self.connected = True
+        return self.wrapper
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> None:
+        from django.db import Error as DatabaseError
+
+        wrapper, armed, pool = self.wrapper, self.armed, self.backend._pool
+        cut = armed is not None and _cutter.disarm(armed)
+        if wrapper is not None:
+            if exc is None and not cut:
+                pool.checkin(wrapper)
+            else:
+                pool.discard(wrapper)  # failed, or done but cut at the last moment
+        if isinstance(exc, DatabaseError):
+            raise self.backend._unavailable(
+                exc, cut, self.connected, self.seconds, self.name
+            ) from exc
+
+
+def _kept_cursor(wrapper: Any) -> Any:
+    """The driver cursor kept with ``wrapper``'s connection (made anew for a new one).
+
+    A cursor is reusable: each ``execute`` replaces its results. It is the connection's,
+    so a connection that reconnected gets its own; one that failed is thrown away with
+    its wrapper (:class:`_Call`).
+    """
+    connection = wrapper.connection
+    kept = getattr(wrapper, "task_locks_cursor", None)
+    if kept is None or kept[0] is not connection:
+        kept = wrapper.task_locks_cursor = (connection, connection.cursor())
+    return kept[1]
 
 
 class _Pool:
@@ -585,19 +647,11 @@ class DjangoBackend(Backend, RunChecked):
         (Django's hook for instrumenting queries) keeps Django's cursor, so that they
         see every statement.
         """
-        from django.db import Error as DatabaseError
-
         seconds = self.timeout if budget is None else budget
-        wrapper = None
-        armed: _Deadline | None = None
-        connected = False
-        try:
-            wrapper = self._pool.checkout()
-            armed = self._arm(wrapper, seconds)
-            connected = True
-            if driver and not wrapper.execute_wrappers:  # _arm connected it
-                with wrapper.wrap_database_errors, wrapper.connection.cursor() as cursor:
-                    yield cursor
+        with _Call(self, name, seconds) as wrapper:
+            if driver and not wrapper.execute_wrappers:  # _Call connected it
+                with wrapper.wrap_database_errors:
+                    yield _kept_cursor(wrapper)
                 return
             with wrapper.cursor() as cursor:
                 if transaction:
@@ -610,33 +664,42 @@ class DjangoBackend(Backend, RunChecked):
                     cursor.execute("COMMIT")
                 else:
                     yield cursor
-        except DatabaseError as exc:
-            cut = armed is not None and _cutter.disarm(armed)
-            if wrapper is not None:
-                self._pool.discard(wrapper)
-            wrapper = None
-            hint = ""
-            text = str(exc).lower()
-            if cut:
-                hint = f" (no answer within {seconds:g}s: the outcome is unknown)"
-            elif "no such table" in text or "does not exist" in text or "doesn't exist" in text:
-                hint = " (has `manage.py migrate` been run for the task_locks app?)"
-            raise (BackendUnavailable if connected else _NotConnected)(
-                f"lock database {self.server} failed: {exc}{hint}", name=name, server=self.server
-            ) from exc
-        except BaseException:
-            if armed is not None:
-                _cutter.disarm(armed)
-            if wrapper is not None:
-                self._pool.discard(wrapper)
-            wrapper = None
-            raise
-        finally:
-            if wrapper is not None:
-                if armed is not None and _cutter.disarm(armed):
-                    self._pool.discard(wrapper)  # done, but cut at the last moment
-                else:
-                    self._pool.checkin(wrapper)
+
+    def _one_row(self, name: str, sql: str, params: Any) -> Any:
+        """One statement on PostgreSQL, through the driver's cursor: its first row.
+
+        The acquire's and the release's only request: what ``_cursor(name,
+        driver=True)`` does, without its generator (as much client CPU as the rest of
+        the call's Python).
+        """
+        with _Call(self, name, self.timeout) as wrapper:
+            if wrapper.execute_wrappers:  # Django's cursor, so that they see it
+                with wrapper.cursor() as cursor:
+                    cursor.execute(sql, params)
+                    return cursor.fetchone()
+            with wrapper.wrap_database_errors:
+                cursor = _kept_cursor(wrapper)
+                cursor.execute(sql, params)
+                return cursor.fetchone()
+
+    def _unavailable(
+        self,
+        exc: Exception,
+        cut: bool,
+        connected: bool,
+        seconds: float,
+        name: str | None,
+    ) -> BackendUnavailable:
+        """A database error as the lock's error, with what it most likely means."""
+        hint = ""
+        text = str(exc).lower()
+        if cut:
+            hint = f" (no answer within {seconds:g}s: the outcome is unknown)"
+        elif "no such table" in text or "does not exist" in text or "doesn't exist" in text:
+            hint = " (has `manage.py migrate` been run for the task_locks app?)"
+        return (BackendUnavailable if connected else _NotConnected)(
+            f"lock database {self.server} failed: {exc}{hint}", name=name, server=self.server
+        )
 
     @property
     def dialect(self) -> _Dialect:
@@ -777,9 +840,7 @@ class DjangoBackend(Backend, RunChecked):
         snapshot (the next statement sees the winner's row)."""
         params = {"name": key, "token": token, "owner": owner, "ttl": ttl_ms}
         for _ in range(RACE_RETRIES):
-            with self._cursor(name, driver=True) as cursor:
-                cursor.execute(self.dialect.take_pg_sql(), params)
-                fence, holder_token, *holder = cursor.fetchone()
+            fence, holder_token, *holder = self._one_row(name, self.dialect.take_pg_sql(), params)
             if fence is not None:
                 return AcquireResult(int(fence))
             if holder_token is not None and holder_token != token:
@@ -853,23 +914,23 @@ class DjangoBackend(Backend, RunChecked):
             where += " AND fence = %s"
             params.append(fence)
         delete = f"DELETE FROM {LOCKS} WHERE {where} AND expires_at > {self.dialect.now}"
-        postgres = self.dialect.vendor == "postgresql"
-        with self._cursor(name, driver=postgres) as cursor:
-            if postgres:
-                # One round trip: the NOTIFY rides in the DELETE's statement (sent at
-                # commit). A token-checked release commits without waiting for its WAL
-                # flush: a crash can only bring the row back until its TTL (as if this
-                # holder had died before releasing), and any acquire that saw the row gone
-                # flushes this commit with its own, the WAL being one sequence. A force
-                # release also tells the holder's process (FORCED_CHANNEL).
-                relaxed = ", set_config('synchronous_commit', 'off', true)" if token else ""
-                forced = "" if token else ", pg_notify(%s, fence || '|' || name)"
-                cursor.execute(
-                    f"WITH d AS ({delete} RETURNING name, fence) SELECT pg_notify(%s, name)"
-                    f"{relaxed}{forced} FROM d",
-                    [*params, CHANNEL, *([] if token else [FORCED_CHANNEL])],
-                )
-                return cursor.fetchone() is not None
+        if self.dialect.vendor == "postgresql":
+            # One round trip: the NOTIFY rides in the DELETE's statement (sent at
+            # commit). A token-checked release commits without waiting for its WAL
+            # flush: a crash can only bring the row back until its TTL (as if this
+            # holder had died before releasing), and any acquire that saw the row gone
+            # flushes this commit with its own, the WAL being one sequence. A force
+            # release also tells the holder's process (FORCED_CHANNEL).
+            relaxed = ", set_config('synchronous_commit', 'off', true)" if token else ""
+            forced = "" if token else ", pg_notify(%s, fence || '|' || name)"
+            row = self._one_row(
+                name,
+                f"WITH d AS ({delete} RETURNING name, fence) SELECT pg_notify(%s, name)"
+                f"{relaxed}{forced} FROM d",
+                [*params, CHANNEL, *([] if token else [FORCED_CHANNEL])],
+            )
+            return row is not None
+        with self._cursor(name) as cursor:
             cursor.execute(delete, params)
             return bool(cursor.rowcount > 0)
 

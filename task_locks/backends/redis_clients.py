@@ -312,11 +312,18 @@ def _forget_kept() -> None:
 os.register_at_fork(after_in_child=_forget_kept)
 
 
+#: Commands redis-py has no response callback for: the script calls, every lock request.
+#: (Its callback table is case-insensitive: a look-up costs as much as the rest of this.)
+_NO_CALLBACK = frozenset({"EVALSHA", "EVAL"})
+
+
 def _answers(client: Any, commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
     """``replies`` through ``client``'s response callbacks, as its command path has them
     (none for script calls; ``SET`` -> ``True``, ...); error replies stay as they are."""
     callbacks = client.response_callbacks
     for index, command in enumerate(commands):
+        if command[0] in _NO_CALLBACK:  # a script's reply is as it came
+            continue
         callback = callbacks.get(command[0])
         if callback is not None and not isinstance(replies[index], BaseException):
             replies[index] = callback(replies[index])

@@ -261,6 +261,35 @@ def test_prepared_statements_unless_the_alias_declares_a_pooler(
     assert (prepared == 0) if pooler else (prepared > 0), prepared
 
 
+@pytest.mark.skipif("pg" not in settings.DATABASES, reason="no PostgreSQL on 127.0.0.1:5432")
+@pytest.mark.django_db(transaction=True, databases=ALIASES)
+def test_a_connection_keeps_its_driver_cursor_and_a_dead_one_goes_with_it() -> None:
+    """A pooled PostgreSQL connection runs its statements on one kept driver cursor (a
+    new one per call cost about a tenth of a cycle's client CPU). A connection the
+    server ended goes, cursor and all, and the next call runs on a fresh one."""
+    backend = DjangoBackend("django://pg")
+    try:
+        for _ in range(3):
+            assert backend.acquire("kept-cursor", "t", 5_000, Owner()).acquired
+            assert backend.release("kept-cursor", "t")
+        wrapper = backend.idle_connections()[-1]  # the next checkout's (the pool is LIFO)
+        connection, cursor = wrapper.task_locks_cursor
+        assert connection is wrapper.connection and not cursor.closed
+        assert backend.acquire("kept-cursor", "t", 5_000, Owner()).acquired
+        assert wrapper.task_locks_cursor[1] is cursor, "the same cursor, used again"
+        with connections["pg"].cursor() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [connection.info.backend_pid])
+        with pytest.raises(BackendUnavailable):  # a release is never retried: unknown
+            backend.release("kept-cursor", "t")
+        # Still held by "t" (nothing reached the server): taken again on a new connection.
+        assert backend.acquire("kept-cursor", "t", 5_000, Owner()).acquired
+        assert backend.release("kept-cursor", "t")
+        fresh = backend.idle_connections()[-1]
+        assert fresh is not wrapper and fresh.task_locks_cursor[1] is not cursor
+    finally:
+        backend.close()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_processes_never_overlap_on_sqlite(tmp_path: Path) -> None:
     sections = sorted(_run_workers("django://default", "sqlite-contended", 8, tmp_path))
