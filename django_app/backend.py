@@ -966,7 +966,8 @@ class DjangoBackend(Backend, RunChecked):
         check = f"SELECT 1 FROM {LOCKS} WHERE name = %s AND expires_at > now()"
         with self._cursor(name, budget=deadline - time.monotonic() + self.timeout) as cursor:
             raw = cursor.db.connection
-            if not hasattr(raw, "notifies"):
+            # psycopg 3's notifies() waits; psycopg2's ``notifies`` is a list it fills.
+            if not callable(getattr(raw, "notifies", None)):
                 return False
             cursor.execute(f"LISTEN {CHANNEL}")
             try:
