@@ -83,9 +83,11 @@ from .redis_clients import (
     SYNC,
     ClientFactory,
     aexchange,
+    areturn_kept,
     asend_commands,
     can_send_direct,
     can_send_direct_async,
+    kept_count,
     only_reply,
     send_bounded,
     send_commands,
@@ -1184,6 +1186,7 @@ def _close_with_loop(client: Any) -> AsyncIterator[None] | None:
                 if getattr(asyncio.get_running_loop(), "_asyncgens_shutdown_called", False):
                     await _until_idle(pools)  # other generators are being closed beside it
                 for pool in pools:
+                    await areturn_kept(pool)  # idle, kept between exchanges
                     await pool.disconnect(inuse_connections=False)
 
     generator = closer()
@@ -1207,7 +1210,7 @@ async def _until_idle(pools: list[Any]) -> None:
     for _ in range(3):  # the generators finalized beside this one start first
         await asyncio.sleep(0)
     while loop.time() < deadline and any(
-        getattr(pool, "_in_use_connections", None) for pool in pools
+        len(getattr(pool, "_in_use_connections", ())) > kept_count(pool) for pool in pools
     ):
         await asyncio.sleep(0.005)
 

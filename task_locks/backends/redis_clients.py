@@ -4,6 +4,7 @@ and asyncio alike (:class:`ClientFactory`), and the connection classes they need
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import os
@@ -26,6 +27,7 @@ import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import InvalidArgument
 from ._redis_compat import aget_connection, get_connection, pack_command, set_socket_timeout
@@ -281,7 +283,7 @@ def _kept_for(pool: Any) -> list[Any] | None:
     try:
         return _kept[pool]
     except KeyError:
-        plain = type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
+        plain = type(pool) in _PLAIN_POOLS and getattr(pool, "cache", None) is None
         kept: list[Any] | None = [] if plain else None
         _kept[pool] = kept
         return kept
@@ -302,6 +304,45 @@ def _take(kept: list[Any]) -> Any:
 
 def _never() -> bool:
     return False
+
+
+#: The pools whose connections our exchanges keep (:func:`checkout`, :func:`acheckout`).
+_PLAIN_POOLS = (redis.ConnectionPool, redis.asyncio.ConnectionPool)
+
+
+async def acheckout(pool: Any, command: str) -> Any:
+    """:func:`checkout` for a ``redis.asyncio`` pool (one per event loop: a kept
+    connection never crosses loops). Its checkout is dearer still: a lock, connection
+    counts, and a check of the socket for unread data."""
+    kept = _kept_for(pool)
+    connection = kept.pop() if kept else None  # one thread (the loop's): no race
+    if connection is None:
+        return await aget_connection(pool, command)
+    if getattr(connection, "should_reconnect", _never)():
+        await connection.disconnect()  # it reconnects as it sends
+    return connection
+
+
+async def acheckin(pool: Any, connection: Any) -> None:
+    """:func:`checkin` for a ``redis.asyncio`` pool."""
+    kept = _kept_for(pool)
+    if kept is None:
+        await pool.release(connection)
+    else:
+        kept.append(connection)
+
+
+async def areturn_kept(pool: Any) -> None:
+    """Hand the connections kept from ``pool`` back to it (idle, every reply read): a
+    closing event loop's client then closes them with its idle ones."""
+    kept = _kept.get(pool)
+    while kept:
+        await pool.release(kept.pop())
+
+
+def kept_count(pool: Any) -> int:
+    """How many of ``pool``'s connections in use are only kept (idle, between exchanges)."""
+    return len(_kept.get(pool) or ())
 
 
 def _forget_kept() -> None:
@@ -342,7 +383,7 @@ def only_reply(replies: list[Any]) -> Any:
 async def aexchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """The asyncio twin of :func:`_exchange` (the same packing, awaited I/O), on a
     connection the caller checked out and drops if this raises."""
-    await connection.send_packed_command(_pack(connection, commands))
+    await _asend(connection, _pack(connection, commands))
     replies: list[Any] = []
     for _ in commands:
         try:
@@ -350,6 +391,40 @@ async def aexchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[An
         except ResponseError as exc:
             replies.append(exc)
     return replies
+
+
+async def _asend(connection: Any, packed: list[bytes]) -> None:
+    """``connection.send_packed_command(packed)``, without its task per call.
+
+    redis-py bounds every write with ``asyncio.wait_for``, which makes a task and a
+    timer for each request: about a tenth of an asyncio lock cycle's client CPU. A
+    write the transport takes at once needs no bound; only a drain that has to wait
+    (a server that stopped reading) gets one, the socket timeout, and failures end
+    as redis-py's do (the connection closed, its errors). A connection not connected,
+    or with a health check due, goes through redis-py's own send.
+    """
+    writer = getattr(connection, "_writer", None)
+    timeout = getattr(connection, "socket_timeout", None)
+    if writer is None or not timeout or getattr(connection, "health_check_interval", True):
+        await connection.send_packed_command(packed)
+        return
+    try:
+        if writer.transport.is_closing():
+            raise RedisConnectionError("Connection closed by the server before write")
+        writer.writelines(packed)
+        if writer.transport.get_write_buffer_size():  # not all taken: wait, bounded
+            async with asyncio.timeout(timeout):
+                await writer.drain()
+    except TimeoutError as exc:
+        writer.transport.abort()  # its unsent bytes go too (a close would wait to flush them)
+        await connection.disconnect(nowait=True)
+        raise RedisTimeoutError("Timeout writing to socket") from exc
+    except OSError as exc:
+        await connection.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+    except BaseException:
+        await connection.disconnect(nowait=True)
+        raise
 
 
 def can_send_direct_async(client: Any) -> bool:
@@ -372,16 +447,16 @@ async def asend_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[A
     itself when interrupted; a failure anywhere else in the exchange closes it here.
     """
     pool = client.connection_pool
-    connection = await aget_connection(pool, str(commands[0][0]))
+    connection = await acheckout(pool, str(commands[0][0]))
     try:
         replies: list[Any] = await connection.retry.call_with_retry(
             lambda: aexchange(connection, commands), lambda _error: connection.disconnect()
         )
     except BaseException:
         await connection.disconnect(nowait=True)
-        raise
-    finally:
         await pool.release(connection)
+        raise
+    await acheckin(pool, connection)
     return _answers(client, commands, replies)
 
 

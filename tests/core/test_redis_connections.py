@@ -1,4 +1,4 @@
-"""The sync Redis path keeps its connection checked out between exchanges.
+"""The Redis paths (sync and asyncio) keep their connection checked out between exchanges.
 
 redis-py's pool checkout and check-in cost as much client CPU as the rest of a lock's
 request, so :func:`~task_locks.backends.redis_clients.checkout` keeps the connection an
@@ -10,13 +10,14 @@ parent's socket; an exchange that fails is never kept with its reply unread.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 from typing import Any
 
 import pytest
 import redis
 
-from task_locks import BackendUnavailable, Lock, get_backend
+from task_locks import AsyncLock, BackendUnavailable, Lock, get_backend
 from task_locks.backends import redis_clients
 from task_locks.backends.redis import RedisBackend
 
@@ -128,3 +129,107 @@ def test_a_bounded_call_on_a_kept_connection_closed_meanwhile_is_still_bounded(
     (reply,) = redis_clients.send_bounded(pool, 0.3, [("PING",)])
     assert reply in (b"PONG", "PONG", True)
     assert timeouts == [0.3]
+
+
+# -- the asyncio path: the same keeping, one event loop's client at a time ---------------
+
+
+async def _aclient_id(client: Any) -> int:
+    (reply,) = await redis_clients.asend_commands(client, [("CLIENT", "ID")])
+    return int(reply)
+
+
+def test_async_lock_cycles_reuse_one_connection_and_leave_the_pool_alone(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        lock = AsyncLock("kept-async", ttl=30, backend=backend)
+        await (await lock.acquire()).release()
+        client = backend._async_client()
+        kept = await _aclient_id(client)
+        pool = client.connection_pool
+        checkouts = []
+        real_get = pool.get_connection
+        monkeypatch.setattr(pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
+        for _ in range(50):
+            await (await lock.acquire()).release()
+        assert not checkouts, "a cycle took a connection from the pool"
+        assert await _aclient_id(client) == kept, "a cycle used another connection"
+
+    asyncio.run(main())
+
+
+def test_an_async_connection_the_server_closed_while_kept_is_replaced(redis_url: str) -> None:
+    backend = get_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        lock = AsyncLock("killed-while-kept-async", ttl=30, backend=backend)
+        await (await lock.acquire()).release()
+        kept = await _aclient_id(backend._async_client())
+        redis.Redis.from_url(redis_url).client_kill_filter(_id=kept)
+        lease = await lock.acquire(timeout=0)  # no error: the connection's retry reconnects
+        await lease.release()
+        assert await _aclient_id(backend._async_client()) != kept
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["timed out", "cancelled"])
+def test_an_async_exchange_that_failed_is_not_kept(redis_factory: Any, how: str) -> None:
+    """A call that timed out, or whose task was cancelled, leaves its reply on the way:
+    its connection is closed, and the next call reads its own reply, not the late one."""
+    server = redis_factory()
+    backend = get_backend(server.url(socket_timeout=0.3))
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        client = backend._async_client()
+        first = await _aclient_id(client)
+        server.pause()
+        try:
+            call = redis_clients.asend_commands(client, [("ECHO", "late")])
+            if how == "timed out":
+                with pytest.raises(redis.exceptions.TimeoutError):
+                    await call
+            else:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        await call
+        finally:
+            server.resume()
+        assert not redis_clients._kept[client.connection_pool]
+        (reply,) = await redis_clients.asend_commands(client, [("ECHO", "mine")])
+        assert reply in (b"mine", "mine")
+        assert await _aclient_id(client) != first
+
+    asyncio.run(main())
+
+
+def test_an_async_write_the_server_does_not_read_is_bounded(redis_factory: Any) -> None:
+    """A write the transport cannot take at once (a paused server stops reading) waits
+    at most the socket timeout, then fails as redis-py's own send does: its connection
+    closed, not kept."""
+    server = redis_factory()
+    backend = get_backend(server.url(socket_timeout=0.3))
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        client = backend._async_client()
+        await _aclient_id(client)
+        server.pause()
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(redis.exceptions.TimeoutError):  # more than the socket buffers
+                await redis_clients.asend_commands(client, [("ECHO", "x" * (64 << 20))])
+            assert asyncio.get_running_loop().time() - started < 5
+        finally:
+            server.resume()
+        assert not redis_clients._kept[client.connection_pool]
+        (reply,) = await redis_clients.asend_commands(client, [("ECHO", "mine")])
+        assert reply in (b"mine", "mine")
+
+    asyncio.run(main())

@@ -85,7 +85,16 @@ class _Thief:
                 if not self.taken:
                     self.taken.append(await real_get())
 
+            # As below: the next caller takes a kept connection (redis_clients.acheckout).
+            real_acheckin = redis_clients.acheckin
+
+            async def acheckin(pool: Any, connection: Any) -> None:
+                await real_acheckin(pool, connection)
+                if not self.taken:
+                    self.taken.append(await redis_clients.acheckout(pool, "PING"))
+
             monkeypatch.setattr(pool, "release", arelease)
+            monkeypatch.setattr(redis_clients, "acheckin", acheckin)
         else:
 
             def release(connection: Any) -> None:
