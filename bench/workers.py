@@ -417,15 +417,22 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     from task_locks.watchdog import thread_renewer
 
     backend: Any = get_backend(url)
-    calls: list[tuple[int, float]] = []
+    # (leases sent, seconds, leases renewed) per call, noted as the call returns: the
+    # window's renewals are counted from the same calls as its round trips (a lease's
+    # own count moves a moment later, after a call that may have returned before the
+    # window opened).
+    calls: list[tuple[int, float, int]] = []
     original = backend.renew_many
 
     def counted(items: Any, **options: Any) -> Any:  # counts without changing behaviour
         t0 = time.perf_counter()
+        renewed = 0
         try:
-            return original(items, **options)
+            answers = original(items, **options)
+            renewed = sum(1 for ok in answers if ok)
+            return answers
         finally:
-            calls.append((len(items), time.perf_counter() - t0))
+            calls.append((len(items), time.perf_counter() - t0, renewed))
 
     backend.renew_many = counted
     raw = redis.Redis.from_url(url)
@@ -448,11 +455,10 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
         raise RuntimeError("the renewal thread is not running")
     clock = time.pthread_getcpuclockid(thread.ident)
 
-    def snapshot() -> tuple[int, float, int, int, float, float]:
+    def snapshot() -> tuple[float, int, int, float, float]:
         stats = raw.info("commandstats")
         cpu = raw.info("cpu")
         return (
-            sum(lease.renewals for lease in held),
             time.clock_gettime(clock),
             len(calls),
             sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info"),
@@ -463,9 +469,9 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
     before = snapshot()
     time.sleep(periods * ttl / 3)
     after = snapshot()
-    renewed = after[0] - before[0]
+    window = calls[before[1] : after[1]]
+    renewed = sum(count for _, _, count in window)
     rounds = renewed / leases
-    window = calls[before[2] : after[2]]
     lost = sum(1 for lease in held + kept if lease.lost.is_set())
     if rounds <= 0:
         raise RuntimeError(f"no renewal round completed in the window ({renewed} renewals)")
@@ -474,13 +480,13 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
         "ttl": ttl,
         "setup_s": setup,
         "rounds": rounds,
-        "cpu_per_round_s": (after[1] - before[1]) / rounds,
-        "process_cpu_per_round_s": (after[5] - before[5]) / rounds,
-        "calls_per_round": (after[2] - before[2]) / rounds,
-        "server_commands_per_round": (after[3] - before[3]) / rounds,
-        "server_cpu_per_round_s": (after[4] - before[4]) / rounds,
-        "batch_sizes": [size for size, _ in window],
-        "batch_seconds": [seconds for _, seconds in window],
+        "cpu_per_round_s": (after[0] - before[0]) / rounds,
+        "process_cpu_per_round_s": (after[4] - before[4]) / rounds,
+        "calls_per_round": (after[1] - before[1]) / rounds,
+        "server_commands_per_round": (after[2] - before[2]) / rounds,
+        "server_cpu_per_round_s": (after[3] - before[3]) / rounds,
+        "batch_sizes": [size for size, _, _ in window],
+        "batch_seconds": [seconds for _, seconds, _ in window],
         "memory_per_lease": (current - base) / leases,
         "peak_memory_per_lease": (peak - base) / leases,
         "lost": lost,

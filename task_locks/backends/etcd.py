@@ -1163,12 +1163,18 @@ class EtcdBackend(Backend, RunChecked):
     def _watch(self, client: etcd3gw.Etcd3Client, request: dict[str, Any], timeout: float) -> None:
         """Return at the first DELETE event on the key, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        response = client.session.post(
-            client.get_url("/watch"),
-            json=request,
-            stream=True,
-            timeout=(self.timeout, max(0.001, timeout)),
-        )
+        try:
+            response = client.session.post(
+                client.get_url("/watch"),
+                json=request,
+                stream=True,
+                timeout=(self.timeout, max(0.001, timeout)),
+            )
+        except requests.ReadTimeout:
+            # The gateway sends its headers with the watch's first message, which a loaded
+            # server may send after a short wait has run out: the wait's normal end too.
+            # (One that cannot connect still fails; the caller's next try finds the rest.)
+            return
         try:
             response.raise_for_status()
             for line in response.iter_lines():

@@ -1153,6 +1153,9 @@ class RedisBackend(Backend, RunChecked):
 async def _aclose_client(client: Any) -> None:
     for sentinel in getattr(client, "task_locks_sentinels", ()):
         await sentinel.aclose()
+    pool = getattr(client, "connection_pool", None)  # a cluster client has none
+    if pool is not None:
+        await areturn_kept(pool)  # closed with the rest, not left kept
     await client.aclose()
 
 

@@ -9,7 +9,6 @@ import functools
 import inspect
 import os
 import socket
-import weakref
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Final
@@ -246,9 +245,14 @@ def send_commands(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     return _answers(client, commands, replies)
 
 
-#: Connections our sync paths keep checked out of a plain pool between their exchanges,
-#: per pool (``None``: a pool they hand every connection back to).
-_kept: weakref.WeakKeyDictionary[Any, list[Any] | None] = weakref.WeakKeyDictionary()
+#: The pool attribute holding the connections our exchanges keep checked out of it
+#: between them: ``(fork generation, list)``, the list ``None`` for a pool they hand
+#: every connection back to. On the pool, so that it goes with the pool: a kept
+#: connection refers to its pool (redis-py 8's maintenance handler), and a registry
+#: keyed by pool would keep every pool alive that way.
+_KEPT = "task_locks_kept"
+#: Bumped in a forked child: the lists its parent kept are not its own.
+_generation = [0]
 
 
 def checkout(pool: Any, command: str) -> Any:
@@ -280,13 +284,18 @@ def checkin(pool: Any, connection: Any) -> None:
 
 
 def _kept_for(pool: Any) -> list[Any] | None:
-    try:
-        return _kept[pool]
-    except KeyError:
-        plain = type(pool) in _PLAIN_POOLS and getattr(pool, "cache", None) is None
-        kept: list[Any] | None = [] if plain else None
-        _kept[pool] = kept
-        return kept
+    entry = getattr(pool, _KEPT, None)
+    if entry is not None and entry[0] == _generation[0]:
+        return entry[1]  # type: ignore[no-any-return]
+    plain = type(pool) in _PLAIN_POOLS and getattr(pool, "cache", None) is None
+    kept: list[Any] | None = [] if plain else None
+    setattr(pool, _KEPT, (_generation[0], kept))
+    return kept
+
+
+def kept_connections(pool: Any) -> list[Any]:
+    """The connections kept from ``pool`` now (idle, between exchanges)."""
+    return list(_kept_for(pool) or ())
 
 
 def _take(kept: list[Any]) -> Any:
@@ -319,7 +328,11 @@ async def acheckout(pool: Any, command: str) -> Any:
     if connection is None:
         return await aget_connection(pool, command)
     if getattr(connection, "should_reconnect", _never)():
-        await connection.disconnect()  # it reconnects as it sends
+        try:
+            await connection.disconnect()  # it reconnects as it sends
+        except BaseException:  # cancelled, or its close timed out: the pool's again
+            await pool.release(connection)
+            raise
     return connection
 
 
@@ -335,19 +348,19 @@ async def acheckin(pool: Any, connection: Any) -> None:
 async def areturn_kept(pool: Any) -> None:
     """Hand the connections kept from ``pool`` back to it (idle, every reply read): a
     closing event loop's client then closes them with its idle ones."""
-    kept = _kept.get(pool)
+    kept = _kept_for(pool)
     while kept:
         await pool.release(kept.pop())
 
 
 def kept_count(pool: Any) -> int:
     """How many of ``pool``'s connections in use are only kept (idle, between exchanges)."""
-    return len(_kept.get(pool) or ())
+    return len(_kept_for(pool) or ())
 
 
 def _forget_kept() -> None:
     """A forked child must not write to its parent's sockets: its pools start afresh."""
-    _kept.clear()
+    _generation[0] += 1
 
 
 os.register_at_fork(after_in_child=_forget_kept)
@@ -415,13 +428,21 @@ async def _asend(connection: Any, packed: list[bytes]) -> None:
         if writer.transport.get_write_buffer_size():  # not all taken: wait, bounded
             async with asyncio.timeout(timeout):
                 await writer.drain()
-    except TimeoutError as exc:
-        writer.transport.abort()  # its unsent bytes go too (a close would wait to flush them)
-        await connection.disconnect(nowait=True)
-        raise RedisTimeoutError("Timeout writing to socket") from exc
     except OSError as exc:
+        if isinstance(exc, TimeoutError) and exc.errno is None:  # our bound ran out
+            writer.transport.abort()  # its unsent bytes go too (a close would flush them)
+            await connection.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from exc
+        # Any other (ETIMEDOUT from the OS included): the connection is dead, not slow.
         await connection.disconnect(nowait=True)
         raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+    except (TypeError, AttributeError) as exc:
+        # Some Pythons leak these from a transport the server closed meanwhile
+        # (CPython gh-136234), as redis-py's own send notes.
+        await connection.disconnect(nowait=True)
+        if writer.transport.is_closing():
+            raise RedisConnectionError("Connection closed by the server while writing") from exc
+        raise
     except BaseException:
         await connection.disconnect(nowait=True)
         raise

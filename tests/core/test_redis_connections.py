@@ -11,11 +11,14 @@ parent's socket; an exchange that fails is never kept with its reply unread.
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
+import weakref
 from typing import Any
 
 import pytest
 import redis
+from servers import wait_until
 
 from task_locks import AsyncLock, BackendUnavailable, Lock, get_backend
 from task_locks.backends import redis_clients
@@ -90,7 +93,7 @@ def test_a_failed_exchange_is_not_kept(redis_factory: Any) -> None:
             redis_clients.send_commands(backend.client, [("ECHO", "late")])
     finally:
         server.resume()
-    assert not redis_clients._kept[backend.client.connection_pool]
+    assert not redis_clients.kept_count(backend.client.connection_pool)
     (reply,) = redis_clients.send_commands(backend.client, [("ECHO", "mine")])
     assert reply in (b"mine", "mine")
     assert _client_id(backend.client) != first
@@ -151,12 +154,13 @@ def test_async_lock_cycles_reuse_one_connection_and_leave_the_pool_alone(
         client = backend._async_client()
         kept = await _aclient_id(client)
         pool = client.connection_pool
-        checkouts = []
-        real_get = pool.get_connection
-        monkeypatch.setattr(pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
+        calls = []
+        real_get, real_release = pool.get_connection, pool.release
+        monkeypatch.setattr(pool, "get_connection", lambda *a: calls.append(1) or real_get(*a))
+        monkeypatch.setattr(pool, "release", lambda *a: calls.append(1) or real_release(*a))
         for _ in range(50):
             await (await lock.acquire()).release()
-        assert not checkouts, "a cycle took a connection from the pool"
+        assert not calls, "a cycle took a connection from the pool or gave one back"
         assert await _aclient_id(client) == kept, "a cycle used another connection"
 
     asyncio.run(main())
@@ -201,7 +205,7 @@ def test_an_async_exchange_that_failed_is_not_kept(redis_factory: Any, how: str)
                         await call
         finally:
             server.resume()
-        assert not redis_clients._kept[client.connection_pool]
+        assert not redis_clients.kept_count(client.connection_pool)
         (reply,) = await redis_clients.asend_commands(client, [("ECHO", "mine")])
         assert reply in (b"mine", "mine")
         assert await _aclient_id(client) != first
@@ -224,12 +228,42 @@ def test_an_async_write_the_server_does_not_read_is_bounded(redis_factory: Any) 
         try:
             started = asyncio.get_running_loop().time()
             with pytest.raises(redis.exceptions.TimeoutError):  # more than the socket buffers
-                await redis_clients.asend_commands(client, [("ECHO", "x" * (64 << 20))])
-            assert asyncio.get_running_loop().time() - started < 5
+                await redis_clients.asend_commands(client, [("ECHO", "x" * (16 << 20))])
+            assert asyncio.get_running_loop().time() - started < 2
         finally:
             server.resume()
-        assert not redis_clients._kept[client.connection_pool]
+        assert not redis_clients.kept_count(client.connection_pool)
         (reply,) = await redis_clients.asend_commands(client, [("ECHO", "mine")])
         assert reply in (b"mine", "mine")
 
     asyncio.run(main())
+
+
+def test_an_async_client_closed_keeps_no_connection_and_no_pool(redis_url: str) -> None:
+    """``aclose()`` closes the kept connection with the others, and nothing of ours
+    keeps the closed client's pool alive (a kept connection refers to its pool)."""
+    backend = get_backend(f"{redis_url}?prefix=closed-kept:")  # a client of its own
+    assert isinstance(backend, RedisBackend)
+    admin = redis.Redis.from_url(redis_url)
+
+    async def main() -> weakref.ref[Any]:
+        lock = AsyncLock("closed-kept", ttl=30, backend=backend)
+        await (await lock.acquire()).release()
+        client = backend._async_client()
+        kept = await _aclient_id(client)
+        assert redis_clients.kept_count(client.connection_pool) == 1
+        await backend.aclose()
+        assert not redis_clients.kept_count(client.connection_pool)
+        wait_until(
+            lambda: kept not in {int(c["id"]) for c in admin.client_list()},
+            5,
+            "the kept connection to close",
+        )
+        return weakref.ref(client.connection_pool)
+
+    try:
+        pool = asyncio.run(main())
+    finally:
+        admin.close()
+    gc.collect()
+    assert pool() is None, "the closed client's pool is still alive"
