@@ -293,11 +293,6 @@ def _kept_for(pool: Any) -> list[Any] | None:
     return kept
 
 
-def kept_connections(pool: Any) -> list[Any]:
-    """The connections kept from ``pool`` now (idle, between exchanges)."""
-    return list(_kept_for(pool) or ())
-
-
 def _take(kept: list[Any]) -> Any:
     """A kept connection, or ``None`` when another thread took the last one first. One
     redis-py was asked to reconnect (its maintenance notifications) is closed first:
@@ -428,23 +423,19 @@ async def _asend(connection: Any, packed: list[bytes]) -> None:
         if writer.transport.get_write_buffer_size():  # not all taken: wait, bounded
             async with asyncio.timeout(timeout):
                 await writer.drain()
-    except OSError as exc:
+    except BaseException as exc:
+        closed = writer.transport.is_closing()
+        # Any unsent bytes go with the connection (a close would wait to flush them).
+        writer.transport.abort()
+        await connection.disconnect(nowait=True)
         if isinstance(exc, TimeoutError) and exc.errno is None:  # our bound ran out
-            writer.transport.abort()  # its unsent bytes go too (a close would flush them)
-            await connection.disconnect(nowait=True)
             raise RedisTimeoutError("Timeout writing to socket") from exc
-        # Any other (ETIMEDOUT from the OS included): the connection is dead, not slow.
-        await connection.disconnect(nowait=True)
-        raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
-    except (TypeError, AttributeError) as exc:
-        # Some Pythons leak these from a transport the server closed meanwhile
-        # (CPython gh-136234), as redis-py's own send notes.
-        await connection.disconnect(nowait=True)
-        if writer.transport.is_closing():
+        if isinstance(exc, OSError):  # ETIMEDOUT from the OS too: dead, not slow
+            raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+        if isinstance(exc, TypeError | AttributeError) and closed:
+            # Some Pythons leak these from a transport the server closed meanwhile
+            # (CPython gh-136234), as redis-py's own send notes.
             raise RedisConnectionError("Connection closed by the server while writing") from exc
-        raise
-    except BaseException:
-        await connection.disconnect(nowait=True)
         raise
 
 

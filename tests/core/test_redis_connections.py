@@ -213,10 +213,12 @@ def test_an_async_exchange_that_failed_is_not_kept(redis_factory: Any, how: str)
     asyncio.run(main())
 
 
-def test_an_async_write_the_server_does_not_read_is_bounded(redis_factory: Any) -> None:
+@pytest.mark.parametrize("how", ["timed out", "cancelled"])
+def test_an_async_write_the_server_does_not_read_is_bounded(redis_factory: Any, how: str) -> None:
     """A write the transport cannot take at once (a paused server stops reading) waits
-    at most the socket timeout, then fails as redis-py's own send does: its connection
-    closed, not kept."""
+    at most the socket timeout, then fails as redis-py's own send does; cancelled while
+    it waits, it stops then. Either way its connection is closed at once, its unsent
+    bytes dropped (not left for a close to flush), and not kept."""
     server = redis_factory()
     backend = get_backend(server.url(socket_timeout=0.3))
     assert isinstance(backend, RedisBackend)
@@ -224,12 +226,22 @@ def test_an_async_write_the_server_does_not_read_is_bounded(redis_factory: Any) 
     async def main() -> None:
         client = backend._async_client()
         await _aclient_id(client)
+        [connection] = redis_clients._kept_for(client.connection_pool) or []
+        transport = connection._writer.transport
         server.pause()
         try:
             started = asyncio.get_running_loop().time()
-            with pytest.raises(redis.exceptions.TimeoutError):  # more than the socket buffers
-                await redis_clients.asend_commands(client, [("ECHO", "x" * (16 << 20))])
+            call = redis_clients.asend_commands(client, [("ECHO", "x" * (16 << 20))])
+            if how == "timed out":
+                with pytest.raises(redis.exceptions.TimeoutError):  # beyond the buffers
+                    await call
+            else:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        await call
             assert asyncio.get_running_loop().time() - started < 2
+            await asyncio.sleep(0)  # the transport's own close runs on the next pass
+            assert transport.is_closing() and transport.get_write_buffer_size() == 0
         finally:
             server.resume()
         assert not redis_clients.kept_count(client.connection_pool)
