@@ -269,9 +269,12 @@ def checkout(pool: Any, command: str) -> Any:
     caching: a Sentinel pool checks at check-in whether a connection still reaches the
     master, a blocking pool counts its waiters.
     """
-    kept = _kept_for(pool)
-    connection = _take(kept) if kept else None
-    return get_connection(pool, command) if connection is None else connection
+    connection = _take(_kept_for(pool))
+    if connection is None:
+        return get_connection(pool, command)
+    if _must_reconnect(connection):
+        connection.disconnect()  # it reconnects as it sends
+    return connection
 
 
 def checkin(pool: Any, connection: Any) -> None:
@@ -293,17 +296,19 @@ def _kept_for(pool: Any) -> list[Any] | None:
     return kept
 
 
-def _take(kept: list[Any]) -> Any:
-    """A kept connection, or ``None`` when another thread took the last one first. One
-    redis-py was asked to reconnect (its maintenance notifications) is closed first:
-    it reconnects as it sends."""
+def _take(kept: list[Any] | None) -> Any:
+    """A kept connection, or ``None``: none kept, or another thread took the last one
+    first."""
     try:
-        connection = kept.pop()
+        return kept.pop() if kept else None
     except IndexError:
         return None
-    if getattr(connection, "should_reconnect", _never)():
-        connection.disconnect()
-    return connection
+
+
+def _must_reconnect(connection: Any) -> bool:
+    """Whether redis-py asked ``connection`` to reconnect (its maintenance
+    notifications): the taker closes it first, and it reconnects as it sends."""
+    return bool(getattr(connection, "should_reconnect", _never)())
 
 
 def _never() -> bool:
@@ -318,11 +323,10 @@ async def acheckout(pool: Any, command: str) -> Any:
     """:func:`checkout` for a ``redis.asyncio`` pool (one per event loop: a kept
     connection never crosses loops). Its checkout is dearer still: a lock, connection
     counts, and a check of the socket for unread data."""
-    kept = _kept_for(pool)
-    connection = kept.pop() if kept else None  # one thread (the loop's): no race
+    connection = _take(_kept_for(pool))
     if connection is None:
         return await aget_connection(pool, command)
-    if getattr(connection, "should_reconnect", _never)():
+    if _must_reconnect(connection):
         try:
             await connection.disconnect()  # it reconnects as it sends
         except BaseException:  # cancelled, or its close timed out: the pool's again
