@@ -433,7 +433,11 @@ def measure_ring(
     admin.delete(*[f"bench:ring:{i}" for i in range(members)])
     ring = [Worker(sys.executable, f"ring-{i}", log_dir) for i in range(members)]
     try:
-        start_at = time.monotonic() + 1.0
+        for worker in ring:
+            worker.send(op="ready", url=url)
+        for worker in ring:
+            worker.receive(timeout=60)
+        start_at = time.monotonic() + 0.2
         for index, worker in enumerate(ring):
             worker.send(
                 op="ring", url=url, members=members, index=index, start_at=start_at,

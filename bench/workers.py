@@ -529,6 +529,18 @@ def wake_push(url: str, key: str, n: int, gap: float) -> dict[str, Any]:
     return {"ping": pings}
 
 
+def ready(url: str) -> dict[str, Any]:
+    """Import redis-py and reach the server, so that a timed run that follows starts
+    with no process still loading (a slow start under load once outlasted the ring's
+    BLPOP timeouts: every member gave up before the token reached it)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.ping()
+    client.close()
+    return {"pid": os.getpid()}
+
+
 def ring(url: str, members: int, index: int, start_at: float, seconds: float) -> dict[str, Any]:
     """One member of a ring of processes passing one token by LPUSH and BLPOP, with no
     lock code: the most hand-offs a second any design can make where each hand-off
@@ -545,7 +557,7 @@ def ring(url: str, members: int, index: int, start_at: float, seconds: float) ->
     end, passes = start_at + seconds, 0
     if index == 0:
         client.lpush(following, 1)
-    while client.blpop([mine], 5) is not None:
+    while client.blpop([mine], max(5.0, seconds)) is not None:
         passes += 1
         client.lpush(following, 1)
         if now() >= end:
@@ -635,6 +647,8 @@ def serve() -> None:
                 reply = wake_pop(**request)
             elif op == "wake_push":
                 reply = wake_push(**request)
+            elif op == "ready":
+                reply = ready(**request)
             elif op == "ring":
                 reply = ring(**request)
             else:
