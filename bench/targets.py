@@ -246,6 +246,14 @@ def contention_targets(
             f"{1000 / (1000 + h):.2f} of the time; python-redis-lock "
             f"{fmt(prl.get('utilisation'), 2)}"
         )
+        ring = (wakeup or {}).get("ring", {})
+        if "handoff_us" in ring:
+            ceiling = 1000 / (1000 + ring["handoff_us"])
+            util_note += (
+                f"; ceiling: a bare LPUSH/BLPOP hand-off between processes takes "
+                f"{ring['handoff_us']:.0f} µs here (the ring), so no lock whose every "
+                f"hand-off wakes a blocked process is busy more than {ceiling:.2f} of the time"
+            )
     out.append(
         Target(
             f"{name}: 4 procs, 1 ms hold / 2 ms outside: time inside the lock / wall time",

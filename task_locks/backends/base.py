@@ -82,7 +82,7 @@ def log_forced(log: logging.Logger, name: str, server: str) -> None:
 def unknown_options(
     server: str, unknown: Collection[str], known: Collection[str], also: str = ""
 ) -> str:
-    """"unknown option 'prefx' (did you mean 'prefix'?)" for each of ``unknown``, then the
+    """ "unknown option 'prefx' (did you mean 'prefix'?)" for each of ``unknown``, then the
     ``known`` ones (and ``also``: options too many to list, named as a group)."""
     said = []
     for option in sorted(unknown):
@@ -160,6 +160,9 @@ class Capability(StrEnum):
 CAPABILITIES: frozenset[str] = frozenset(c.value for c in Capability)
 
 
+_NO_CAPABILITIES: frozenset[Capability] = frozenset()
+
+
 def parse_capabilities(
     names: Iterable[object], *, name: str | None = None
 ) -> frozenset[Capability]:
@@ -167,6 +170,8 @@ def parse_capabilities(
 
     A typo must not pass as "nothing required".
     """
+    if not names and not isinstance(names, str):  # the usual require=(): every lock built
+        return _NO_CAPABILITIES
     where = f"lock {name!r}: " if name is not None else ""
     if isinstance(names, str):  # else "fencing" would be read as seven one-letter names
         raise InvalidArgument(

@@ -254,7 +254,15 @@ class Releaser:
     def idle(self) -> bool:
         """Whether every release deferred in this process has been answered (a
         :meth:`free_later` still trying again, in the thread, does not count)."""
-        return not any(item.holds_flush for item in self._open)
+        return self.idle_but(None)
+
+    def idle_but(self, keep: Backend | None) -> bool:
+        """:meth:`idle`, but for the releases on ``keep``, left to ride its next acquire:
+        whether a :meth:`flush` with ``keep`` would have nothing to send or wait for."""
+        if not self._open:
+            return True
+        with self._lock:  # the releaser thread changes the set
+            return not any(item.holds_flush and item.backend is not keep for item in self._open)
 
     def _flush(
         self,

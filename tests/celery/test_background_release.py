@@ -419,3 +419,21 @@ def test_a_task_holding_the_gil_does_not_keep_the_finished_runs_key(
     assert took < 0.5 and not calls_ended, (
         f"the finished run's key stayed taken {took:.2f}s (the C call had ended: {calls_ended})"
     )
+
+
+def test_a_pending_release_holds_up_only_a_task_that_would_not_carry_it(
+    app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``task_prerun`` flushes only what the next task's acquire will not carry: a run on
+    the release's own backend leaves it to ride its acquire, any other task sends it."""
+    monkeypatch.setattr(releaser_module, "RELEASE_DELAY", 30.0)  # the thread never fires
+    ran: list[str] = []
+    task = define(app, redis_url, ran, ignore_result=True)
+    tracer(app, task)("id-ride", ("ride",))
+    assert releaser.pending(task.lock_name("ride"))
+    assert not releaser.idle()
+    assert releaser.idle_but(get_backend(redis_url))
+    assert not releaser.idle_but(get_backend("memory://"))
+    assert not releaser.idle_but(None)
+    assert releaser.flush()
+    assert releaser.idle() and releaser.idle_but(None)
