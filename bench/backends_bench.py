@@ -303,6 +303,8 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
     conn = wrapper.connection
     conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id int PRIMARY KEY, n bigint)")
     conn.execute("INSERT INTO bench_floor VALUES (1, 0) ON CONFLICT DO NOTHING")
+    conn.execute("CREATE TABLE IF NOT EXISTS bench_floor_lock (id int PRIMARY KEY)")
+    conn.execute("DELETE FROM bench_floor_lock")
 
     def select1_twice() -> None:
         with conn.cursor() as cursor:
@@ -331,9 +333,21 @@ def pg_floor(alias: str, cycles: int) -> dict[str, Any]:
         for query, params in replay:
             conn.execute(query, params, prepare=True).fetchall()
 
+    def bare_lock() -> None:
+        """The least any row lock's cycle sends: the row inserted (a durable commit: the
+        acquire must survive a crash) and deleted (committed without waiting for its
+        WAL flush, as our release is), no expiry, fence or wake-up: a release is a
+        write, dearer than a ``SELECT 1`` even when nothing waits for its flush."""
+        conn.execute("INSERT INTO bench_floor_lock VALUES (1)")
+        conn.execute(
+            "WITH d AS (DELETE FROM bench_floor_lock WHERE id = 1 RETURNING id) "
+            "SELECT set_config('synchronous_commit', 'off', true) FROM d"
+        ).fetchall()
+
     subjects = {
         "cycle": cycle,
         "select1x2": select1_twice,
+        "bare_lock": bare_lock,
         "durable_write": durable_write,
         "floor": floor,
         "bare_cycle": bare_cycle,

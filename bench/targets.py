@@ -434,6 +434,12 @@ def _django_pg_target(backends: dict[str, Any]) -> Target:
             f"; the cycle's own statements sent raw (no lock code): "
             f"{floor['bare_cycle_us']:.0f} µs = {floor['bare_cycle_us'] / base:.2f}x"
         )
+    if "bare_lock_us" in floor:
+        note += (
+            f"; the least any row lock's cycle sends (insert one row, durable; delete it, "
+            f"no flush wait), bare: {floor['bare_lock_us']:.0f} µs = "
+            f"{floor['bare_lock_us'] / base:.2f}x"
+        )
     return Target(what, value, DJANGO_PG_LIMIT, False, note=note)
 
 

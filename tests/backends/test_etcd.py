@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from chaoskit.proxy import ProxyHub
 from servers import EtcdCluster, EtcdServer
 
 from task_locks import BackendUnavailable, Lock, LockHeld, NotOwned, get_backend
@@ -78,6 +79,38 @@ def test_leader_killed_while_held_the_holder_keeps_it_or_is_told(
     else:  # or it was told, loudly
         assert lease.lost.is_set(), "neither held nor marked lost"
     assert new_leader.proc is not None and new_leader.proc.poll() is None
+
+
+def test_without_a_majority_locks_are_unavailable_and_the_holder_is_told(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    """The README's etcd row: with two of three members stopped (SIGSTOP: no majority, so
+    no leader), an acquire fails with ``BackendUnavailable`` (never a grant, never a wait
+    past its timeout), and the holder, whose renewals go unanswered, is marked lost at its
+    local deadline. Once the members come back, the lock is taken again with a higher
+    fence, after the holder's lease ran out."""
+    url = etcd_cluster.url(timeout=1)
+    ttl = 2.0
+    lease = Lock("majority", ttl=ttl, backend=url).acquire(timeout=5)
+    leader = etcd_cluster.leader()
+    stopped = [leader, next(m for m in etcd_cluster if m is not leader)]
+    for member in stopped:
+        member.pause()
+    try:
+        for name in ("majority", "another-name"):
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                Lock(name, ttl=ttl, backend=url).acquire(timeout=0.5)
+            assert time.monotonic() - started < 10, "the acquire outlived its bounds"
+        assert lease.lost.wait(2 * ttl), "no majority, yet the holder was never told"
+        assert not lease.held
+    finally:
+        for member in stopped:
+            member.resume()
+    etcd_cluster.leader(timeout=20)
+    again = Lock("majority", ttl=ttl, backend=url).acquire(timeout=15)
+    assert again.fence > lease.fence
+    again.release()
 
 
 def test_unrenewed_lease_is_not_granted_early_across_a_leader_change(
@@ -350,3 +383,29 @@ def test_the_environment_is_read_once_per_endpoint_not_per_request(
     lease = Lock("env-once", ttl=5, backend=direct, renew=False).acquire(timeout=5)
     lease.release()
     direct.close()
+
+
+def test_a_wait_whose_watch_answers_after_its_timeout_ends_quietly(
+    etcd_node: EtcdServer,
+) -> None:
+    """A waiter's watch whose response headers come after the wait's own (short) read
+    timeout: the gateway sends them with the watch's first message, which a loaded
+    server may send late. The wait ends at its timeout like any wait nobody woke, with
+    no error (CI once saw such a wait raise ``BackendUnavailable``). Every reply through
+    the proxy comes 0.8 s late; the wait is 0.2 s."""
+    prefix = f"watch-{uuid.uuid4().hex[:8]}/"
+    held = Lock("slow-watch", ttl=10, backend=etcd_node.url(prefix=prefix)).acquire(timeout=0)
+    hub = ProxyHub()
+    try:
+        proxy = hub.proxy(etcd_node.port)
+        waiter = get_backend(f"etcd://127.0.0.1:{proxy.port}?prefix={prefix}&timeout=3")
+        assert isinstance(waiter, EtcdBackend)
+        proxy.latency(0.8)
+        started = time.monotonic()
+        waiter.wait_release("slow-watch", 0.2)  # a read (0.8 s late), then the watch
+        took = time.monotonic() - started
+        assert took < 0.8 + 0.2 + 1.5, f"the wait took {took:.2f}s"
+        assert held.held
+    finally:
+        hub.close()
+    held.release()
