@@ -170,6 +170,9 @@ class Releaser:
         self._pending: dict[str, int] = {}
         #: Every release not yet answered (queued or in flight).
         self._open: set[_Pending | _Orphan] = set()
+        #: backend -> how many of ``_open`` hold a flush up (none: no entry), so that the
+        #: check before every task (:meth:`idle_but`) costs the same however many are open.
+        self._holders: dict[Backend, int] = {}
         self._thread: threading.Thread | None = None
         #: When the thread wakes on its own (``inf``: it waits for work).
         self._wake_at = math.inf
@@ -186,7 +189,7 @@ class Releaser:
         item = _Pending(self, key, lease, on_error)
         with self._lock:
             self._queue.append(item)
-            self._open.add(item)
+            self._opened(item)
             self._pending[key] = self._pending.get(key, 0) + 1
             self._submitted += 1
             self._start()
@@ -210,7 +213,7 @@ class Releaser:
         item = _Orphan(self, backend, name, token, time.monotonic() + ttl)
         with self._lock:
             self._queue.append(item)
-            self._open.add(item)
+            self._opened(item)
             self._pending[name] = self._pending.get(name, 0) + 1
             self._start()
             self._work.notify()
@@ -259,10 +262,28 @@ class Releaser:
     def idle_but(self, keep: Backend | None) -> bool:
         """:meth:`idle`, but for the releases on ``keep``, left to ride its next acquire:
         whether a :meth:`flush` with ``keep`` would have nothing to send or wait for."""
-        if not self._open:
+        if not self._holders:
             return True
-        with self._lock:  # the releaser thread changes the set
-            return not any(item.holds_flush and item.backend is not keep for item in self._open)
+        with self._lock:  # the releaser thread changes the counts
+            return all(backend is keep for backend in self._holders)
+
+    def _opened(self, item: _Pending | _Orphan) -> None:
+        """``item`` is not answered yet (``_lock`` held)."""
+        self._open.add(item)
+        if item.holds_flush:
+            self._holders[item.backend] = self._holders.get(item.backend, 0) + 1
+
+    def _closed(self, item: _Pending | _Orphan) -> None:
+        """``item`` was answered (``_lock`` held)."""
+        if item not in self._open:
+            return
+        self._open.discard(item)
+        if item.holds_flush:
+            left = self._holders[item.backend] - 1
+            if left:
+                self._holders[item.backend] = left
+            else:
+                del self._holders[item.backend]
 
     def _flush(
         self,
@@ -321,8 +342,8 @@ class Releaser:
             again = _Orphan(self, item.backend, item.key, item.token, item.until, delay, item.watch)
             again.holds_flush = False
             with self._lock:
-                self._open.discard(item)
-                self._open.add(again)
+                self._closed(item)
+                self._opened(again)
                 self._queue.append(again)
                 if again.due < self._wake_at:
                     self._work.notify()
@@ -336,7 +357,7 @@ class Releaser:
 
     def _settled(self, item: _Pending | _Orphan) -> None:
         with self._lock:
-            self._open.discard(item)
+            self._closed(item)
             left = self._pending.get(item.key, 1) - 1
             if left > 0:
                 self._pending[item.key] = left
