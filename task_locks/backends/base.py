@@ -82,7 +82,7 @@ def log_forced(log: logging.Logger, name: str, server: str) -> None:
 def unknown_options(
     server: str, unknown: Collection[str], known: Collection[str], also: str = ""
 ) -> str:
-    """ "unknown option 'prefx' (did you mean 'prefix'?)" for each of ``unknown``, then the
+    """"unknown option 'prefx' (did you mean 'prefix'?)" for each of ``unknown``, then the
     ``known`` ones (and ``also``: options too many to list, named as a group)."""
     said = []
     for option in sorted(unknown):
