@@ -412,7 +412,7 @@ def measure_wakeup(url: str, log_dir: Path, n: int) -> dict[str, Any]:
     try:
         popper.send(op="wake_pop", url=url, key="bench:wakeup", n=n)
         pushed = pusher.call(op="wake_push", url=url, key="bench:wakeup", n=n, gap=0.001)
-        popped = popper.receive(timeout=30 + n * 0.01)
+        popped = popper.receive(timeout=60 + n * 0.01)
     except WorkerError as exc:
         return {"error": str(exc).splitlines()[-1][:300]}
     finally:
@@ -443,7 +443,7 @@ def measure_ring(
                 op="ring", url=url, members=members, index=index, start_at=start_at,
                 seconds=seconds,
             )  # fmt: skip
-        passes = sum(worker.receive(timeout=seconds + 30)["passes"] for worker in ring)
+        passes = sum(worker.receive(timeout=seconds + 60)["passes"] for worker in ring)
     except WorkerError as exc:
         return {"error": str(exc).splitlines()[-1][:300]}
     finally:

@@ -496,12 +496,19 @@ def renewal(url: str, leases: int, ttl: float, periods: float) -> dict[str, Any]
 # -- the wake-up floor: how long a push takes to wake a process blocked on the list ------
 
 
-def wake_pop(url: str, key: str, n: int, timeout: float = 5.0) -> dict[str, Any]:
+#: Seconds a process blocked in BLPOP waits for a push (the ring's: beyond its run's
+#: length), with no socket timeout to race it (redis-py 8's default is 5 s): long enough
+#: for a process that the machine's load starts late (CI's smoke run once had a ring
+#: member's 5 s read time out).
+RING_PATIENCE = 20.0
+
+
+def wake_pop(url: str, key: str, n: int, timeout: float = RING_PATIENCE) -> dict[str, Any]:
     """Block on ``key`` ``n`` times; each value is the pusher's CLOCK_MONOTONIC (ns, one
     clock for every process), so ``now - value`` is the push-to-wake-up latency."""
     import redis
 
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=None)  # each BLPOP bounds itself
     latencies: list[int] = []
     for _ in range(n):
         got = client.blpop([key], timeout)
@@ -550,14 +557,14 @@ def ring(url: str, members: int, index: int, start_at: float, seconds: float) ->
     and so does each after it."""
     import redis
 
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=None)  # each BLPOP bounds itself
     mine, following = f"bench:ring:{index}", f"bench:ring:{(index + 1) % members}"
     while now() < start_at:
         time.sleep(min(0.01, max(0.0, start_at - now())))
     end, passes = start_at + seconds, 0
     if index == 0:
         client.lpush(following, 1)
-    while client.blpop([mine], max(5.0, seconds)) is not None:
+    while client.blpop([mine], seconds + RING_PATIENCE) is not None:
         passes += 1
         client.lpush(following, 1)
         if now() >= end:
