@@ -116,3 +116,18 @@ def test_paused_holder_learns_of_the_loss_by_itself(
     )
     assert state["held"] is False
     assert "gone" in state["lost_reason"] or "TTL" in state["lost_reason"]
+
+
+def test_memory_locks_are_per_process_as_the_readme_says(children) -> None:
+    """The README's memory:// row, "it breaks when two processes": a second process takes
+    the very name this one holds, each from its own memory. (Why memory:// is for tests,
+    examples and single-process tools only.)"""
+    from task_locks import Lock
+
+    mine = Lock("per-process", ttl=10, backend="memory://").acquire(timeout=0)
+    other = children("memory://", "per-process", 10, "sync")
+    answer = other.call("acquire")  # at once: its memory has no holder
+    assert "error" not in answer and answer["fence"] >= 1, answer
+    assert mine.held  # each process believes it holds the lock
+    other.call("release")
+    mine.release()
