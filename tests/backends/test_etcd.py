@@ -396,10 +396,9 @@ def test_a_wait_whose_watch_answers_after_its_timeout_ends_quietly(
     prefix = f"watch-{uuid.uuid4().hex[:8]}/"
     held = Lock("slow-watch", ttl=10, backend=etcd_node.url(prefix=prefix)).acquire(timeout=0)
     hub = ProxyHub()
+    proxy = hub.proxy(etcd_node.port)
+    waiter = EtcdBackend(f"etcd://127.0.0.1:{proxy.port}?prefix={prefix}&timeout=3")
     try:
-        proxy = hub.proxy(etcd_node.port)
-        waiter = get_backend(f"etcd://127.0.0.1:{proxy.port}?prefix={prefix}&timeout=3")
-        assert isinstance(waiter, EtcdBackend)
         proxy.latency(0.8)
         started = time.monotonic()
         waiter.wait_release("slow-watch", 0.2)  # a read (0.8 s late), then the watch
@@ -407,5 +406,6 @@ def test_a_wait_whose_watch_answers_after_its_timeout_ends_quietly(
         assert took < 0.8 + 0.2 + 1.5, f"the wait took {took:.2f}s"
         assert held.held
     finally:
+        waiter.close()  # its own, not the process's shared one: nothing left on the proxy
         hub.close()
     held.release()
