@@ -27,7 +27,6 @@ caller, the API's included), never again here: nothing is logged twice.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import contextvars
 import enum
 import logging
@@ -35,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar, Final
@@ -426,18 +425,26 @@ _context: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def context(
-    policy: str = "raise", detail: str = "", since: float | None = None
-) -> Iterator[Context]:
+class context:
     """Within this block, lock events carry ``policy`` (conflicts), ``detail``, and wait
-    times counted from ``since`` (see :class:`Context`)."""
-    entered = Context(policy, detail, since)
-    token = _context.set(entered)
-    try:
-        yield entered
-    finally:
-        _context.reset(token)
+    times counted from ``since`` (see :class:`Context`); ``as`` gives that Context.
+
+    A class, not ``@contextmanager``: each try of a front end enters one."""
+
+    __slots__ = ("_entered", "_token")
+
+    def __init__(self, policy: str = "raise", detail: str = "", since: float | None = None):
+        self._entered = Context(policy, detail, since)
+        self._token: contextvars.Token[Context | None] | None = None
+
+    def __enter__(self) -> Context:
+        self._token = _context.set(self._entered)
+        return self._entered
+
+    def __exit__(self, *exc: object) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            _context.reset(token)
 
 
 def current_context() -> Context:

@@ -267,11 +267,14 @@ class LeaseBook:
         counted from the latest send for a call not answered since (see the module
         docstring), or the ``max_hold`` deadline if sooner."""
         with _book_guard:
-            latest = max(self._open, key=_sent_seq)
-            ttl = self._failed_ttl
+            calls, ttl = self._open, self._failed_ttl
+            if len(calls) == 1:  # the acquire alone (every lease at first): no search
+                due = calls[0].sent_at + min(calls[0].ttl, ttl) / 3
+                return due if self.hold_deadline is None else min(due, self.hold_deadline)
+            latest = max(calls, key=_sent_seq)
             due = min(
                 (c.sent_at if _answered_after(c, latest) else latest.sent_at) + min(c.ttl, ttl) / 3
-                for c in self._open
+                for c in calls
             )
         return due if self.hold_deadline is None else min(due, self.hold_deadline)
 

@@ -45,8 +45,9 @@ def _before_task(sender: Any = None, **_: Any) -> None:
             carrier = sender.resolved_lock_backend()
         except LockError:  # not configured: its run fails on its own; send them all
             carrier = None
-    if not releaser.idle_but(carrier):  # back-to-back runs: all ride this run's acquire
-        releaser.flush(keep=carrier)
+        if releaser.idle_but(carrier):  # back-to-back runs: all ride this run's acquire
+            return
+    releaser.flush(keep=carrier)
 
 
 def _after_task(task_id: str | None = None, **_: Any) -> None:

@@ -171,6 +171,39 @@ def test_the_owner_json_shortcut_for_task_ids_writes_what_json_does(
     lease.release()
 
 
+def test_owner_context_nests_restores_and_decorates() -> None:
+    """``owner_context`` adds to the owner of the block it is entered in, restores the
+    outer one on the way out (an error included), refuses a field an owner lacks, and as
+    a decorator describes each call afresh (a recursive call nests, and unwinds)."""
+    from task_locks.owner import current_owner
+
+    with owner_context(task_name="outer", worker="w@h"):
+        with owner_context(task_id="inner-1"):
+            inner = current_owner()
+        outer = current_owner()
+    assert (inner.task_id, inner.task_name, inner.worker) == ("inner-1", "outer", "w@h")
+    assert (outer.task_id, outer.task_name) == (None, "outer")
+    with pytest.raises(ValueError), owner_context(command="boom"):
+        raise ValueError("inside")
+    assert current_owner().command is None
+    with pytest.raises(TypeError, match="unknown fields: \\['colour'\\]"):
+        owner_context(colour="red")
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    @owner_context(command="job")
+    def job(depth: int) -> None:
+        with owner_context(task_id=f"depth-{depth}"):
+            seen.append((current_owner().command, current_owner().task_id))
+            if depth:
+                job(depth - 1)
+        seen.append((current_owner().command, current_owner().task_id))
+
+    job(1)
+    assert seen == [("job", "depth-1"), ("job", "depth-0"), ("job", "depth-1"), ("job", None)]
+    assert current_owner().command is None
+
+
 def test_an_async_generator_dropped_inside_async_with_releases_its_lock(redis_url: str) -> None:
     """A generator left inside ``async with`` is closed in a task of its own: by the loop's
     finalizer hook once dropped, by ``shutdown_asyncgens`` (which ``asyncio.run`` calls)
