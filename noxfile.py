@@ -7,6 +7,7 @@ smoke subset of the suite against real servers (the fixtures start their own Red
 
     nox -t short    # `make matrix-short` (in `make test`): the lowest pins we support
     nox             # `make matrix`: every session below
+    nox -s psycopg2 # django:// on PostgreSQL through psycopg2 (in `make test` too)
 
 The highest pins are what `make test` itself installs and runs the whole suite on.
 Django: only 5.2 runs on Python 3.11 and is supported (6.0 needs Python 3.12; 4.2, 5.0
@@ -104,4 +105,30 @@ def tests(session: nox.Session, versions: dict[str, str]) -> None:
     session.run(
         "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "--durations=5",
         *(session.posargs or SMOKE),
+    )  # fmt: skip
+
+
+#: django:// on PostgreSQL through psycopg2, the driver Django takes when psycopg 3 is not
+#: installed: the paths that differ (no server-side binding, NOTIFYs polled rather than
+#: waited for, psycopg2's errors) under the backend's own tests and faults.
+PSYCOPG2_TESTS = [
+    "tests/django/test_django_backend.py",
+    "tests/django/test_django_backend_faults.py",
+    "tests/django/test_release_notices_sql.py",
+]
+
+
+@nox.session(python=PYTHON, tags=["short"])
+def psycopg2(session: nox.Session) -> None:
+    tools = [tool for tool in TEST_TOOLS if not tool.startswith("psycopg")]
+    session.install("-e", ".[celery,django]", "psycopg2-binary>=2.9", *tools, "PyMySQL>=1.1")
+    session.run(
+        "python", "-c",
+        "import importlib.util, psycopg2; assert importlib.util.find_spec('psycopg') is None, "
+        "'psycopg 3 is installed: Django would not use psycopg2'; "
+        "print('psycopg2', psycopg2.__version__)",
+    )  # fmt: skip
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "--durations=5",
+        *(session.posargs or PSYCOPG2_TESTS),
     )  # fmt: skip
