@@ -471,7 +471,8 @@ def test_fault_matrix(rig: Rig, operation: str, path: str, fault: str) -> None:
             renewed = _outcome(subject.renew)
             if told == "True":
                 assert kv is None or int(kv["create_revision"]) != subject.fence
-                assert renewed == "not-owned", renewed
+                # Refused by etcd, or found lost locally (a reply delayed past its deadline).
+                assert renewed in ("not-owned", "lost-locally"), renewed
         else:
             try:
                 listed = client.holders()
