@@ -438,6 +438,8 @@ class context:
         self._token: contextvars.Token[Context | None] | None = None
 
     def __enter__(self) -> Context:
+        if self._token is not None:  # its token would be lost: the outer one never reset
+            raise RuntimeError("this events.context is already entered: make one per block")
         self._token = _context.set(self._entered)
         return self._entered
 

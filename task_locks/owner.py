@@ -46,6 +46,8 @@ class owner_context(ContextDecorator):
         return owner_context(**self._fields)
 
     def __enter__(self) -> None:
+        if self._token is not None:  # its token would be lost: the outer one never reset
+            raise RuntimeError("this owner_context is already entered: make one per block")
         outer = _context.get()
         self._token = _context.set({**outer, **self._fields} if outer else dict(self._fields))
 

@@ -203,6 +203,14 @@ def test_owner_context_nests_restores_and_decorates() -> None:
     assert seen == [("job", "depth-1"), ("job", "depth-0"), ("job", "depth-1"), ("job", None)]
     assert current_owner().command is None
 
+    reused = owner_context(task_id="again")
+    for _ in range(2):  # one after the other: fine
+        with reused:
+            assert current_owner().task_id == "again"
+    with reused, pytest.raises(RuntimeError, match="already entered"), reused:
+        pass  # inside itself: refused, not a context left set
+    assert current_owner().task_id is None
+
 
 def test_an_async_generator_dropped_inside_async_with_releases_its_lock(redis_url: str) -> None:
     """A generator left inside ``async with`` is closed in a task of its own: by the loop's
