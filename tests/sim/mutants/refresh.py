@@ -362,18 +362,18 @@ with no renewal tried.
         )
     ],
     otherwise=[  # an unanswered call counts from the latest send; failed calls' TTL floor
-        (
+        (  # and the one-call shortcut off: the one call may be an unanswered renewal's
             "task_locks/leasing.py",
-            """            ttl = self._failed_ttl
-            due = min(""",
-            """            ttl = math.inf
-            due = min(""",
+            """            calls, ttl = self._open, self._failed_ttl
+            if len(calls) == 1:""",
+            """            calls, ttl = self._open, math.inf
+            if not calls:""",
         ),
         (
             "task_locks/leasing.py",
-            """                for c in self._open
+            """                for c in calls
             )""",
-            """                for c in self._open
+            """                for c in calls
                 if c.granted
             )""",
         ),
