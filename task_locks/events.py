@@ -433,7 +433,9 @@ class context:
 
     __slots__ = ("_entered", "_token")
 
-    def __init__(self, policy: str = "raise", detail: str = "", since: float | None = None):
+    def __init__(
+        self, policy: str = "raise", detail: str = "", since: float | None = None
+    ) -> None:
         self._entered = Context(policy, detail, since)
         self._token: contextvars.Token[Context | None] | None = None
 

@@ -435,5 +435,15 @@ def test_a_pending_release_holds_up_only_a_task_that_would_not_carry_it(
     assert releaser.idle_but(get_backend(redis_url))
     assert not releaser.idle_but(get_backend("memory://"))
     assert not releaser.idle_but(None)
-    assert releaser.flush()
+    # Celery's own signal, as a worker sends it before each task: a run of this task
+    # (its acquire carries the release) leaves it pending; any other task sends it.
+    signals.task_prerun.send(sender=task, task_id="id-next", task=task, args=(), kwargs={})
+    assert releaser.pending(task.lock_name("ride")), "flushed before a run that carries it"
+
+    @app.task(name="plain-next")
+    def plain() -> None:
+        pass
+
+    signals.task_prerun.send(sender=plain, task_id="id-plain", task=plain, args=(), kwargs={})
+    assert not releaser.pending(task.lock_name("ride")), "a plain task started before the send"
     assert releaser.idle() and releaser.idle_but(None)
