@@ -4,6 +4,7 @@ renewal, the optional hooks).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import importlib
@@ -289,10 +290,14 @@ def contention_stats(runs: list[tuple[Any, ...]]) -> dict[str, Any]:
     fairness: list[float] = []
     handoffs: list[float] = []
     server = {"cpu": 0.0, "calls": 0, "blpop": 0, "acquisitions": 0}
+    by_command: collections.Counter[str] = collections.Counter()
     for per_process, start, end, *measured in runs:
         if measured:  # what Redis ran, over every acquisition of the run
             for key, value in measured[0].items():
-                server[key] += value
+                if key == "by_command":
+                    by_command.update(value)
+                else:
+                    server[key] += value
             server["acquisitions"] += sum(len(records) for records in per_process)
         wall += end - start
         counts = []
@@ -323,6 +328,10 @@ def contention_stats(runs: list[tuple[Any, ...]]) -> dict[str, Any]:
                 "server_calls_per_acq": server["calls"] / server["acquisitions"],
                 "blpop_per_acq": server["blpop"] / server["acquisitions"],
                 "server_cpu_per_acq_us": server["cpu"] * 1e6 / server["acquisitions"],
+                # Which commands: the target's note says where the count comes from.
+                "server_calls_by_command": {
+                    name: calls / server["acquisitions"] for name, calls in by_command.most_common()
+                },
             }
             if server["acquisitions"]
             else {}
@@ -414,6 +423,11 @@ def _contend_once(
         "cpu": server_cpu(admin) - cpu,
         "calls": lock_calls(stats),
         "blpop": stats.get("cmdstat_blpop", {}).get("calls", 0),
+        "by_command": {
+            k.removeprefix("cmdstat_"): int(v["calls"])
+            for k, v in stats.items()
+            if k.split("|")[0] not in ADMIN_COMMANDS
+        },
     }
     return per_process, start, end, server
 

@@ -129,12 +129,57 @@ def check_targets(results: dict[str, Any]) -> list[Target]:
             or f"celery-once {fmt(_celery_rate(celery, 'celery-once'), 0)}/s"
             + _celery_floor_note(celery, "celery-once"),
         ),
+        *_lock_footprint_targets(results.get("footprint", {})),
         *_celery_footprint_targets(results.get("celery_footprint", {})),
         _django_pg_target(results.get("backends", {})),
         _redlock_target(results.get("backends", {})),
         _etcd_target(results.get("backends", {})),
     ]
     return targets
+
+
+def _lock_footprint_targets(found: dict[str, Any]) -> list[Target]:
+    """What a lock keeps in Redis (bench/workers.py ``footprint``): memory per live lock
+    against python-redis-lock's, with what each one's key and value hold; and the keys
+    left beyond 60 s after cycles of unique names (shared state only)."""
+    ours, prl = found.get("task-locks", {}), found.get("python-redis-lock", {})
+    memory_note = "not measured" if not ours else "python-redis-lock not measured"
+    if ours and prl:
+        memory_note = f"{ours['live_bytes_per_lock']:.0f} vs {prl['live_bytes_per_lock']:.0f} B"
+        if "live_value_bytes_per_lock" in ours and "live_value_bytes_per_lock" in prl:
+            memory_note += (
+                f"; per live lock a key of {ours['live_key_chars_per_lock']:.0f} vs "
+                f"{prl['live_key_chars_per_lock']:.0f} characters and a value of "
+                f"{ours['live_value_bytes_per_lock']:.0f} vs "
+                f"{prl['live_value_bytes_per_lock']:.0f} B: beside its token our record "
+                "holds the fence, the acquire time, the owner (JSON: host, pid, thread), "
+                "the waiter count and the last release id, and its key the prefix and the "
+                "name's hash-tag braces; python-redis-lock's value is its token alone"
+            )
+    lasting = ours.get("left_keys_beyond_60s")
+    return [
+        Target(
+            "Redis memory per live lock / python-redis-lock's",
+            ratio(ours.get("live_bytes_per_lock"), prl.get("live_bytes_per_lock")),
+            1.0,
+            False,
+            note=memory_note,
+        ),
+        Target(
+            "unique-name Lock cycles: keys left beyond 60 s (shared state only)",
+            None if lasting is None else float(lasting),
+            1.0,
+            False,
+            unit="",
+            note=(
+                f"after {ours['cycles']:,} cycles, each of a name of its own: "
+                f"{ours['left_keys']:,} keys right after (each name's release tombstone "
+                "lives 60 s), and beyond 60 s only the database's fence counter"
+                if ours
+                else "not measured"
+            ),
+        ),
+    ]
 
 
 def _celery_footprint_targets(found: dict[str, Any]) -> list[Target]:
@@ -312,6 +357,7 @@ def contention_targets(
                     f"{calls:.1f} vs {theirs:.1f} (INFO commandstats, commands inside "
                     f"scripts counted); BLPOP/acq {mine.get('blpop_per_acq', 0):.2f} vs "
                     f"{prl.get('blpop_per_acq', 0):.2f}"
+                    + _commands_note(mine, prl, server_handoff=lib == "task-locks")
                     if calls and theirs
                     else prl_missing
                     if calls
@@ -320,6 +366,30 @@ def contention_targets(
             )
         )
     return out
+
+
+def _commands_note(mine: dict[str, Any], prl: dict[str, Any], *, server_handoff: bool) -> str:
+    """Which commands make up a contended acquisition, each library's (measured); for the
+    server hand-off, the least any fenced one runs (counted)."""
+
+    def spelled(cell: dict[str, Any]) -> str:
+        by_command = cell.get("server_calls_by_command") or {}
+        return ", ".join(f"{name} {n:.1f}" for name, n in by_command.items() if n >= 0.05)
+
+    note = ""
+    if spelled(mine) and spelled(prl):
+        note = f"; per acquisition ours: {spelled(mine)}; python-redis-lock's: {spelled(prl)}"
+    if server_handoff:
+        note += (
+            "; floor: any hand-off inside the server with a fence from the server's clock "
+            "and counter runs at least 11 per contended acquisition: the waiter's try "
+            "(its script, reading the record, joining the queue), its wait (BLPOP), and "
+            "the release (its script, reading the record, popping the queue, the clock "
+            "and the counter for the fence, writing the record, pushing the grant), 12 "
+            "with the grant's expiry that keeps a dead waiter's grant from staying; "
+            "python-redis-lock's 10 keep no fence and no order"
+        )
+    return note
 
 
 def _wakeup_note(wakeup: dict[str, Any] | None) -> str:

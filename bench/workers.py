@@ -604,6 +604,7 @@ def footprint(adapter: Adapter, url: str, n: int, live: int) -> dict[str, Any]:
         adapter.acquire()
         held.append(adapter.lock)
     live_bytes, live_keys = (used() - base) / live, admin.dbsize() / live
+    key_chars, value_bytes = stored_sizes(admin)
     for lock in held:
         adapter.lock = lock
         adapter.release()
@@ -619,11 +620,26 @@ def footprint(adapter: Adapter, url: str, n: int, live: int) -> dict[str, Any]:
     return {
         "live_bytes_per_lock": live_bytes,
         "live_keys_per_lock": live_keys,
+        # What one live lock stores, by its keys' names and string values (the target's
+        # reason when ours costs more memory than a peer's).
+        "live_key_chars_per_lock": key_chars / live,
+        "live_value_bytes_per_lock": value_bytes / live,
         "cycles": n,
         "left_keys": left_keys,
         "left_bytes": left_bytes,
         "left_keys_beyond_60s": lasting,
     }
+
+
+def stored_sizes(admin: Any) -> tuple[int, int]:
+    """The database's key names' length and its string values' bytes, summed (values of
+    other types are not counted: every lock here keeps a string while it is held)."""
+    keys = list(admin.scan_iter(count=1000))
+    pipe = admin.pipeline(transaction=False)
+    for key in keys:
+        pipe.strlen(key)
+    lengths = pipe.execute(raise_on_error=False)
+    return sum(len(k) for k in keys), sum(n for n in lengths if isinstance(n, int))
 
 
 # -- the command loop --------------------------------------------------------------------

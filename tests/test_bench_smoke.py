@@ -255,6 +255,48 @@ def test_celery_footprint_targets_name_the_worst_mode(monkeypatch: pytest.Monkey
     assert targets._celery_footprint_targets({"status": "skipped"})[0].verdict == "n/a"
 
 
+def test_lock_footprint_targets_say_what_a_live_lock_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory per live lock against python-redis-lock's, with what each key and value
+    hold; keys left beyond 60 s after unique-name cycles: shared state only."""
+    targets = load_bench("targets", monkeypatch)
+
+    def lib(live: float, key: float, value: float, left: int, lasting: int) -> dict:
+        return {
+            "live_bytes_per_lock": live,
+            "live_keys_per_lock": 1.0,
+            "live_key_chars_per_lock": key,
+            "live_value_bytes_per_lock": value,
+            "cycles": 1000,
+            "left_keys": left,
+            "left_keys_beyond_60s": lasting,
+        }
+
+    found = {"task-locks": lib(216, 31, 122, 1001, 1), "python-redis-lock": lib(171, 23, 24, 0, 0)}
+    memory, lasting = targets._lock_footprint_targets(found)
+    assert memory.verdict == "MISS" and memory.value == pytest.approx(216 / 171)
+    assert "a value of 122 vs 24 B" in memory.note and "the fence" in memory.note, memory.note
+    assert lasting.verdict == "PASS" and "1,001 keys right after" in lasting.note
+    found["task-locks"] = lib(160, 31, 40, 2001, 1001)  # a key per name kept beyond 60 s
+    memory, lasting = targets._lock_footprint_targets(found)
+    assert memory.verdict == "PASS" and lasting.verdict == "MISS"
+    assert [t.verdict for t in targets._lock_footprint_targets({})] == ["n/a", "n/a"]
+
+
+def test_the_commands_target_says_which_commands_and_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A contended acquisition's commands, by name, each library's; the server hand-off's
+    note also counts the least any fenced hand-off inside the server runs."""
+    targets = load_bench("targets", monkeypatch)
+    mine = {"server_calls_by_command": {"evalsha": 2.0, "get": 3.0, "blpop": 1.0, "ttl": 0.01}}
+    prl = {"server_calls_by_command": {"set": 2.0, "blpop": 1.0}}
+    note = targets._commands_note(mine, prl, server_handoff=True)
+    assert "ours: evalsha 2.0, get 3.0, blpop 1.0;" in note and "ttl" not in note, note
+    assert "python-redis-lock's: set 2.0, blpop 1.0" in note
+    assert "at least 11 per contended acquisition" in note
+    assert "at least 11" not in targets._commands_note(mine, prl, server_handoff=False)
+
+
 def test_backend_targets_pass_or_miss_with_the_measured_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
