@@ -26,13 +26,16 @@ from task_locks import Lock, events, get_backend, watchdog
 
 @pytest.fixture
 def looking(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
-    """The deadline watch looks every 0.1 s while it watches anything, and is asleep
-    now with that promise (a lease acquired then released starts it)."""
-    monkeypatch.setattr(watchdog, "LOOK_EVERY", 0.1)
-    yield 0.1
+    """The deadline watch looks every 0.5 s while it watches anything, and is asleep
+    now with that promise (a lease acquired then released starts it). Half a second
+    leaves an acquire made after :func:`_asleep_with_promise` a quarter of a second to
+    land in the watch's sleep, under CI's load too: at 0.1 s, an acquire slower than
+    20 ms could find the watch awake, looking, and be registered at once."""
+    monkeypatch.setattr(watchdog, "LOOK_EVERY", 0.5)
+    yield 0.5
 
 
-def _asleep_with_promise(url: str, within: float, beyond: float = 0.02) -> None:
+def _asleep_with_promise(url: str, within: float, beyond: float = 0.25) -> None:
     """Make the watch watch something, and wait until it sleeps promising a look within
     ``within`` seconds and not before ``beyond`` (so that an acquire made right after
     lands in that sleep: awake, the watch promises nothing)."""
@@ -77,7 +80,7 @@ def test_a_lease_released_before_the_look_is_never_registered(
     assert _offered(lease) and not _scheduled(lease)
     lease.release()
     assert not _offered(lease) and not _scheduled(lease)
-    time.sleep(3 * looking)  # several looks: measuring that nothing happens, not syncing
+    time.sleep(2.5 * looking)  # several looks: measuring that nothing happens, not syncing
     assert not _scheduled(lease) and lease.renewals == 0
 
 
@@ -85,10 +88,10 @@ def test_an_offered_lease_is_renewed_and_watched_after_the_look(
     redis_url: str, looking: float
 ) -> None:
     _asleep_with_promise(redis_url, looking)
-    lease = Lock("offers:held", ttl=1.5, backend=redis_url).acquire(timeout=0)
+    lease = Lock("offers:held", ttl=3, backend=redis_url).acquire(timeout=0)
     assert _offered(lease)
     wait_until(lambda: not _offered(lease), 2, "the watch's look")
-    wait_until(lambda: lease.renewals >= 2, 3, "two renewals")
+    wait_until(lambda: lease.renewals >= 2, 5, "two renewals")
     assert lease.held
     lease.release()
     assert not _scheduled(lease)
@@ -100,12 +103,12 @@ def test_a_lease_parked_before_the_look_is_watched_but_not_renewed(
     """A Celery run parks its lease for a retry (``stop_renewal``): the look must not
     renew it, and the deadline watch still marks it lost at its deadline."""
     _asleep_with_promise(redis_url, looking)
-    lease = Lock("offers:parked", ttl=1.5, backend=redis_url).acquire(timeout=0)
+    lease = Lock("offers:parked", ttl=3, backend=redis_url).acquire(timeout=0)
     assert _offered(lease)
     lease.stop_renewal()
     wait_until(lambda: not _offered(lease), 2, "the watch's look")
     assert not _scheduled(lease)
-    wait_until(lease.lost.is_set, 3, "the deadline to pass")
+    wait_until(lease.lost.is_set, 5, "the deadline to pass")
     assert lease.renewals == 0
     assert lease.lost_reason is not None
 
