@@ -17,6 +17,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from servers import wait_until
@@ -66,13 +67,13 @@ def _offered(lease: object) -> bool:
     return offer is not None and offer.ref() is lease
 
 
-def _offered_lease(url: str, looking: float, name: str) -> Lease:
+def _offered_lease(url: Any, looking: float, name: str, ttl: float = 3) -> Lease:
     """A lease of ``name`` that was offered to the watch's look. Whether an acquire lands
     in the watch's sleep is timing: other leases of the process (earlier tests') can wake
     the watch, and an awake watch takes the lease at once. A few tries, then fail."""
     for _ in range(5):
         _asleep_with_promise(url, looking)
-        lease = Lock(name, ttl=3, backend=url).acquire(timeout=0)
+        lease = Lock(name, ttl=ttl, backend=url).acquire(timeout=0)
         if _offered(lease):
             return lease
         lease.release()
@@ -88,8 +89,7 @@ def test_a_lease_released_before_the_look_is_never_registered(
     redis_url: str, looking: float
 ) -> None:
     backend = get_backend(redis_url)
-    _asleep_with_promise(redis_url, 1.0)
-    lease = Lock("offers:quick", ttl=30, backend=backend).acquire(timeout=0)
+    lease = _offered_lease(backend, looking, "offers:quick", ttl=30)
     assert _offered(lease) and not _scheduled(lease)
     lease.release()
     assert not _offered(lease) and not _scheduled(lease)
@@ -100,9 +100,7 @@ def test_a_lease_released_before_the_look_is_never_registered(
 def test_an_offered_lease_is_renewed_and_watched_after_the_look(
     redis_url: str, looking: float
 ) -> None:
-    _asleep_with_promise(redis_url, looking)
-    lease = Lock("offers:held", ttl=3, backend=redis_url).acquire(timeout=0)
-    assert _offered(lease)
+    lease = _offered_lease(redis_url, looking, "offers:held")
     wait_until(lambda: not _offered(lease), 2, "the watch's look")
     wait_until(lambda: lease.renewals >= 2, 5, "two renewals")
     assert lease.held
@@ -115,9 +113,7 @@ def test_a_lease_parked_before_the_look_is_watched_but_not_renewed(
 ) -> None:
     """A Celery run parks its lease for a retry (``stop_renewal``): the look must not
     renew it, and the deadline watch still marks it lost at its deadline."""
-    _asleep_with_promise(redis_url, looking)
-    lease = Lock("offers:parked", ttl=3, backend=redis_url).acquire(timeout=0)
-    assert _offered(lease)
+    lease = _offered_lease(redis_url, looking, "offers:parked")
     lease.stop_renewal()
     wait_until(lambda: not _offered(lease), 2, "the watch's look")
     assert not _scheduled(lease)
