@@ -311,7 +311,9 @@ def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
     """
     masters = masters_factory(3)
     ttl = 1.5
-    url = masters.url(node_timeout=0.2)
+    # Long enough for a loaded machine's reachable masters to answer (at 0.2 s one CI run
+    # saw b undecided too), short enough for the batch to run several times within a TTL.
+    url = masters.url(node_timeout=0.5)
     backend = get_backend(url)
     a = Lock("per-lease-a", ttl=ttl, backend=backend).acquire(timeout=0)
     b = Lock("per-lease-b", ttl=ttl, backend=backend).acquire(timeout=0)
@@ -492,9 +494,9 @@ def test_a_runs_take_over_keeps_the_fence_its_publish_time_lock_was_given(
             with redis.Redis(port=server.port) as direct:
                 direct.script_load(SCRIPTS.source["bump_fence"])
         fast = [hub.proxy(masters[0].port), hub.proxy(masters[1].port)]
-        backend = RedlockBackend(
+        backend = RedlockBackend(  # node_timeout: 1 s, below the 1.5 s hold, far above 0.1 s
             f"redlock://127.0.0.1:{fast[0].port},127.0.0.1:{fast[1].port},"
-            f"127.0.0.1:{late.port}"
+            f"127.0.0.1:{late.port}?node_timeout=1"
         )
         late.latency(0.0, 0.1)  # master 2 grants 100 ms after the others: a larger fence
         queued = backend.acquire("taken", "queued", 30_000, Owner(task_id="task-1"))
