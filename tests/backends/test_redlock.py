@@ -311,12 +311,21 @@ def test_renewal_is_decided_per_lease(masters_factory: MastersFactory) -> None:
     """
     masters = masters_factory(3)
     ttl = 1.5
-    # Long enough for a loaded machine's reachable masters to answer (at 0.2 s one CI run
-    # saw b undecided too), short enough for the batch to run several times within a TTL.
+    # Room for a loaded machine's masters to answer, short enough for the batch to run
+    # several times within a TTL.
     url = masters.url(node_timeout=0.5)
     backend = get_backend(url)
     a = Lock("per-lease-a", ttl=ttl, backend=backend).acquire(timeout=0)
     b = Lock("per-lease-b", ttl=ttl, backend=backend).acquire(timeout=0)
+    # An acquire returns once a majority granted it; the third master's grant may still be
+    # on its way (two CI runs saw b's land on master 1 after the renewal, undecided too).
+    for server in masters.servers:
+        with redis.Redis(port=server.port) as direct:
+            wait_until(
+                lambda: direct.exists("task_locks:{per-lease-a}", "task_locks:{per-lease-b}") == 2,
+                5,
+                f"both leases on {server.port}",
+            )
     _delete_lock_record(masters[1], "per-lease-a")
     masters[2].pause()
     try:
