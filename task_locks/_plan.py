@@ -166,13 +166,15 @@ class WaitAny:
 class Enqueue:
     """Server hand-off: acquire, or else queue ``token`` for a grant (a wait entry living
     ``wait_ms``; sent again, it refreshes the entry, keeping its place in line; ``0``: do
-    not queue); answered with an ``AcquireResult``."""
+    not queue); answered with an ``AcquireResult``. ``pop``: it may also wait that long
+    for the grant in the same request (``ServerHandoff.enqueue``)."""
 
     name: str
     token: str
     ttl_ms: int
     owner: Owner
     wait_ms: int
+    pop: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +251,8 @@ def answer(op: Op, backend: Backend) -> Any:
             return backend.wait_release(name, seconds)
         case WaitAny(names, seconds):
             return backend.wait_any(names, seconds)
-        case Enqueue(name, token, ttl_ms, owner, wait_ms):
-            return _handoff(backend, name).enqueue(name, token, ttl_ms, owner, wait_ms)
+        case Enqueue(name, token, ttl_ms, owner, wait_ms, pop):
+            return _handoff(backend, name).enqueue(name, token, ttl_ms, owner, wait_ms, pop)
         case AwaitGrant(name, token, seconds, above):
             return _handoff(backend, name).await_grant(name, token, seconds, above)
         case Dequeue(name, token):
@@ -277,8 +279,9 @@ async def aanswer(op: Op, backend: Backend) -> Any:
             return await backend.await_release(name, seconds)
         case WaitAny(names, seconds):
             return await backend.await_any(names, seconds)
-        case Enqueue(name, token, ttl_ms, owner, wait_ms):
-            return await _handoff(backend, name).aenqueue(name, token, ttl_ms, owner, wait_ms)
+        case Enqueue(name, token, ttl_ms, owner, wait_ms, pop):
+            handoff = _handoff(backend, name)
+            return await handoff.aenqueue(name, token, ttl_ms, owner, wait_ms, pop)
         case AwaitGrant(name, token, seconds, above):
             return await _handoff(backend, name).aawait_grant(name, token, seconds, above)
         case Dequeue(name, token):

@@ -829,13 +829,23 @@ class _Attempt:
         """Whether the acquire's wait is over (never with ``timeout=None``)."""
         return self.deadline is not None and now >= self.deadline
 
-    def try_op(self, sent_at: float) -> Acquire | Enqueue:
+    def try_op(self, sent_at: float, first: bool = False) -> Acquire | Enqueue:
         """One try, sent at ``sent_at``: a server hand-off's also queues the waiter,
-        unless it cannot wait (timeout 0, or the deadline passed)."""
+        unless it cannot wait (timeout 0, or the deadline passed). The ``first`` may
+        also wait for its grant in the same request (``Enqueue.pop``): one slice, as
+        the wait after it would. Only the first: its block is chosen before the holder's
+        TTL is known, so a holder that died can keep it waiting that slice past its
+        record's end; the tries after it block no longer than the TTL they are told."""
         if not self.handoff:
             return Acquire(self.name, self.token, self.ttl_ms, self.owner, self.run)
-        wait_ms = 0 if self.expired(sent_at) else entry_ms(self.ttl)
-        return Enqueue(self.name, self.token, self.ttl_ms, self.owner, wait_ms)
+        if self.expired(sent_at):
+            return Enqueue(self.name, self.token, self.ttl_ms, self.owner, 0)
+        pop = 0.0
+        if first:
+            pop = handoff_slice(self.ttl)
+            if self.deadline is not None:
+                pop = min(pop, self.deadline - sent_at)
+        return Enqueue(self.name, self.token, self.ttl_ms, self.owner, entry_ms(self.ttl), pop)
 
     def in_time(self, fence: int, sent_at: float) -> Granted | None:
         """The grant of the try sent at ``sent_at`` if its reply came within its TTL,
@@ -920,7 +930,7 @@ class _FirstTry:
     def __init__(self, attempt: _Attempt) -> None:
         self.attempt = attempt
         self.sent_at = attempt.clock.monotonic()
-        self.op = attempt.try_op(self.sent_at)
+        self.op = attempt.try_op(self.sent_at, first=True)
         #: The try's answer, or what its call raised.
         self.outcome: AcquireResult | BaseException | None = None
         #: Set when the try took the lock in time: the acquire is over.
@@ -995,6 +1005,8 @@ def _handoff_plan(attempt: _Attempt, first: _FirstTry | None = None) -> Plan[Gra
         if fence is None:
             now = a.clock.monotonic()
             yield from a.refuse(result, now, Dequeue(a.name, a.token) if queued else None)
+            if result.grant_awaited:
+                continue  # that try waited its slice for the grant already
             # A slice, and no longer than the holder's TTL: a dead holder makes no release.
             block = min(grant_slice, pause(result.retry_after, now, a.deadline))
             grant = AwaitGrant(a.name, a.token, block, result.holder_fence)

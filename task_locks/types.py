@@ -169,6 +169,9 @@ class AcquireResult:
     #: The name that holder holds, when it is not the one asked for (a run check's
     #: refusal by another slot of a semaphore: :class:`RunCheck`).
     holder_name: str | None = None
+    #: The try also waited for a grant, in vain (a server hand-off's ``enqueue`` with
+    #: ``pop``): its caller tries again rather than wait once more.
+    grant_awaited: bool = False
 
     @property
     def acquired(self) -> bool:

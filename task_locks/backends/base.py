@@ -292,10 +292,15 @@ class ServerHandoff(abc.ABC):
 
     @abc.abstractmethod
     def enqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int, pop: float = 0.0
     ) -> AcquireResult:
         """Acquire, or else queue ``token`` for the lock (an entry living ``wait_ms``,
-        refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue."""
+        refreshed by calling again), in one atomic step; ``wait_ms=0`` does not queue.
+
+        ``pop``: the caller may also wait up to that many seconds for a grant, as
+        :meth:`await_grant` with the fence this try reports, in the same request. A
+        backend may do so (a grant is answered as the lock taken); it says it did, in
+        vain, with :attr:`~task_locks.types.AcquireResult.grant_awaited`."""
 
     @abc.abstractmethod
     def await_grant(self, name: str, token: str, timeout: float, above: int | None) -> int | None:
@@ -313,10 +318,10 @@ class ServerHandoff(abc.ABC):
         if one was given back."""
 
     async def aenqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int, pop: float = 0.0
     ) -> AcquireResult:
         """The asyncio twin of :meth:`enqueue`."""
-        return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms)
+        return await asyncio.to_thread(self.enqueue, name, token, ttl_ms, owner, wait_ms, pop)
 
     async def aawait_grant(
         self, name: str, token: str, timeout: float, above: int | None

@@ -24,6 +24,7 @@ The server hand-off (the default): a waiter that finds the lock held queues itse
 the same script (FIFO), and a release hands the lock to the first live waiter in the same
 script (new fence, the waiter's TTL and owner), pushing the fence to that waiter's own
 list, where its short BLPOP picks it up: no second acquire round trip, and strict FIFO.
+For a name whose last try here was refused, the try and that BLPOP go as one request.
 The client hand-off (a release wakes a waiter, which acquires again) is used where the
 server's cannot be: with ``wait_replicas`` (a grant made inside a release has no WAIT of
 its own), or when the URL says ``handoff=client``. Every client of a lock name should use
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -112,6 +114,9 @@ log = logging.getLogger("task_locks.backends.redis")
 
 #: Redis's timer tick at the default ``hz 10``: how late a BLPOP timeout may fire.
 BLOCK_TICK = 0.1
+#: How many names a server hand-off backend remembers as contended (its last try refused):
+#: a waiter for one of those sends its first try and its first pop as one request.
+CONTENDED_NAMES = 1024
 #: Leases per RENEW_MANY call (a few ms of server time at most); a batch is pipelined.
 RENEW_CHUNK = 500
 
@@ -1242,6 +1247,11 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
 
     capabilities = RedisBackend.capabilities | {Capability.SERVER_HANDOFF}
 
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        #: Names whose last try here was refused, the oldest first (:meth:`_pop_for`).
+        self._contended: dict[str, None] = {}
+
     # -- request shaping shared by sync and async paths ----------------------------------
 
     def _enqueue_args(
@@ -1261,6 +1271,58 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
     def _grant_key(self, name: str, token: str) -> str:
         return f"{self._key(name)}:grant:{token}"
 
+    def _pop_for(self, name: str, wait_ms: int, pop: float) -> float | None:
+        """How long an enqueue's BLPOP of its grant blocks in the same request, or
+        ``None``: the enqueue goes alone.
+
+        Only for a name whose last try here was refused: a waiter then saves a round
+        trip, while a try that takes the lock pays its script's push and the pop (three
+        commands) for nothing. Not on a cluster (its client routes commands itself; a
+        cluster node behind a plain URL, once found out, moves its counter keys). A
+        refused try also says the script was loaded; one that the server has forgotten
+        since (a restart) leaves that pop blocking its whole slice, once: the name is
+        then forgotten as well.
+        """
+        if pop <= 0 or wait_ms <= 0 or self._slotted or name not in self._contended:
+            return None
+        return self._block_for(pop)
+
+    def _contention(self, name: str, result: AcquireResult) -> AcquireResult:
+        """Remember whether ``name``'s try here was refused (:meth:`_pop_for`)."""
+        contended = self._contended
+        if result.fence is not None:
+            contended.pop(name, None)
+        elif name not in contended:
+            contended[name] = None
+            if len(contended) > CONTENDED_NAMES:
+                with contextlib.suppress(KeyError, StopIteration, RuntimeError):
+                    del contended[next(iter(contended))]
+        return result
+
+    def _enqueue_popping(self, name: str, token: str, args: list[Any], block: float) -> Commands:
+        """The enqueue (asking for the push that unblocks an unqueued try) and the pop."""
+        pop = ("BLPOP", self._grant_key(name, token), repr(block))
+        return lambda by_sha: [script_command("enqueue", by_sha, [*args, "1"]), pop]
+
+    def _popped(self, name: str, replies: list[Any]) -> AcquireResult | None:
+        """The try's result from the enqueue's and the pop's replies: the lock taken at
+        once, a grant popped (as the lock taken), or a refusal that awaited its grant in
+        vain. ``None`` if the script was not run (NOSCRIPT): the caller sends it alone."""
+        reply, popped = replies
+        if isinstance(reply, NoScriptError):
+            self._contended.pop(name, None)
+            return None
+        for answer in replies:
+            if isinstance(answer, Exception):
+                self._fail(name, answer)
+        result = self._acquire_result(reply)
+        if result.fence is not None:  # (it popped the '0' the script pushed)
+            return self._contention(name, result)
+        granted = self._granted(popped, result.holder_fence)
+        if granted is not None:
+            return AcquireResult(granted)
+        return dataclasses.replace(result, grant_awaited=True)
+
     @staticmethod
     def _granted(reply: Any, above: int | None) -> int | None:
         """The fence a grant list held (LPOP's answer, or BLPOP's ``[key, value]``), if it
@@ -1276,7 +1338,7 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
     # -- blocking
 
     def enqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int, pop: float = 0.0
     ) -> AcquireResult:
         args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
         riders = self._take_riders() if self._riders else None
@@ -1286,9 +1348,17 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
             )
             if isinstance(reply, Exception):
                 self._fail(name, reply)
-            return self._acquire_result(reply)
+            return self._contention(name, self._acquire_result(reply))
+        block = self._pop_for(name, wait_ms, pop)
         try:
-            return self._acquire_result(self._eval(self.client, "enqueue", args))
+            if block is not None:
+                commands = self._enqueue_popping(name, token, args, block)
+                result = self._popped(name, self._pipeline(self.client, commands(True)))
+                if result is not None:
+                    return result
+            return self._contention(
+                name, self._acquire_result(self._eval(self.client, "enqueue", args))
+            )
         except CLIENT_ERRORS as exc:
             self._fail(name, exc)
 
@@ -1312,12 +1382,19 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
     # -- asyncio
 
     async def aenqueue(
-        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int
+        self, name: str, token: str, ttl_ms: int, owner: Owner, wait_ms: int, pop: float = 0.0
     ) -> AcquireResult:
         client = self._async_client()
         args = self._enqueue_args(name, token, ttl_ms, owner, wait_ms)
+        block = self._pop_for(name, wait_ms, pop)
+        if block is not None:
+            commands = self._enqueue_popping(name, token, args, block)
+            replies = await self._acall(name, lambda: self._apipeline(client, commands(True)))
+            result = self._popped(name, replies)
+            if result is not None:
+                return result
         reply = await self._acall(name, lambda: self._aeval(client, "enqueue", args))
-        return self._acquire_result(reply)
+        return self._contention(name, self._acquire_result(reply))
 
     async def aawait_grant(
         self, name: str, token: str, timeout: float, above: int | None

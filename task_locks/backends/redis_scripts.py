@@ -32,7 +32,8 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
   :mod:`task_locks.notices`) marks that lease lost at once. Nothing is stored.
 - server hand-off waiters (the default): ``<prefix>{name}:queue`` (zset of tokens by arrival),
   ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
-  ``:grant:<token>`` (the list its grant is pushed to). They exist while someone waits.
+  ``:grant:<token>`` (the list its grant is pushed to; or ``0``, no grant, when the
+  waiter's BLPOP went with a try that did not queue it). They exist while someone waits.
 
 A lock record an earlier version wrote (a hash, during a rolling upgrade) is read by
 every script and never written, except by an operator's force release, which deletes it.
@@ -425,6 +426,9 @@ return 1
 # ARGV[3] - owner JSON
 # ARGV[4] - the fence counter's ttl (ms)
 # ARGV[5] - how long the wait entry lives (ms; 0: try once, do not queue)
+# ARGV[6] - '1' when the caller's BLPOP of its grant list follows in the same request
+#           (optional): a try that leaves it unqueued pushes '0' there, so that pop does
+#           not block (no grant's fence is 0: its pop drops it as stale)
 # Returns the fence (integer) when the lock is now ours: already held by this token (a
 # grant that raced in, or a retried call: TTL and owner anew, as in ACQUIRE), or free with
 # no live waiter ahead of us; the caller's own queue entry and any stale grant go with it
@@ -447,16 +451,26 @@ local ttl = tonumber(ARGV[2])
 local owner = ARGV[3]
 local counter_ttl = tonumber(ARGV[4])
 local wait = tonumber(ARGV[5])
+local popped = ARGV[6] == '1'
 if not ttls_ok(ttl, counter_ttl) or not wait or wait < 0 or wait > $max_ttl_ms then
   return redis.error_reply(TTL_ERROR)
 end
 local entry_key = key .. ':wait:' .. token
+local grant_key = key .. ':grant:' .. token
+-- The caller's pop, when it follows, must not block behind a try that left it unqueued.
+local function unblock()
+  if popped then
+    redis.call('rpush', grant_key, '0')
+    redis.call('pexpire', grant_key, ttl)
+  end
+end
 local held = read_record(key)
 if held and held.token == token then
   held.owner = owner
   write_record(key, held, ttl)
   redis.call('zrem', queue_key, token)
-  redis.call('del', entry_key, key .. ':grant:' .. token)
+  redis.call('del', entry_key, grant_key)
+  unblock()
   return tonumber(held.fence)
 end
 if not held or not held.token then
@@ -471,8 +485,9 @@ if not held or not held.token then
     -- pays nothing for this; one after a wait pays a DEL.
     if (head or (held and held.waiters ~= '0')) and redis.call('del', entry_key) == 1 then
       redis.call('zrem', queue_key, token)
-      redis.call('del', key .. ':grant:' .. token)
+      redis.call('del', grant_key)
     end
+    unblock()
     local fence, now_ms = next_fence(counter_key, counter_ttl)
     -- A record made anew (its holder's expired) counts whoever is still queued.
     local waiters = (held and held.waiters) or '0'
@@ -502,6 +517,8 @@ if wait > 0 and pttl > 0 then
   if redis.call('pttl', queue_key) < wait then
     redis.call('pexpire', queue_key, math.min(2 * wait, $max_ttl_ms))
   end
+else
+  unblock()
 end
 return refuse(key, held, queued, pttl)
 """,

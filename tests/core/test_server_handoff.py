@@ -314,11 +314,99 @@ def hub() -> Iterator[ProxyHub]:
     proxies.close()
 
 
+def _learn_contended(name: str, url: str) -> None:
+    """A try refused through ``url``'s backend: it now knows ``name`` as contended, so
+    its next waiter sends its try and its first pop of the grant as one request."""
+    with pytest.raises(LockHeld):
+        Lock(name, ttl=10, backend=url).acquire(timeout=0)
+
+
+def test_a_waiter_for_a_contended_name_is_granted_after_one_round_trip(
+    hub: ProxyHub, redis_server: RedisServer, url: str
+) -> None:
+    """Every request to the waiter's server arrives a second late: a try, then a pop,
+    would take two seconds; the waiter has the lock after one."""
+    name = "one-trip"
+    proxy = hub.proxy(redis_server.port)
+    slow = handoff(f"redis://127.0.0.1:{proxy.port}/0")
+    holder = Lock(name, ttl=10, backend=url).acquire(timeout=0)
+    _learn_contended(name, slow)
+    proxy.latency(0.0, 1.0)
+    got: list[Any] = []
+
+    def wait() -> None:
+        started = time.monotonic()
+        got.append(Lock(name, ttl=10, backend=slow).acquire(timeout=10))
+        got.append(time.monotonic() - started)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_until(lambda: queued(url, name) == 1, 5, "the waiter queued")
+    holder.release()
+    waiter.join(10)
+    lease, took = got
+    assert 1.0 <= took < 1.8, f"the waiter took {took:.2f} s"
+    assert lease.fence > holder.fence
+    assert get_backend(url).holder(name).token == lease.token  # type: ignore[union-attr]
+    proxy.heal()
+    lease.release()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_contended_name_found_free_is_taken_at_once(url: str, mode: str) -> None:
+    """The try that goes with a pop takes a free lock and unblocks its own pop: it does
+    not wait the pop's slice (a second here), and leaves no grant list behind."""
+    name = f"found-free-{mode}"
+    holder = Lock(name, ttl=10, backend=url).acquire(timeout=0)
+    _learn_contended(name, url)
+    holder.release()
+    started = time.monotonic()
+    if mode == "sync":
+        lease = Lock(name, ttl=10, backend=url).acquire()
+        lease.release()
+    else:
+
+        async def main() -> None:
+            lease = await AsyncLock(name, ttl=10, backend=url).acquire()
+            await lease.release()
+            await get_backend(url).aclose()
+
+        asyncio.run(main())
+    took = time.monotonic() - started
+    assert took < 0.5, f"the acquire waited {took:.2f} s"
+    assert not list(raw(url).scan_iter(match=f"task_locks:{{{name}}}:grant:*"))
+
+
+def test_a_waiter_whose_server_forgot_the_scripts_still_gets_the_lock(url: str) -> None:
+    """A restart empties Redis's script cache: the pop sent with the try then blocks
+    its slice in vain (the try was refused, unrun). The waiter tries again, alone."""
+    name = "forgotten"
+    holder = Lock(name, ttl=1, backend=url).acquire(timeout=0)
+    _learn_contended(name, url)
+    raw(url).script_flush()
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(name, ttl=1, backend=url).acquire(timeout=10))
+    )
+    waiter.start()
+    wait_until(lambda: queued(url, name) == 1, 5, "the waiter queued")
+    holder.release()
+    waiter.join(10)
+    assert got and got[0].fence > holder.fence and got[0].held
+    got[0].release()
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["pop-alone", "pop-with-try"])
 @pytest.mark.parametrize("fault", ["drop_reply", "reset_once"])
-def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub, fault: str) -> None:
+def test_a_lost_grant_reply_never_makes_two_holders(
+    hub: ProxyHub, fault: str, contended: bool
+) -> None:
     """``drop_reply``: the pop's reply (and every reply after it) is lost, the waiter fails;
     ``reset_once``: the reply is lost with the connection, and redis-py's retry pops an
-    empty list, so the next try finds the lock already the waiter's."""
+    empty list, so the next try finds the lock already the waiter's (``pop-with-try``:
+    the retry resends the try and the pop together; the try finds the lock the waiter's
+    and unblocks the pop). ``contended``: the waiter's backend knows the name as
+    contended, so its first pop goes with its try."""
     server = RedisServer().start()
     try:
         proxy = hub.proxy(server.port)
@@ -327,6 +415,8 @@ def test_a_lost_grant_reply_never_makes_two_holders(hub: ProxyHub, fault: str) -
         faulty = handoff(f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=3")
         name, ttl = "lost-grant", 20.0
         holder = Lock(name, ttl=ttl, backend=direct).acquire(timeout=0)
+        if contended:
+            _learn_contended(name, faulty)
         outcome: list[Any] = []
 
         def wait() -> None:

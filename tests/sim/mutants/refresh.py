@@ -410,7 +410,7 @@ protocol: redis-mixed
             "task_locks/backends/redis_scripts.py",
             """    if (head or (held and held.waiters ~= '0')) and redis.call('del', entry_key) == 1 then
       redis.call('zrem', queue_key, token)
-      redis.call('del', key .. ':grant:' .. token)
+      redis.call('del', grant_key)
     end
 """,
             "",
