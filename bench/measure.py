@@ -688,6 +688,17 @@ def measure_footprint(
         finally:
             worker.close()
         log(f"footprint: {label} {results[label]}")
+    ours = next((python for label, python, _ in libraries if label == "task-locks"), None)
+    if ours is not None and "error" not in results.get("task-locks", {"error": ""}):
+        worker = Worker(ours, "footprint-floor", log_dir)
+        try:
+            floor = worker.call(op="record_floor", url=db_url, live=plan.footprint_live, ttl=TTL)
+            results["task-locks"]["record_floor"] = floor
+        except WorkerError as exc:
+            results["task-locks"]["record_floor"] = {"error": str(exc).splitlines()[-1][:300]}
+        finally:
+            worker.close()
+        log(f"footprint: the record floor {results['task-locks']['record_floor']}")
     return results
 
 

@@ -156,6 +156,7 @@ def _lock_footprint_targets(found: dict[str, Any]) -> list[Target]:
                 "the waiter count and the last release id, and its key the prefix and the "
                 "name's hash-tag braces; python-redis-lock's value is its token alone"
             )
+        memory_note += _record_floor_note(ours.get("record_floor"), prl)
     lasting = ours.get("left_keys_beyond_60s")
     return [
         Target(
@@ -180,6 +181,21 @@ def _lock_footprint_targets(found: dict[str, Any]) -> list[Target]:
             ),
         ),
     ]
+
+
+def _record_floor_note(floor: dict[str, Any] | None, prl: dict[str, Any]) -> str:
+    """The least memory a live lock naming its holder and fence costs (bench/workers.py
+    ``record_floor``), against python-redis-lock's."""
+    if not floor or "live_bytes_per_lock" not in floor:
+        return ""
+    return (
+        f"; floor: python-redis-lock's key with a value of only a token, a fence and the "
+        f"owner (host|pid|thread, {floor['live_value_bytes_per_lock']:.0f} B) takes "
+        f"{floor['live_bytes_per_lock']:.0f} B = "
+        f"{fmt(ratio(floor['live_bytes_per_lock'], prl['live_bytes_per_lock']), 2)}x: a "
+        "value over 44 bytes is no longer stored inside its key's object, so no record "
+        "that names its holder and its fence is as small as a bare token here"
+    )
 
 
 def _celery_footprint_targets(found: dict[str, Any]) -> list[Target]:

@@ -275,7 +275,16 @@ def test_lock_footprint_targets_say_what_a_live_lock_holds(monkeypatch: pytest.M
     memory, lasting = targets._lock_footprint_targets(found)
     assert memory.verdict == "MISS" and memory.value == pytest.approx(216 / 171)
     assert "a value of 122 vs 24 B" in memory.note and "the fence" in memory.note, memory.note
+    assert "floor" not in memory.note  # (not measured)
     assert lasting.verdict == "PASS" and "1,001 keys right after" in lasting.note
+    # The floor: a bare token, fence and owner under python-redis-lock's key.
+    found["task-locks"]["record_floor"] = {
+        "live_bytes_per_lock": 192.0,
+        "live_key_chars_per_lock": 22.0,
+        "live_value_bytes_per_lock": 58.0,
+    }
+    memory, _ = targets._lock_footprint_targets(found)
+    assert "owner (host|pid|thread, 58 B) takes 192 B = 1.12x" in memory.note, memory.note
     found["task-locks"] = lib(160, 31, 40, 2001, 1001)  # a key per name kept beyond 60 s
     memory, lasting = targets._lock_footprint_targets(found)
     assert memory.verdict == "PASS" and lasting.verdict == "MISS"
