@@ -833,15 +833,15 @@ class _Attempt:
         """One try, sent at ``sent_at``: a server hand-off's also queues the waiter,
         unless it cannot wait (timeout 0, or the deadline passed). The ``first`` may
         also wait for its grant in the same request (``Enqueue.pop``): one slice, as
-        the wait after it would. Only the first: its block is chosen before the holder's
-        TTL is known, so a holder that died can keep it waiting that slice past its
-        record's end; the tries after it block no longer than the TTL they are told."""
+        the wait after it would (the server cuts it short when the holder's record ends
+        sooner). Not when the lease :attr:`mine` may hold the lock: a wait for itself is
+        refused at once, not after a slice."""
         if not self.handoff:
             return Acquire(self.name, self.token, self.ttl_ms, self.owner, self.run)
         if self.expired(sent_at):
             return Enqueue(self.name, self.token, self.ttl_ms, self.owner, 0)
         pop = 0.0
-        if first:
+        if first and self.mine is None:
             pop = handoff_slice(self.ttl)
             if self.deadline is not None:
                 pop = min(pop, self.deadline - sent_at)

@@ -1300,9 +1300,11 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         return result
 
     def _enqueue_popping(self, name: str, token: str, args: list[Any], block: float) -> Commands:
-        """The enqueue (asking for the push that unblocks an unqueued try) and the pop."""
+        """The enqueue (told how long the pop blocks, so that a try which must not wait
+        that long unblocks it) and the pop."""
         pop = ("BLPOP", self._grant_key(name, token), repr(block))
-        return lambda by_sha: [script_command("enqueue", by_sha, [*args, "1"]), pop]
+        enqueue = [*args, max(1, int(block * 1000))]
+        return lambda by_sha: [script_command("enqueue", by_sha, enqueue), pop]
 
     def _popped(self, name: str, replies: list[Any]) -> AcquireResult | None:
         """The try's result from the enqueue's and the pop's replies: the lock taken at
@@ -1312,12 +1314,13 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         if isinstance(reply, NoScriptError):
             self._contended.pop(name, None)
             return None
-        for answer in replies:
-            if isinstance(answer, Exception):
-                self._fail(name, answer)
+        if isinstance(reply, Exception):
+            self._fail(name, reply)
         result = self._acquire_result(reply)
-        if result.fence is not None:  # (it popped the '0' the script pushed)
+        if result.fence is not None:  # the lock, whatever the pop answered
             return self._contention(name, result)
+        if isinstance(popped, Exception):
+            self._fail(name, popped)
         granted = self._granted(popped, result.holder_fence)
         if granted is not None:
             return AcquireResult(granted)

@@ -33,7 +33,8 @@ Keys (``<prefix>`` from the URL; ``{name}`` is the lock name as a cluster hash t
 - server hand-off waiters (the default): ``<prefix>{name}:queue`` (zset of tokens by arrival),
   ``:wait:<token>`` (the waiter's entry, ``ttl|owner``, expiring unless refreshed) and
   ``:grant:<token>`` (the list its grant is pushed to; or ``0``, no grant, when the
-  waiter's BLPOP went with a try that did not queue it). They exist while someone waits.
+  waiter's BLPOP went with a try after which it must not wait that long). They exist
+  while someone waits.
 
 A lock record an earlier version wrote (a hash, during a rolling upgrade) is read by
 every script and never written, except by an operator's force release, which deletes it.
@@ -426,9 +427,11 @@ return 1
 # ARGV[3] - owner JSON
 # ARGV[4] - the fence counter's ttl (ms)
 # ARGV[5] - how long the wait entry lives (ms; 0: try once, do not queue)
-# ARGV[6] - '1' when the caller's BLPOP of its grant list follows in the same request
-#           (optional): a try that leaves it unqueued pushes '0' there, so that pop does
-#           not block (no grant's fence is 0: its pop drops it as stale)
+# ARGV[6] - how long (ms) the caller's BLPOP of its grant list, sent in the same request
+#           after this, blocks (optional; 0 or none: no such pop). A try that leaves the
+#           caller unqueued, or finds the holder's record ending before that pop would,
+#           pushes '0' there, so that the pop does not block (no grant's fence is 0: its
+#           pop drops it as stale); the caller then waits no longer than the holder's TTL
 # Returns the fence (integer) when the lock is now ours: already held by this token (a
 # grant that raced in, or a retried call: TTL and owner anew, as in ACQUIRE), or free with
 # no live waiter ahead of us; the caller's own queue entry and any stale grant go with it
@@ -451,7 +454,7 @@ local ttl = tonumber(ARGV[2])
 local owner = ARGV[3]
 local counter_ttl = tonumber(ARGV[4])
 local wait = tonumber(ARGV[5])
-local popped = ARGV[6] == '1'
+local pop_ms = tonumber(ARGV[6] or '0') or 0
 if not ttls_ok(ttl, counter_ttl) or not wait or wait < 0 or wait > $max_ttl_ms then
   return redis.error_reply(TTL_ERROR)
 end
@@ -459,7 +462,7 @@ local entry_key = key .. ':wait:' .. token
 local grant_key = key .. ':grant:' .. token
 -- The caller's pop, when it follows, must not block behind a try that left it unqueued.
 local function unblock()
-  if popped then
+  if pop_ms > 0 then
     redis.call('rpush', grant_key, '0')
     redis.call('pexpire', grant_key, ttl)
   end
@@ -517,6 +520,9 @@ if wait > 0 and pttl > 0 then
   if redis.call('pttl', queue_key) < wait then
     redis.call('pexpire', queue_key, math.min(2 * wait, $max_ttl_ms))
   end
+  -- A holder whose record ends before the pop would (it may have died: no release
+  -- comes) is waited for by the caller's next try, up to its TTL only.
+  if pttl < pop_ms then unblock() end
 else
   unblock()
 end

@@ -58,8 +58,19 @@ def test_a_kept_lease_is_still_renewed(redis_url: str) -> None:
     lease.release()
 
 
-def test_a_second_acquire_in_the_holding_thread_fails_at_once(redis_url: str) -> None:
-    first = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=0)
+@pytest.mark.parametrize("contended", [False, True], ids=["fresh", "contended"])
+def test_a_second_acquire_in_the_holding_thread_fails_at_once(
+    redis_url: str, contended: bool
+) -> None:
+    """``contended``: the first lease came by a grant after a refusal, so the backend
+    knows the name as contended and a waiter's first try would go with a pop of its grant
+    (a slice, 1.9 s here): not when it would wait for itself."""
+    if contended:
+        other = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=0)
+        threading.Timer(0.2, other.release).start()
+        first = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=10)
+    else:
+        first = Lock("mine", ttl=30, backend=redis_url).acquire(timeout=0)
     start = time.monotonic()
     with pytest.raises(LockHeld) as refused:
         Lock("mine", ttl=30, backend=redis_url).acquire(timeout=None)

@@ -377,6 +377,25 @@ def test_a_contended_name_found_free_is_taken_at_once(url: str, mode: str) -> No
     assert not list(raw(url).scan_iter(match=f"task_locks:{{{name}}}:grant:*"))
 
 
+def test_a_waiter_for_a_contended_name_waits_no_longer_than_a_dead_holders_ttl(
+    url: str,
+) -> None:
+    """The pop sent with the try would block a slice (1.9 s for a 30 s TTL); a holder
+    whose record ends sooner (it died: no release comes) cuts it short, and the waiter
+    takes the lock when that record ends."""
+    name = "dead-holder"
+    # A holder with no process behind it: nothing releases its record, its TTL ends it.
+    dead = get_backend(url).acquire(name, "dead", 500, Owner())
+    assert dead.fence is not None
+    _learn_contended(name, url)
+    started = time.monotonic()
+    lease = Lock(name, ttl=30, backend=url).acquire(timeout=10)
+    took = time.monotonic() - started
+    assert took < 1.3, f"the waiter took {took:.2f} s"
+    assert lease.fence > dead.fence
+    lease.release()
+
+
 def test_a_waiter_whose_server_forgot_the_scripts_still_gets_the_lock(url: str) -> None:
     """A restart empties Redis's script cache: the pop sent with the try then blocks
     its slice in vain (the try was refused, unrun). The waiter tries again, alone."""

@@ -74,7 +74,12 @@ operations = st.one_of(
         st.sampled_from([None, *TOKENS]),
     ),
     st.tuples(
-        st.just("enqueue"), names, tokens, ttls, st.sampled_from([0, 100, 300]), st.booleans()
+        st.just("enqueue"),
+        names,
+        tokens,
+        ttls,
+        st.sampled_from([0, 100, 300]),
+        st.sampled_from([0, 50, 5000]),
     ),
     st.tuples(st.just("renew"), st.lists(st.tuples(names, tokens, ttls), min_size=1, max_size=3)),
     st.tuples(st.just("release"), names, tokens, st.booleans()),
@@ -133,9 +138,9 @@ def _commands(op: tuple[Any, ...], side: Side, last: list[Any]) -> list[list[Any
             _script("acquire_run", PLAIN._acquire_args(name, token, ttl, RUN_OWNERS[which], run))
         ]
     if kind == "enqueue":
-        _, name, token, ttl, wait, popping = op  # popping: the caller's BLPOP goes with it
+        _, name, token, ttl, wait, pop_ms = op  # pop_ms: the caller's BLPOP goes with it
         args = HANDOFF._enqueue_args(name, token, ttl, owner, wait)
-        return [_script("enqueue", [*args, "1"] if popping else args)]
+        return [_script("enqueue", [*args, pop_ms] if pop_ms else args)]
     if kind == "renew":
         items = [RenewItem(n, t, ttl) for n, t, ttl in op[1]]
         chunks = PLAIN._renew_chunks(items)
