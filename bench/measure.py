@@ -689,7 +689,7 @@ def measure_footprint(
             worker.close()
         log(f"footprint: {label} {results[label]}")
     ours = next((python for label, python, _ in libraries if label == "task-locks"), None)
-    if ours is not None and "error" not in results.get("task-locks", {"error": ""}):
+    if ours is not None and "error" not in results["task-locks"]:
         worker = Worker(ours, "footprint-floor", log_dir)
         try:
             floor = worker.call(op="record_floor", url=db_url, live=plan.footprint_live, ttl=TTL)

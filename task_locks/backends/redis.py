@@ -1280,8 +1280,8 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         commands) for nothing. Not on a cluster (its client routes commands itself; a
         cluster node behind a plain URL, once found out, moves its counter keys). A
         refused try also says the script was loaded; one that the server has forgotten
-        since (a restart) leaves that pop blocking its whole slice, once: the name is
-        then forgotten as well.
+        since (a restart) leaves that pop blocking its whole slice, once: the try then
+        goes alone, by source, and loads it again.
         """
         if pop <= 0 or wait_ms <= 0 or self._slotted or name not in self._contended:
             return None
@@ -1299,12 +1299,14 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
                     del contended[next(iter(contended))]
         return result
 
-    def _enqueue_popping(self, name: str, token: str, args: list[Any], block: float) -> Commands:
-        """The enqueue (told how long the pop blocks, so that a try which must not wait
-        that long unblocks it) and the pop."""
-        pop = ("BLPOP", self._grant_key(name, token), repr(block))
+    def _enqueue_popping(
+        self, name: str, token: str, args: list[Any], block: float
+    ) -> list[tuple[Any, ...]]:
+        """The enqueue by SHA (told how long the pop blocks, so that a try which must not
+        wait that long unblocks it) and the pop. After NOSCRIPT the enqueue goes alone."""
         enqueue = [*args, max(1, int(block * 1000))]
-        return lambda by_sha: [script_command("enqueue", by_sha, enqueue), pop]
+        pop = ("BLPOP", self._grant_key(name, token), repr(block))
+        return [script_command("enqueue", True, enqueue), pop]
 
     def _popped(self, name: str, replies: list[Any]) -> AcquireResult | None:
         """The try's result from the enqueue's and the pop's replies: the lock taken at
@@ -1312,7 +1314,6 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         vain. ``None`` if the script was not run (NOSCRIPT): the caller sends it alone."""
         reply, popped = replies
         if isinstance(reply, NoScriptError):
-            self._contended.pop(name, None)
             return None
         if isinstance(reply, Exception):
             self._fail(name, reply)
@@ -1356,7 +1357,7 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         try:
             if block is not None:
                 commands = self._enqueue_popping(name, token, args, block)
-                result = self._popped(name, self._pipeline(self.client, commands(True)))
+                result = self._popped(name, self._pipeline(self.client, commands))
                 if result is not None:
                     return result
             return self._contention(
@@ -1392,7 +1393,7 @@ class RedisHandoffBackend(RedisBackend, ServerHandoff):
         block = self._pop_for(name, wait_ms, pop)
         if block is not None:
             commands = self._enqueue_popping(name, token, args, block)
-            replies = await self._acall(name, lambda: self._apipeline(client, commands(True)))
+            replies = await self._acall(name, lambda: self._apipeline(client, commands))
             result = self._popped(name, replies)
             if result is not None:
                 return result

@@ -291,6 +291,28 @@ deadline is later than the server's expiry.
 )
 
 mutant(
+    "pipelined_pop_takes_its_unblocking_zero_as_a_grant",
+    """
+Server hand-off: a waiter's first try goes with its pop of the grant; a try that must not
+wait (the lock taken, the caller unqueued, the holder's record ending before the pop)
+pushes 0 to unblock that pop. Taken as a grant without the check that a grant's fence is
+above the holder's, the 0 makes the waiter a second holder.
+protocol: redis-handoff
+""",
+    [
+        (
+            "task_locks/backends/redis.py",
+            """        granted = self._granted(popped, result.holder_fence)
+        if granted is not None:
+            return AcquireResult(granted)""",
+            """        granted = int(popped[1]) if popped else None
+        if granted is not None:
+            return AcquireResult(granted)""",
+        )
+    ],
+)
+
+mutant(
     "release_without_token_check",
     """
 The classic mistake: a release that deletes the lock whoever holds it (no token check),
